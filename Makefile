@@ -1,0 +1,31 @@
+# `make test` and `make demo` do all the set-up on a fresh machine (idempotent).
+PYTHON ?= $(shell pyenv which python 2>/dev/null || command -v python3.12)
+VENV := .venv
+STAMP := $(VENV)/.installed
+PY := $(VENV)/bin/python
+JOBS ?= 2
+
+.PHONY: venv test demo lint bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), sys.version' \
+	  || (echo "Python >= 3.12 needed (pyenv: see .python-version)"; exit 1)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,train,bench]"
+	touch $(STAMP)
+
+test: venv
+	$(PY) -m ruff check .
+	$(PY) -m pytest -n $(JOBS) -q tests
+
+demo: venv
+	$(PY) -m pallas_flash.demo
+
+lint: venv
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,11 @@
+"""pallas-flash: FlashAttention for JAX, written as Pallas kernels."""
+
+from pallas_flash.api import (
+    attention,
+    available_implementations,
+    default_implementation,
+)
+from pallas_flash.masking import MaskSpec
+
+__all__ = ["MaskSpec", "attention", "available_implementations", "default_implementation"]
+__version__ = "0.1.0"

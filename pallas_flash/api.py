@@ -1,0 +1,223 @@
+"""``pallas_flash.attention``: argument checks, canonicalisation and dispatch."""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+
+from pallas_flash.autodiff import StaticArgs, attention_with_lse
+from pallas_flash.masking import CausalAlignment, MaskSpec
+
+Implementation = Literal["mosaic", "triton", "xla"]
+
+# Each module exposes KERNELS (autodiff.Kernels), default_config(q_shape, kv_shape, dtype,
+# mask) -> its frozen config dataclass, and unsupported(q_shape, kv_shape, dtype, mask,
+# has_segments) -> None, or a sentence saying why it cannot run this call.
+_BACKEND_MODULES = {
+    "xla": "pallas_flash.xla",
+    "triton": "pallas_flash.triton",
+    "mosaic": "pallas_flash.mosaic",
+}
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+MAX_HEAD_DIM = 256
+
+
+def available_implementations() -> tuple[str, ...]:
+    """Implementations that can run on the default device (``interpret=False``)."""
+    if jax.default_backend() != "gpu":
+        return ("xla",)
+    names = ["triton", "xla"]
+    if _is_hopper() and _module_exists("mosaic"):
+        names.insert(0, "mosaic")
+    return tuple(names)
+
+
+def default_implementation() -> str:
+    """``mosaic`` on Hopper GPUs, ``triton`` on other GPUs, ``xla`` elsewhere."""
+    return available_implementations()[0]
+
+
+def _choose(query, key, mask, has_segments, interpret) -> str:
+    """The first implementation, fastest first, that supports this call."""
+    candidates = ("triton", "xla") if interpret else available_implementations()
+    for name in candidates:
+        if _backend(name).unsupported(query.shape, key.shape, query.dtype, mask,
+                                      has_segments) is None:
+            return name
+    return "xla"
+
+
+def _is_hopper() -> bool:
+    device = jax.devices()[0]
+    return getattr(device, "compute_capability", "") in ("9.0", "9.0a")
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        _backend(name)
+    except ImportError:
+        return False
+    return True
+
+
+def _backend(name: str):
+    return importlib.import_module(_BACKEND_MODULES[name])
+
+
+def attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    causal_alignment: CausalAlignment = "top_left",
+    local_window_size: int | tuple[int, int] | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    return_residual: bool = False,
+    implementation: Implementation | None = None,
+    interpret: bool = False,
+    config: Any = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Exact softmax attention, computed tile by tile without materialising the scores.
+
+    Same layout and meaning as ``jax.nn.dot_product_attention``.
+
+    Args:
+      query: ``[batch, seq_q, heads, head_dim]``.
+      key: ``[batch, seq_kv, kv_heads, head_dim]``; ``heads`` must be a multiple of
+        ``kv_heads`` (grouped-query / multi-query attention; K and V are never repeated).
+      value: ``[batch, seq_kv, kv_heads, head_dim]``.
+      scale: logit scale; default ``1 / sqrt(head_dim)``.
+      is_causal: hide keys after the query position.
+      causal_alignment: ``"top_left"`` (default, as ``jax.nn``: query ``i`` sees keys
+        ``<= i``) or ``"bottom_right"`` (query ``i`` sees keys ``<= i + seq_kv - seq_q``,
+        so the last query sees every key, as when queries extend a KV cache).
+      local_window_size: ``w`` or ``(left, right)``: query ``i`` sees only keys in
+        ``[i - left, i + right]`` (after alignment), as ``jax.nn``.
+      q_segment_ids: ``[batch, seq_q]`` integer ids of packed documents; a query sees only
+        keys with the same id (combined with the causal/window mask). Give both or neither;
+        ``kv_segment_ids`` defaults to ``q_segment_ids`` when ``seq_q == seq_kv``.
+      kv_segment_ids: ``[batch, seq_kv]`` integer ids.
+      return_residual: also return ``lse: [batch, seq_q, heads]`` (float32, natural log of
+        the softmax denominator; gradients flow through it). Rows that see no key have
+        output 0 and lse ``-1e30``.
+      implementation: ``"mosaic"`` (Hopper), ``"triton"`` (any GPU, or CPU with
+        ``interpret=True``) or ``"xla"``; ``None`` picks the fastest available.
+      interpret: run Pallas kernels in interpret mode (CPU testing).
+      config: a backend config (e.g. ``pallas_flash.triton.TritonConfig``); default is the
+        backend's heuristic for the shape.
+
+    Returns:
+      ``out: [batch, seq_q, heads, head_dim]`` in the input dtype, or ``(out, lse)``.
+    """
+    _check_arrays(query, key, value)
+    batch, seq_q, heads, head_dim = query.shape
+    seq_kv = key.shape[1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    _check_scale(scale)
+    window = _canonical_window(local_window_size)
+    if not isinstance(is_causal, bool):
+        raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
+    if causal_alignment not in ("top_left", "bottom_right"):
+        raise ValueError(
+            f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
+    mask = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, is_causal=is_causal,
+                    causal_alignment=causal_alignment, window=window)
+    segment_ids = _canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv)
+
+    if implementation is None:
+        implementation = _choose(query, key, mask, segment_ids is not None, interpret)
+    if implementation not in _BACKEND_MODULES:
+        raise ValueError(
+            f"implementation must be one of {sorted(_BACKEND_MODULES)} or None, "
+            f"got {implementation!r}")
+    backend = _backend(implementation)
+    reason = backend.unsupported(query.shape, key.shape, query.dtype, mask,
+                                 segment_ids is not None)
+    if reason is not None:
+        raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
+    if config is None:
+        config = backend.default_config(query.shape, key.shape, query.dtype, mask)
+    static = StaticArgs(kernels=backend.KERNELS, mask=mask, scale=float(scale),
+                        config=config, interpret=bool(interpret))
+    out, lse = attention_with_lse(query, key, value, segment_ids, static)
+    if return_residual:
+        return out, jnp.transpose(lse, (0, 2, 1))
+    return out
+
+
+def _check_arrays(query, key, value) -> None:
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(
+                f"{name} must have rank 4 [batch, seq, heads, head_dim], "
+                f"got shape {getattr(x, 'shape', None)}")
+        if jnp.dtype(x.dtype) not in _DTYPES:
+            raise ValueError(
+                f"{name} dtype must be one of bfloat16, float16, float32, got {x.dtype}")
+    if not query.dtype == key.dtype == value.dtype:
+        raise ValueError(
+            "query, key and value must share one dtype, got "
+            f"{query.dtype}, {key.dtype}, {value.dtype}")
+    if key.shape != value.shape:
+        raise ValueError(f"key and value must have the same shape, got {key.shape} and {value.shape}")
+    if query.shape[0] != key.shape[0]:
+        raise ValueError(
+            f"key batch size {key.shape[0]} does not match query batch size {query.shape[0]}")
+    if query.shape[3] != key.shape[3]:
+        raise ValueError(
+            f"key head_dim {key.shape[3]} does not match query head_dim {query.shape[3]}")
+    if not 1 <= query.shape[3] <= MAX_HEAD_DIM:
+        raise ValueError(f"query head_dim must be in [1, {MAX_HEAD_DIM}], got {query.shape[3]}")
+    if min(query.shape[:3]) < 1 or min(key.shape[:3]) < 1:
+        raise ValueError(f"query and key must not be empty, got {query.shape} and {key.shape}")
+    if query.shape[2] % key.shape[2]:
+        raise ValueError(
+            f"query heads ({query.shape[2]}) must be a multiple of key/value heads "
+            f"({key.shape[2]})")
+
+
+def _canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv):
+    if q_segment_ids is None and kv_segment_ids is None:
+        return None
+    if kv_segment_ids is None and seq_q == seq_kv:
+        kv_segment_ids = q_segment_ids
+    if q_segment_ids is None or kv_segment_ids is None:
+        raise ValueError(
+            "q_segment_ids and kv_segment_ids must be given together when seq_q != seq_kv")
+    for name, ids, seq in (("q_segment_ids", q_segment_ids, seq_q),
+                           ("kv_segment_ids", kv_segment_ids, seq_kv)):
+        if getattr(ids, "shape", None) != (batch, seq):
+            raise ValueError(
+                f"{name} must have shape [batch, seq] = {(batch, seq)}, "
+                f"got {getattr(ids, 'shape', None)}")
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"{name} must have an integer dtype, got {ids.dtype}")
+    return q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
+
+
+def _check_scale(scale) -> None:
+    if isinstance(scale, jax.core.Tracer):
+        raise ValueError("scale must be a Python float, not a traced value")
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+
+
+def _canonical_window(window) -> tuple[int, int] | None:
+    if window is None:
+        return None
+    if isinstance(window, int):
+        window = (window, window)
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or not all(isinstance(w, int) for w in window) or min(window) < 0):
+        raise ValueError(
+            f"local_window_size must be a non-negative int or a (left, right) pair of them, "
+            f"got {window!r}")
+    return (window[0], window[1])

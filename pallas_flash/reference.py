@@ -1,0 +1,209 @@
+"""The papers' algorithms in plain JAX, and a float64 NumPy oracle.
+
+* :func:`standard_attention` — the baseline the FlashAttention paper improves on: it
+  materialises S = Q·Kᵀ·scale and P = softmax(S), O(L²) memory.
+* :func:`flash_attention_v1` — FlashAttention (Dao et al. 2022, Algorithm 1): the outer
+  loop runs over K/V blocks, the inner loop over Q blocks; O, l and m live in "HBM" and are
+  read, rescaled and written back at every step.
+* :func:`flash_attention_v2` — FlashAttention-2 (Dao 2023, Algorithm 1): the outer loop
+  runs over Q blocks (one per thread block on a GPU), the inner loop over K/V blocks with
+  O, l, m kept "on chip"; the output is normalised once at the end, the causal loop stops
+  at the diagonal, and only blocks crossing the mask boundary are masked.
+* :func:`attention_float64` — the oracle the tests compare every implementation against:
+  float64 NumPy, forward and gradients derived directly from softmax.
+
+All take ``q: [batch, seq_q, heads, head_dim]`` and ``k, v: [batch, seq_kv, kv_heads,
+head_dim]`` (GQA: ``heads`` a multiple of ``kv_heads``) and return ``out`` shaped like
+``q`` and ``lse: [batch, heads, seq_q]`` (natural log, float32; rows that see no key get
+out 0 and lse :data:`EMPTY_ROW_LSE`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_flash.masking import MaskSpec, segments_visible
+
+#: lse reported for a row that sees no key: finite, and exp(lse) == 0 in float32.
+EMPTY_ROW_LSE = -1e30
+# Logit given to hidden pairs inside the loops: exp(MASKED - m) underflows to 0 for any
+# real row maximum m, and it is finite, so (MASKED - MASKED) is 0, not NaN.
+_MASKED = -1e30
+
+
+def _expand_kv(x: jax.Array, heads: int) -> jax.Array:
+    """[B, S, K, D] -> [B, S, heads, D] by repeating each KV head for its query group."""
+    return jnp.repeat(x, heads // x.shape[2], axis=2)
+
+
+def _default_mask(q, k, mask: MaskSpec | None) -> MaskSpec:
+    return mask if mask is not None else MaskSpec(seq_q=q.shape[1], seq_kv=k.shape[1])
+
+
+def _scale(q, scale):
+    return 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else scale
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "mask"))
+def standard_attention(q, k, v, *, scale: float | None = None, mask: MaskSpec | None = None,
+                       segment_ids=None):
+    """O = softmax(Q·Kᵀ·scale)·V with S and P materialised. Returns ``(out, lse)``.
+
+    ``segment_ids``: None or ``(q_segment_ids [B, Tq], kv_segment_ids [B, Tk])``.
+    """
+    mask = _default_mask(q, k, mask)
+    heads = q.shape[2]
+    k, v = _expand_kv(k, heads), _expand_kv(v, heads)
+    s = jnp.einsum("bqnd,bknd->bnqk", q, k, preferred_element_type=jnp.float32)
+    s = s * _scale(q, scale)
+    visible = mask.block_visible(0, q.shape[1], 0, k.shape[1])
+    if segment_ids is not None:
+        visible = visible & segments_visible(*segment_ids)[:, None]
+    s = jnp.where(visible, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("bnqk,bknd->bqnd", p / jnp.where(l == 0, 1.0, l), v.astype(jnp.float32))
+    lse = jnp.where(l[..., 0] == 0, EMPTY_ROW_LSE, m[..., 0] + jnp.log(l[..., 0]))
+    return out.astype(q.dtype), lse
+
+
+def _tile_scores(q_i, k_j, scale, mask: MaskSpec, q_start, k_start):
+    """S_ij = Q_i·K_jᵀ·scale for one tile, hidden pairs set to _MASKED. q_i: [B, Br, N, D]."""
+    s = jnp.einsum("bqnd,bknd->bnqk", q_i, k_j, preferred_element_type=jnp.float32) * scale
+    visible = mask.block_visible(q_start, q_i.shape[1], k_start, k_j.shape[1])
+    return jnp.where(visible, s, _MASKED), visible
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "mask", "block_q", "block_kv"))
+def flash_attention_v1(q, k, v, *, scale: float | None = None, mask: MaskSpec | None = None,
+                       block_q: int = 32, block_kv: int = 32):
+    """FlashAttention (Algorithm 1): K/V blocks outer, Q blocks inner. Returns ``(out, lse)``.
+
+    Sequence lengths must be multiples of the block sizes (this is a teaching reference).
+    """
+    mask, scale = _default_mask(q, k, mask), _scale(q, scale)
+    batch, seq_q, heads, head_dim = q.shape
+    k, v = _expand_kv(k, heads), _expand_kv(v, heads)
+    # Line 2: O = 0, l = 0, m = -inf in HBM (here: full-size arrays).
+    o = jnp.zeros((batch, heads, seq_q, head_dim), jnp.float32)
+    l = jnp.zeros((batch, heads, seq_q), jnp.float32)
+    m = jnp.full((batch, heads, seq_q), _MASKED, jnp.float32)
+    for k_start in range(0, k.shape[1], block_kv):          # line 5: outer loop over K_j, V_j
+        k_j = k[:, k_start:k_start + block_kv]
+        v_j = v[:, k_start:k_start + block_kv].astype(jnp.float32)
+        for q_start in range(0, seq_q, block_q):            # line 7: inner loop over Q_i
+            rows = slice(q_start, q_start + block_q)
+            s_ij, visible = _tile_scores(q[:, rows], k_j, scale, mask, q_start, k_start)
+            # Line 10: tile statistics m~_ij, P~_ij, l~_ij.
+            m_tile = jnp.max(s_ij, axis=-1)
+            p_tile = jnp.where(visible, jnp.exp(s_ij - m_tile[..., None]), 0.0)
+            l_tile = jnp.sum(p_tile, axis=-1)
+            # Line 11: merge with the running statistics read from HBM.
+            m_old, l_old = m[..., rows], l[..., rows]
+            m_new = jnp.maximum(m_old, m_tile)
+            l_new = jnp.exp(m_old - m_new) * l_old + jnp.exp(m_tile - m_new) * l_tile
+            # Line 12: O_i = diag(l_new)^-1 (diag(l_old) e^(m_old-m_new) O_i + e^(m~-m_new) P~ V_j).
+            pv = jnp.einsum("bnqk,bknd->bnqd", p_tile, v_j)
+            o_i = (l_old * jnp.exp(m_old - m_new))[..., None] * o[:, :, rows] + \
+                jnp.exp(m_tile - m_new)[..., None] * pv
+            o_i = o_i / jnp.where(l_new == 0, 1.0, l_new)[..., None]
+            # Line 13: write O_i, l_i, m_i back to HBM.
+            o = o.at[:, :, rows].set(o_i)
+            l = l.at[..., rows].set(l_new)
+            m = m.at[..., rows].set(m_new)
+    lse = jnp.where(l == 0, EMPTY_ROW_LSE, m + jnp.log(jnp.where(l == 0, 1.0, l)))
+    return jnp.transpose(o, (0, 2, 1, 3)).astype(q.dtype), lse
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "mask", "block_q", "block_kv"))
+def flash_attention_v2(q, k, v, *, scale: float | None = None, mask: MaskSpec | None = None,
+                       block_q: int = 32, block_kv: int = 32):
+    """FlashAttention-2 (Algorithm 1): Q blocks outer, K/V blocks inner. Returns ``(out, lse)``.
+
+    Sequence lengths must be multiples of the block sizes (this is a teaching reference).
+    """
+    mask, scale = _default_mask(q, k, mask), _scale(q, scale)
+    batch, seq_q, heads, head_dim = q.shape
+    k, v = _expand_kv(k, heads), _expand_kv(v, heads)
+    outs, lses = [], []
+    for q_start in range(0, seq_q, block_q):                # line 3: one Q_i per thread block
+        q_i = q[:, q_start:q_start + block_q]
+        o_i = jnp.zeros((batch, heads, block_q, head_dim), jnp.float32)
+        l_i = jnp.zeros((batch, heads, block_q), jnp.float32)
+        m_i = jnp.full((batch, heads, block_q), _MASKED, jnp.float32)
+        # Blocks outside [first, last) are never visited (causal: the loop ends at the
+        # diagonal); blocks inside [full_first, full_last) need no mask.
+        first, full_first, full_last, last = (
+            int(x) for x in mask.kv_blocks(q_start, block_q, block_kv))
+        for j in range(first, last):                         # line 6: loop over K_j, V_j
+            k_start = j * block_kv
+            k_j = k[:, k_start:k_start + block_kv]
+            v_j = v[:, k_start:k_start + block_kv].astype(jnp.float32)
+            s_ij = jnp.einsum("bqnd,bknd->bnqk", q_i, k_j,
+                              preferred_element_type=jnp.float32) * scale
+            needs_mask = not full_first <= j < full_last
+            if needs_mask:
+                visible = mask.block_visible(q_start, block_q, k_start, block_kv)
+                s_ij = jnp.where(visible, s_ij, _MASKED)
+            # Line 9: m_new = max(m_old, rowmax(S_ij)), P~ = exp(S_ij - m_new).
+            m_new = jnp.maximum(m_i, jnp.max(s_ij, axis=-1))
+            p_ij = jnp.exp(s_ij - m_new[..., None])
+            if needs_mask:
+                p_ij = jnp.where(visible, p_ij, 0.0)
+            # Line 10: O_i stays unnormalised; only the e^(m_old - m_new) correction is applied.
+            alpha = jnp.exp(m_i - m_new)
+            l_i = alpha * l_i + jnp.sum(p_ij, axis=-1)
+            o_i = alpha[..., None] * o_i + jnp.einsum("bnqk,bknd->bnqd", p_ij, v_j)
+            m_i = m_new
+        # Lines 12-13: normalise once; L_i = m_i + log(l_i).
+        outs.append(o_i / jnp.where(l_i == 0, 1.0, l_i)[..., None])
+        lses.append(jnp.where(l_i == 0, EMPTY_ROW_LSE, m_i + jnp.log(jnp.where(l_i == 0, 1.0, l_i))))
+    out = jnp.concatenate(outs, axis=2)
+    return jnp.transpose(out, (0, 2, 1, 3)).astype(q.dtype), jnp.concatenate(lses, axis=-1)
+
+
+def attention_float64(q, k, v, *, scale: float | None = None, mask: MaskSpec | None = None,
+                      segment_ids=None, d_out=None):
+    """Float64 NumPy oracle. Returns ``(out, lse)``, or ``(out, lse, (dq, dk, dv))`` when
+    ``d_out`` (shaped like ``out``) is given.
+
+    Gradients come straight from the softmax Jacobian, not from the FlashAttention
+    backward's delta identity, so the two derivations check each other.
+    """
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    mask, scale = _default_mask(q, k, mask), _scale(q, scale)
+    heads, kv_heads = q.shape[2], k.shape[2]
+    group = heads // kv_heads
+    k_rep, v_rep = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    visible = np.asarray(mask.block_visible(0, q.shape[1], 0, k.shape[1]))
+    if segment_ids is not None:
+        q_seg, kv_seg = (np.asarray(x) for x in segment_ids)
+        visible = visible & segments_visible(q_seg, kv_seg)[:, None]
+    s = np.einsum("bqnd,bknd->bnqk", q, k_rep) * scale
+    s = np.where(visible, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    p = p / np.where(l == 0, 1.0, l)
+    out = np.einsum("bnqk,bknd->bqnd", p, v_rep)
+    lse = np.where(l[..., 0] == 0, EMPTY_ROW_LSE, m[..., 0] + np.log(np.where(l == 0, 1, l)[..., 0]))
+    if d_out is None:
+        return out, lse
+    d_out = np.asarray(d_out, np.float64)
+    dv_rep = np.einsum("bnqk,bqnd->bknd", p, d_out)
+    dp = np.einsum("bqnd,bknd->bnqk", d_out, v_rep)
+    # Softmax Jacobian: dS_ij = P_ij (dP_ij - sum_l P_il dP_il).
+    ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True))
+    dq = np.einsum("bnqk,bknd->bqnd", ds, k_rep) * scale
+    dk_rep = np.einsum("bnqk,bqnd->bknd", ds, q) * scale
+    b, s_kv, _, d = k.shape
+    dk = dk_rep.reshape(b, s_kv, kv_heads, group, d).sum(axis=3)
+    dv = dv_rep.reshape(b, s_kv, kv_heads, group, d).sum(axis=3)
+    return out, lse, (dq, dk, dv)

@@ -1,0 +1,175 @@
+"""Memory-efficient attention in plain XLA: the online softmax over K/V chunks.
+
+The default off-GPU. Memory is O(seq_q · block_kv) per head instead of O(seq_q · seq_kv):
+a ``lax.scan`` walks the K/V chunks, carrying the unnormalised output and the running
+row max ``m`` and sum ``l`` (FlashAttention-2's loop, with all query rows processed at
+once). The backward recomputes P chunk by chunk from ``lse``. XLA cannot skip chunks
+(the scan length is static), so the mask is applied everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_flash.autodiff import Kernels
+from pallas_flash.masking import MaskSpec, segments_visible
+from pallas_flash.reference import EMPTY_ROW_LSE
+
+_MASKED = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaConfig:
+    """block_kv: keys processed per scan step (bounds the live score matrix)."""
+
+    block_kv: int = 512
+
+    def __post_init__(self) -> None:
+        if self.block_kv < 1:
+            raise ValueError(f"block_kv must be >= 1, got {self.block_kv}")
+
+
+def _precision(dtype) -> lax.Precision:
+    # float32 inputs get full float32 products (no TF32 on GPUs); 16-bit inputs don't care.
+    return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
+
+
+def _chunks(x: jax.Array, block: int) -> jax.Array:
+    """[B, S, K, D] -> [S/block, B, block, K, D], padding S with zeros."""
+    b, s, n, d = x.shape
+    pad = -s % block
+    x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    return jnp.moveaxis(x.reshape(b, (s + pad) // block, block, n, d), 1, 0)
+
+
+def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
+    """[B, T, N, D] -> [B, T, K, G, D]: query heads grouped by the KV head they share."""
+    b, t, n, d = q.shape
+    return q.reshape(b, t, kv_heads, n // kv_heads, d)
+
+
+def _scores(q_g, k_j, scale, mask: MaskSpec, k_start, block_kv, segments):
+    """Masked logits of all queries against one chunk: [B, K, G, T, block_kv].
+
+    segments: None or (q_segment_ids [B, T], kv_segment_ids of the chunk [B, block_kv]).
+    """
+    s = jnp.einsum("btkgd,bskd->bkgts", q_g, k_j, preferred_element_type=jnp.float32,
+                   precision=_precision(q_g.dtype)) * scale
+    visible = mask.block_visible(0, q_g.shape[1], k_start, block_kv)
+    if segments is not None:
+        visible = visible & segments_visible(*segments)[:, None, None]
+    return jnp.where(visible, s, _MASKED), visible
+
+
+def _segment_chunks(segment_ids, block: int):
+    """None, or (q_segment_ids [B, T], kv ids split into chunks [S/block, B, block])."""
+    if segment_ids is None:
+        return None, None
+    q_seg, kv_seg = segment_ids
+    b, s = kv_seg.shape
+    kv_seg = jnp.pad(kv_seg, ((0, 0), (0, -s % block)), constant_values=-1)
+    return q_seg, jnp.moveaxis(kv_seg.reshape(b, -1, block), 1, 0)
+
+
+def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaConfig,
+            interpret: bool):
+    """q: [B, T, N, D], k/v: [B, S, K, D] -> (out [B, T, N, D], lse [B, N, T] float32)."""
+    del interpret
+    batch, seq_q, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    block = min(config.block_kv, k.shape[1])
+    q_g = _grouped(q, kv_heads)
+    k_chunks, v_chunks = _chunks(k, block), _chunks(v, block)
+    group = heads // kv_heads
+
+    q_seg, kv_seg_chunks = _segment_chunks(segment_ids, block)
+
+    def step(carry, xs):
+        o, m, l = carry
+        index, k_j, v_j, kv_seg = xs
+        segments = None if q_seg is None else (q_seg, kv_seg)
+        s, visible = _scores(q_g, k_j, scale, mask, index * block, block, segments)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = alpha * l + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v_j.dtype), v_j,
+                        preferred_element_type=jnp.float32, precision=_precision(v_j.dtype))
+        return (alpha[..., None] * o + pv, m_new, l), None
+
+    init = (
+        jnp.zeros((batch, kv_heads, group, seq_q, head_dim), jnp.float32),
+        jnp.full((batch, kv_heads, group, seq_q), _MASKED, jnp.float32),
+        jnp.zeros((batch, kv_heads, group, seq_q), jnp.float32),
+    )
+    indices = jnp.arange(k_chunks.shape[0])
+    (o, m, l), _ = lax.scan(step, init, (indices, k_chunks, v_chunks, kv_seg_chunks))
+    empty = l == 0
+    o = o / jnp.where(empty, 1.0, l)[..., None]
+    lse = jnp.where(empty, EMPTY_ROW_LSE, m + jnp.log(jnp.where(empty, 1.0, l)))
+    out = jnp.transpose(o.reshape(batch, heads, seq_q, head_dim), (0, 2, 1, 3))
+    return out.astype(q.dtype), lse.reshape(batch, heads, seq_q)
+
+
+def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, scale: float,
+             config: XlaConfig, interpret: bool):
+    """Gradients by recomputing P per K/V chunk (FlashAttention-2, Algorithm 2)."""
+    del out, interpret
+    batch, seq_q, heads, head_dim = q.shape
+    seq_kv, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    block = min(config.block_kv, seq_kv)
+    q_g, do_g = _grouped(q, kv_heads), _grouped(d_out, kv_heads)
+    lse_g = lse.reshape(batch, kv_heads, group, seq_q)
+    delta_g = delta.reshape(batch, kv_heads, group, seq_q)
+    prec = _precision(q.dtype)
+
+    q_seg, kv_seg_chunks = _segment_chunks(segment_ids, block)
+
+    def step(dq, xs):
+        index, k_j, v_j, kv_seg = xs
+        segments = None if q_seg is None else (q_seg, kv_seg)
+        s, visible = _scores(q_g, k_j, scale, mask, index * block, block, segments)
+        p = jnp.where(visible, jnp.exp(s - lse_g[..., None]), 0.0)
+        # dV_j = Pᵀ dO, dP = dO V_jᵀ, dS = P ∘ (dP - delta), dQ += dS K_j, dK_j = dSᵀ Q.
+        dv_j = jnp.einsum("bkgts,btkgd->bskd", p.astype(q.dtype), do_g,
+                          preferred_element_type=jnp.float32, precision=prec)
+        dp = jnp.einsum("btkgd,bskd->bkgts", do_g, v_j,
+                        preferred_element_type=jnp.float32, precision=prec)
+        ds = (p * (dp - delta_g[..., None])).astype(q.dtype)
+        dq = dq + jnp.einsum("bkgts,bskd->btkgd", ds, k_j,
+                             preferred_element_type=jnp.float32, precision=prec)
+        dk_j = jnp.einsum("bkgts,btkgd->bskd", ds, q_g,
+                          preferred_element_type=jnp.float32, precision=prec)
+        return dq, (dk_j * scale, dv_j)
+
+    k_chunks, v_chunks = _chunks(k, block), _chunks(v, block)
+    indices = jnp.arange(k_chunks.shape[0])
+    dq0 = jnp.zeros((batch, seq_q, kv_heads, group, head_dim), jnp.float32)
+    dq, (dk, dv) = lax.scan(step, dq0, (indices, k_chunks, v_chunks, kv_seg_chunks))
+
+    def unchunk(x):  # [S/block, B, block, K, D] -> [B, S, K, D]
+        x = jnp.moveaxis(x, 0, 1)
+        return x.reshape(batch, -1, kv_heads, head_dim)[:, :seq_kv]
+
+    dq = (dq * scale).reshape(batch, seq_q, heads, head_dim)
+    return dq, unchunk(dk), unchunk(dv)
+
+
+KERNELS = Kernels(name="xla", forward=forward, backward=backward)
+
+
+def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool) -> str | None:
+    """The XLA path runs every call the API accepts."""
+    del q_shape, kv_shape, dtype, mask, has_segments
+    return None
+
+
+def default_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> XlaConfig:
+    """512-key chunks: large enough for good matmuls, small enough for long sequences."""
+    del q_shape, kv_shape, dtype, mask
+    return XlaConfig()
