@@ -1,0 +1,329 @@
+"""Flax layers on top of :func:`pallas_flash.attention`.
+
+* :class:`FlashSelfAttention` — an NNX self-attention layer: fused or separate Q/K/V
+  projections, grouped-query attention, rotary position embeddings, causal / sliding-window
+  masks, segment ids for packed sequences, and a KV cache for autoregressive decoding.
+* :func:`make_attention_fn` — a drop-in ``attention_fn`` for
+  ``flax.linen.MultiHeadDotProductAttention``.
+
+Both only ever call the attention through keyword arguments of
+:func:`pallas_flash.attention`, so options the API gains later (soft-capping, sinks) can be
+passed through without changing the call sites' shape.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.linen.dtypes import promote_dtype
+from jax import lax
+
+from pallas_flash.api import Implementation, attention
+
+#: ``fn(query, key, value, *, is_causal, local_window_size, q_segment_ids, kv_segment_ids)``
+#: -> ``out`` with :func:`pallas_flash.attention`'s layout and meaning. Swap it to compare
+#: the layer against a reference or a baseline with everything else unchanged.
+AttentionFn = Callable[..., jax.Array]
+
+_default_kernel_init = nnx.initializers.lecun_normal()
+
+
+def rotary_embedding(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
+    """Rotate pairs ``(x[..., i], x[..., i + D/2])`` by ``position · base^(-2i/D)``.
+
+    The "rotate-half" RoPE of GPT-NeoX / LLaMA. Computed in float32: at positions in the
+    thousands the angles need more than bfloat16's 8 bits of mantissa.
+
+    Args:
+      x: ``[batch, seq, heads, head_dim]``, ``head_dim`` even.
+      positions: ``[batch, seq]`` integer position of each token.
+      base: wavelength base (10000 in the RoPE paper).
+
+    Returns:
+      ``[batch, seq, heads, head_dim]`` in ``x.dtype``.
+    """
+    half = x.shape[-1] // 2
+    inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions.astype(jnp.float32)[..., None, None] * inv_freq     # [B, T, 1, D/2]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def masked_attention(query: jax.Array, key: jax.Array, value: jax.Array,
+                     visible: jax.Array) -> jax.Array:
+    """Softmax attention with an explicit mask, GQA without repeating K/V.
+
+    Used over the KV cache, where the number of valid keys changes every step (a dynamic
+    length the static masks of :func:`pallas_flash.attention` cannot express). Decoding
+    reads each cached key once per step, so materialising the scores costs nothing extra.
+
+    Args:
+      query: ``[batch, seq_q, heads, head_dim]``.
+      key, value: ``[batch, seq_kv, kv_heads, head_dim]``.
+      visible: ``[seq_q, seq_kv]`` bool; every query row must see at least one key.
+
+    Returns:
+      ``[batch, seq_q, heads, head_dim]`` in ``query.dtype``.
+    """
+    batch, seq_q, heads, head_dim = query.shape
+    kv_heads = key.shape[2]
+    q = query.reshape(batch, seq_q, kv_heads, heads // kv_heads, head_dim)
+    s = jnp.einsum("btkgd,bskd->bkgts", q, key, preferred_element_type=jnp.float32)
+    s = jnp.where(visible, s / math.sqrt(head_dim), -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", p, value.astype(jnp.float32))
+    return out.reshape(query.shape).astype(query.dtype)
+
+
+class FlashSelfAttention(nnx.Module):
+    """Multi-head self-attention computed by :func:`pallas_flash.attention`.
+
+    Call with ``x: [batch, seq, d_model]``; returns ``[batch, seq, d_model]``.
+
+    Args:
+      d_model: input and output features.
+      num_heads: query heads.
+      num_kv_heads: key/value heads (grouped-query attention); default ``num_heads``.
+        Must divide ``num_heads``.
+      head_dim: features per head; default ``d_model // num_heads``.
+      fused_qkv: one ``d_model -> (heads + 2·kv_heads)·head_dim`` matmul instead of three.
+      use_bias: biases on the projections.
+      is_causal: each token sees only itself and earlier tokens.
+      local_window_size: ``w`` or ``(left, right)`` sliding window, as in
+        :func:`pallas_flash.attention`.
+      rope_base: rotary embedding base, or ``None`` for no position encoding.
+      implementation: passed to :func:`pallas_flash.attention` (``None``: fastest available).
+      interpret: run the Pallas kernels in interpret mode (CPU tests).
+      attention_fn: replaces :func:`pallas_flash.attention` (see :data:`AttentionFn`);
+        exclusive with ``implementation`` / ``interpret``.
+      decode: default for ``__call__``'s ``decode``.
+      dtype: computation dtype (default: that of the inputs and parameters).
+      param_dtype: parameter dtype.
+      kernel_init: initialiser of the projection kernels.
+      rngs: parameter initialisation keys.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        fused_qkv: bool = True,
+        use_bias: bool = False,
+        is_causal: bool = True,
+        local_window_size: int | tuple[int, int] | None = None,
+        rope_base: float | None = 10_000.0,
+        implementation: Implementation | None = None,
+        interpret: bool = False,
+        attention_fn: AttentionFn | None = None,
+        decode: bool = False,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        kernel_init: nnx.Initializer = _default_kernel_init,
+        rngs: nnx.Rngs,
+    ) -> None:
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        head_dim = d_model // num_heads if head_dim is None else head_dim
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if rope_base is not None and head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
+        if attention_fn is not None and (implementation is not None or interpret):
+            raise ValueError("give either attention_fn or implementation/interpret, not both")
+        if attention_fn is None:
+            attention_fn = functools.partial(attention, implementation=implementation,
+                                             interpret=interpret)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.is_causal = is_causal
+        self.local_window_size = local_window_size
+        self.rope_base = rope_base
+        self.attention_fn = attention_fn
+        self.decode = decode
+        self.dtype = dtype
+
+        linear = functools.partial(nnx.Linear, use_bias=use_bias, dtype=dtype,
+                                   param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
+        q_features, kv_features = num_heads * head_dim, num_kv_heads * head_dim
+        if fused_qkv:
+            self.qkv_proj = linear(d_model, q_features + 2 * kv_features)
+        else:
+            self.q_proj = linear(d_model, q_features)
+            self.k_proj = linear(d_model, kv_features)
+            self.v_proj = linear(d_model, kv_features)
+        self.out_proj = linear(q_features, d_model)
+        self.fused_qkv = fused_qkv
+        self.cached_key: nnx.Cache | None = None
+        self.cached_value: nnx.Cache | None = None
+        self.cache_index: nnx.Cache | None = None
+
+    def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> None:
+        """Allocate an empty KV cache for decoding up to ``max_length`` tokens.
+
+        ``dtype`` defaults to the computation dtype (float32 if that is unset).
+        """
+        if not self.is_causal:
+            raise ValueError("decoding with a KV cache needs is_causal=True")
+        dtype = dtype or self.dtype or jnp.float32
+        shape = (batch_size, max_length, self.num_kv_heads, self.head_dim)
+        self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
+
+    def __call__(
+        self,
+        x: jax.Array,
+        *,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        decode: bool | None = None,
+    ) -> jax.Array:
+        """Self-attention over ``x``.
+
+        Args:
+          x: ``[batch, seq, d_model]``.
+          positions: ``[batch, seq]`` integer positions for the rotary embedding
+            (default ``0 .. seq-1``; packed documents restart at 0). Ignored when decoding:
+            positions continue from the cache.
+          segment_ids: ``[batch, seq]`` integer document ids; tokens attend only within
+            their document. Not allowed when decoding.
+          decode: append ``x``'s keys/values to the cache (see :meth:`init_cache`) and
+            attend to everything cached so far; ``x`` holds the next ``seq`` tokens.
+
+        Returns:
+          ``[batch, seq, d_model]``.
+        """
+        decode = self.decode if decode is None else decode
+        batch, seq, _ = x.shape
+        query, key, value = self._project(x)
+        if decode:
+            if self.cache_index is None:
+                raise ValueError("decode=True needs a cache: call init_cache first")
+            if segment_ids is not None:
+                raise ValueError("segment_ids are not supported when decoding")
+            positions = self.cache_index[...] + jnp.arange(seq)[None]
+        elif positions is None:
+            positions = jnp.arange(seq)[None]
+        if self.rope_base is not None:
+            positions = jnp.broadcast_to(positions, (batch, seq))
+            query = rotary_embedding(query, positions, self.rope_base)
+            key = rotary_embedding(key, positions, self.rope_base)
+        if decode:
+            out = self._attend_to_cache(query, key, value)
+        else:
+            out = self.attention_fn(
+                query, key, value, is_causal=self.is_causal,
+                local_window_size=self.local_window_size,
+                q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+        return self.out_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
+
+    def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x: [B, T, d_model] -> q [B, T, N, D], k and v [B, T, K, D]."""
+        batch, seq, _ = x.shape
+        n, k, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.fused_qkv:
+            query, key, value = jnp.split(self.qkv_proj(x), [n * d, (n + k) * d], axis=-1)
+        else:
+            query, key, value = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return (query.reshape(batch, seq, n, d), key.reshape(batch, seq, k, d),
+                value.reshape(batch, seq, k, d))
+
+    def _attend_to_cache(self, query, key, value) -> jax.Array:
+        """Write key/value [B, T, K, D] at the cache index, attend from query [B, T, N, D]."""
+        index = self.cache_index[...]
+        start = (0, index, 0, 0)
+        cached_key = lax.dynamic_update_slice(self.cached_key[...],
+                                              key.astype(self.cached_key.dtype), start)
+        cached_value = lax.dynamic_update_slice(self.cached_value[...],
+                                                value.astype(self.cached_value.dtype), start)
+        self.cached_key[...], self.cached_value[...] = cached_key, cached_value
+        self.cache_index[...] = index + query.shape[1]
+
+        # Slots past the newest token hold zeros (or stale entries): the causal mask with
+        # the query's absolute position hides them.
+        q_pos = index + jnp.arange(query.shape[1])[:, None]
+        k_pos = jnp.arange(cached_key.shape[1])[None, :]
+        visible = k_pos <= q_pos
+        if self.local_window_size is not None:
+            left = self.local_window_size
+            left = left[0] if isinstance(left, (tuple, list)) else left
+            visible &= k_pos >= q_pos - left
+        return masked_attention(query, cached_key.astype(query.dtype),
+                                cached_value.astype(query.dtype), visible)
+
+
+def make_attention_fn(
+    *,
+    is_causal: bool = False,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: Implementation | None = None,
+    interpret: bool = False,
+) -> Callable[..., jax.Array]:
+    """An ``attention_fn`` for ``flax.linen.MultiHeadDotProductAttention``.
+
+    The mask is fixed here, not passed per call: Linen hands ``attention_fn`` a dense
+    ``mask`` array, which a flash kernel cannot consume without materialising what it
+    exists to avoid. Build the layer without a ``mask`` and choose ``is_causal`` /
+    ``local_window_size`` here instead.
+
+    Example::
+
+        nn.MultiHeadDotProductAttention(num_heads=8,
+                                        attention_fn=make_attention_fn(is_causal=True))
+
+    The returned function takes Linen's ``dot_product_attention`` arguments
+    (``query: [..., seq_q, heads, head_dim]``, ``key, value: [..., seq_kv, heads, head_dim]``)
+    and raises ``ValueError`` for a ``bias``, a ``mask``, dropout while training, or
+    ``module`` (Linen passes it to sow attention weights, which are never formed).
+    ``precision`` is accepted and ignored: float32 inputs are always computed at full
+    float32 precision.
+    """
+
+    def attention_fn(
+        query: jax.Array,
+        key: jax.Array,
+        value: jax.Array,
+        bias: jax.Array | None = None,
+        mask: jax.Array | None = None,
+        broadcast_dropout: bool = True,
+        dropout_rng: jax.Array | None = None,
+        dropout_rate: float = 0.0,
+        deterministic: bool = False,
+        dtype: Any = None,
+        precision: Any = None,
+        module: Any = None,
+    ) -> jax.Array:
+        del broadcast_dropout, dropout_rng, precision
+        if bias is not None:
+            raise ValueError("pallas_flash attention_fn does not support an attention bias")
+        if mask is not None:
+            raise ValueError(
+                "pallas_flash attention_fn does not take a mask array; pass is_causal / "
+                "local_window_size to make_attention_fn (Linen's decode=True builds a mask, "
+                "use pallas_flash.nn.FlashSelfAttention for decoding)")
+        if dropout_rate > 0.0 and not deterministic:
+            raise ValueError("pallas_flash attention_fn does not support attention dropout")
+        if module is not None:
+            raise ValueError("pallas_flash attention_fn cannot sow attention weights: "
+                             "they are never materialised")
+        query, key, value = promote_dtype(query, key, value, dtype=dtype)
+        # Linen allows any number of batch dimensions; the API takes exactly one.
+        batch_shape = query.shape[:-3]
+        flat = [x.reshape((int(np.prod(batch_shape)), *x.shape[-3:]))
+                for x in (query, key, value)]
+        out = attention(*flat, is_causal=is_causal, local_window_size=local_window_size,
+                        implementation=implementation, interpret=interpret)
+        return out.reshape(*batch_shape, *out.shape[1:])
+
+    return attention_fn

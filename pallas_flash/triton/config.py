@@ -1,0 +1,74 @@
+"""Tile sizes and launch parameters of the Triton-lowered kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_flash.masking import MaskSpec
+from pallas_flash.padding import next_power_of_2
+
+_WARPS = (1, 2, 4, 8, 16)
+
+
+def _is_power_of_2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonConfig:
+    """Tiles and launch parameters for the forward and the two backward kernels.
+
+    Attributes:
+      block_q, block_kv: forward tile (B_r × B_c in the papers).
+      num_warps, num_stages: forward launch; stages = depth of the K/V software pipeline.
+      bwd_block_q, bwd_block_kv: backward tile, shared by the dK/dV and dQ kernels.
+      bwd_num_warps, bwd_num_stages: backward launch.
+    """
+
+    block_q: int = 128
+    block_kv: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    bwd_block_q: int = 64
+    bwd_block_kv: int = 128
+    bwd_num_warps: int = 8
+    bwd_num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
+            value = getattr(self, name)
+            # Triton tiles are power-of-two shaped; tl.dot needs at least 16 rows.
+            if not (_is_power_of_2(value) and value >= 16):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        for name in ("num_warps", "bwd_num_warps"):
+            if getattr(self, name) not in _WARPS:
+                raise ValueError(f"{name} must be one of {_WARPS}, got {getattr(self, name)}")
+        for name in ("num_stages", "bwd_num_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def default_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> TritonConfig:
+    """Heuristic tiles by head dim, shrunk for short sequences (less padding)."""
+    del dtype, mask
+    head_dim = q_shape[-1]
+    if head_dim <= 64:
+        config = TritonConfig(block_q=128, block_kv=64, num_warps=4, num_stages=3,
+                              bwd_block_q=64, bwd_block_kv=128, bwd_num_warps=8)
+    elif head_dim <= 128:
+        config = TritonConfig()
+    else:
+        # 256-wide rows: smaller tiles keep Q, K, V, O within shared memory and registers.
+        config = TritonConfig(block_q=64, block_kv=64, num_warps=8, num_stages=2,
+                              bwd_block_q=32, bwd_block_kv=64, bwd_num_warps=8)
+    return shrink_to_sequence(config, q_shape[1], kv_shape[1])
+
+
+def shrink_to_sequence(config: TritonConfig, seq_q: int, seq_kv: int) -> TritonConfig:
+    """Caps tiles at the (power-of-two rounded) sequence lengths."""
+    cap_q, cap_kv = max(16, next_power_of_2(seq_q)), max(16, next_power_of_2(seq_kv))
+    return dataclasses.replace(
+        config,
+        block_q=min(config.block_q, cap_q), block_kv=min(config.block_kv, cap_kv),
+        bwd_block_q=min(config.bwd_block_q, cap_q), bwd_block_kv=min(config.bwd_block_kv, cap_kv),
+    )

@@ -1,0 +1,146 @@
+"""FlashAttention-2 forward as a Triton-lowered Pallas kernel.
+
+One program per (query block, batch, head): Q_i stays on chip while the program walks the
+K/V blocks its rows can see, keeping the running max ``m_i``, sum ``l_i`` and the
+unnormalised output in registers (FlashAttention-2, Algorithm 1). Blocks outside the mask
+band are never loaded; blocks fully inside it run without any mask arithmetic.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_flash.masking import MaskSpec
+from pallas_flash.padding import next_power_of_2, pad_axis, round_up
+from pallas_flash.reference import EMPTY_ROW_LSE
+from pallas_flash.triton.config import TritonConfig
+
+LOG2_E = math.log2(math.e)
+# Initial running max: finite, so exp2(m_old - m_new) is 0 rather than NaN when a row has
+# seen only hidden keys so far (hidden logits are -inf).
+_M_INIT = -1e30
+
+
+def dot_precision(dtype):
+    """float32 inputs get IEEE products (Triton would use TF32); 16-bit inputs the default."""
+    return lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+def query_block_order(program: int, num_q_blocks: int, mask: MaskSpec):
+    """Query block of the ``program``-th launch. Causal rows near the end see the most keys:
+    launching them first leaves the short ones to fill the tail (less imbalance)."""
+    return num_q_blocks - 1 - program if mask.is_causal else program
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, *rest, mask: MaskSpec, scale: float,
+                    block_q: int, block_kv: int, num_q_blocks: int, has_segments: bool):
+    if has_segments:
+        q_seg_ref, kv_seg_ref, o_ref, lse_ref = rest
+    else:
+        (o_ref, lse_ref), q_seg_ref, kv_seg_ref = rest, None, None
+    q_start = query_block_order(pl.program_id(0), num_q_blocks, mask) * block_q
+    precision = dot_precision(q_ref.dtype)
+    q = q_ref[...]
+    q_seg = q_seg_ref[pl.ds(q_start, block_q)] if has_segments else None
+    # Fold the softmax scale into base 2: exp(x·scale) = exp2(x·scale·log2 e).
+    qk_scale = scale * LOG2_E
+
+    def kv_step(j, carry, *, masked: bool):
+        acc, m_i, l_i = carry
+        k_start = j * block_kv
+        k = k_ref[pl.ds(k_start, block_kv), :]
+        s = plgpu.dot(q, k, trans_b=True, precision=precision) * qk_scale  # [block_q, block_kv]
+        if masked:
+            visible = mask.block_visible(q_start, block_q, k_start, block_kv)
+            if has_segments:
+                kv_seg = kv_seg_ref[pl.ds(k_start, block_kv)]
+                visible = visible & (q_seg[:, None] == kv_seg[None, :])
+            s = jnp.where(visible, s, -jnp.inf)
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        p = jnp.exp2(s - m_new[:, None])
+        # Rescale the running statistics to the new max (FA2: only the correction factor).
+        alpha = jnp.exp2(m_i - m_new)
+        l_i = alpha * l_i + jnp.sum(p, axis=1)
+        v = v_ref[pl.ds(k_start, block_kv), :]
+        acc = alpha[:, None] * acc + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+        return acc, m_new, l_i
+
+    first, full_first, full_last, last = mask.kv_blocks(q_start, block_q, block_kv)
+    head_dim = q_ref.shape[-1]
+    carry = (jnp.zeros((block_q, head_dim), jnp.float32),
+             jnp.full((block_q,), _M_INIT, jnp.float32),
+             jnp.zeros((block_q,), jnp.float32))
+    masked_step = functools.partial(kv_step, masked=True)
+    fast_step = functools.partial(kv_step, masked=has_segments)
+    carry = lax.fori_loop(first, full_first, masked_step, carry)
+    carry = lax.fori_loop(full_first, full_last, fast_step, carry)
+    acc, m_i, l_i = lax.fori_loop(full_last, last, masked_step, carry)
+
+    # Normalise once at the end (FA2, Algorithm 1 line 12); rows that saw nothing give 0.
+    empty = l_i == 0.0
+    safe_l = jnp.where(empty, 1.0, l_i)
+    o_ref[...] = (acc / safe_l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, EMPTY_ROW_LSE, (m_i + jnp.log2(safe_l)) / LOG2_E)
+
+
+def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: TritonConfig,
+            interpret: bool):
+    """q: [B, T, N, D], k/v: [B, S, K, D] -> (out [B, T, N, D], lse [B, N, T] float32)."""
+    batch, seq_q, heads, head_dim = q.shape
+    seq_kv, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    block_q, block_kv = config.block_q, config.block_kv
+    padded_q, padded_kv = round_up(seq_q, block_q), round_up(seq_kv, block_kv)
+    padded_d = max(16, next_power_of_2(head_dim))
+    q_p = pad_axis(pad_axis(q, 1, padded_q), 3, padded_d)
+    k_p = pad_axis(pad_axis(k, 1, padded_kv), 3, padded_d)
+    v_p = pad_axis(pad_axis(v, 1, padded_kv), 3, padded_d)
+    num_q_blocks = padded_q // block_q
+    has_segments = segment_ids is not None
+
+    def q_tile(i, b, h):
+        return (b, query_block_order(i, num_q_blocks, mask), h, 0)
+
+    def lse_tile(i, b, h):
+        return (b, h, query_block_order(i, num_q_blocks, mask))
+
+    def kv_rows(i, b, h):  # whole K/V of the head's KV head (GQA: shared by `group` heads)
+        return (b, 0, h // group, 0)
+
+    in_specs = [
+        pl.BlockSpec((None, block_q, None, padded_d), q_tile),
+        pl.BlockSpec((None, padded_kv, None, padded_d), kv_rows),
+        pl.BlockSpec((None, padded_kv, None, padded_d), kv_rows),
+    ]
+    inputs = [q_p, k_p, v_p]
+    if has_segments:
+        q_seg, kv_seg = segment_ids
+        in_specs += [pl.BlockSpec((None, padded_q), lambda i, b, h: (b, 0)),
+                     pl.BlockSpec((None, padded_kv), lambda i, b, h: (b, 0))]
+        # Padding ids differ from each other and from real ids (which are >= 0).
+        inputs += [pad_axis(q_seg, 1, padded_q, -1), pad_axis(kv_seg, 1, padded_kv, -2)]
+
+    kernel = functools.partial(
+        _forward_kernel, mask=mask, scale=scale, block_q=block_q, block_kv=block_kv,
+        num_q_blocks=num_q_blocks, has_segments=has_segments)
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(num_q_blocks, batch, heads),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, block_q, None, padded_d), q_tile),
+                   pl.BlockSpec((None, None, block_q), lse_tile)],
+        out_shape=[jax.ShapeDtypeStruct((batch, padded_q, heads, padded_d), q.dtype),
+                   jax.ShapeDtypeStruct((batch, heads, padded_q), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        interpret=interpret,
+        name="pallas_flash_forward",
+    )(*inputs)
+    return out[:, :seq_q, :, :head_dim], lse[:, :, :seq_q]
