@@ -1,0 +1,14 @@
+"""The Mosaic GPU (Hopper, sm90) backend: a FlashAttention-3 forward kernel.
+
+Exposes the backend interface of :mod:`pallas_flash.api`: ``KERNELS``,
+``default_config`` and ``unsupported``.
+"""
+
+from pallas_flash.autodiff import Kernels
+from pallas_flash.mosaic.backward import backward
+from pallas_flash.mosaic.config import MosaicConfig, default_config
+from pallas_flash.mosaic.forward import forward, unsupported
+
+KERNELS = Kernels(name="mosaic", forward=forward, backward=backward)
+
+__all__ = ["KERNELS", "MosaicConfig", "default_config", "forward", "unsupported"]

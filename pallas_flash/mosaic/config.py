@@ -1,0 +1,102 @@
+"""Block sizes of the Hopper forward kernel, their validation, and the default heuristic.
+
+The kernel's CTA holds two consumer warpgroups, each owning ``block_q`` query rows, and a
+``num_stages``-deep ring of K and V tiles of ``block_kv`` keys each (FlashAttention-3,
+Sec. 3.1). Everything lives in the 227 KiB of shared memory an sm90 CTA may opt into, so
+the heuristic shrinks ``block_kv`` and the ring depth as ``head_dim`` grows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from pallas_flash.masking import MaskSpec
+
+#: Shared memory one sm90 CTA may use (the opt-in maximum, checked again at lowering).
+SMEM_BUDGET = 232448
+#: Every Mosaic GPU SMEM buffer starts on a 1 KiB boundary.
+SMEM_ALIGNMENT = 1024
+#: The kernel's head dims: wgmma needs K (= head_dim in Q·Kᵀ) to be a multiple of the
+#: 128-byte swizzle, i.e. 64 16-bit elements, and N (= head_dim in P·V) at most 256.
+HEAD_DIM_MULTIPLE = 64
+MAX_HEAD_DIM = 256
+#: Consumer warpgroups per CTA (FlashAttention-3's ping-pong pair).
+NUM_CONSUMERS = 2
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """Static tiling of the Mosaic GPU forward kernel.
+
+    Attributes:
+      block_q: query rows per consumer warpgroup (B_r); a CTA covers ``2 * block_q`` rows.
+        A multiple of 64 (the wgmma M granularity), at most 128 (the f32 S tile costs
+        ``block_q * block_kv / 128`` registers per thread).
+      block_kv: keys per pipeline stage (B_c); a multiple of 64, at most 256 (wgmma N).
+      num_stages: depth of the K/V shared-memory ring filled by the producer warpgroup;
+        at least 2 so that the producer can load block j+1 while block j is in use.
+    """
+
+    block_q: int = 64
+    block_kv: int = 128
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        if self.block_q not in (64, 128):
+            raise ValueError(f"block_q must be 64 or 128, got {self.block_q}")
+        if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
+            raise ValueError(
+                f"block_kv must be a multiple of 64 in [64, 256], got {self.block_kv}")
+        if not 2 <= self.num_stages <= 4:
+            raise ValueError(f"num_stages must be in [2, 4], got {self.num_stages}")
+
+    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        """Shared memory of the GPU kernel: Q/O tiles, the K and V rings, LSE, barriers.
+
+        Matches what Mosaic GPU's lowering counts (checked by tests/test_mosaic.py).
+        """
+        q_o = _align(NUM_CONSUMERS * self.block_q * head_dim * itemsize)
+        kv = 2 * _align(self.num_stages * self.block_kv * head_dim * itemsize)
+        lse = _align(NUM_CONSUMERS * self.block_q * 4)
+        # 8-byte mbarriers: Q ready per consumer; K/V ready and K/V free per slot; turn.
+        barriers = 8 * (NUM_CONSUMERS + 4 * self.num_stages + 1)
+        return q_o + kv + lse + barriers
+
+    def check_fits(self, head_dim: int, itemsize: int = 2) -> None:
+        """Raises ValueError when this config cannot run at ``head_dim`` on an sm90 CTA."""
+        need = self.smem_bytes(head_dim, itemsize)
+        if need > SMEM_BUDGET:
+            raise ValueError(
+                f"MosaicConfig {self} needs {need} bytes of shared memory at "
+                f"head_dim={head_dim}, more than the {SMEM_BUDGET} an sm90 CTA has; "
+                "lower block_kv or num_stages")
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The kernel's head dim for a caller's ``head_dim``: the next multiple of 64."""
+    return -(-head_dim // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE
+
+
+def default_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicConfig:
+    """Heuristic per (head_dim, causal): the deepest ring that fits in shared memory.
+
+    block_q = 64 per warpgroup keeps the S tile, P and O in the 232 registers a consumer
+    gets. block_kv = 128 amortises the per-step barriers for head_dim <= 128; at
+    head_dim 192/256, block_kv = 64 is the largest whose 2-stage ring fits 227 KiB
+    (FlashAttention-3 uses 128 x 80 there; tokamax's H100 tuning also picks 64/64/2).
+    """
+    del kv_shape, mask
+    head_dim = padded_head_dim(q_shape[-1])
+    itemsize = np.dtype(dtype).itemsize
+    block_kv = 128 if head_dim <= 128 else 64
+    for stages in (3, 2):
+        config = MosaicConfig(block_q=64, block_kv=block_kv, num_stages=stages)
+        if config.smem_bytes(head_dim, itemsize) <= SMEM_BUDGET:
+            return config
+    return MosaicConfig(block_q=64, block_kv=64, num_stages=2)

@@ -1,0 +1,399 @@
+"""FlashAttention-3 forward for Hopper (sm90), as a Pallas Mosaic GPU kernel.
+
+Shah et al. 2024, "FlashAttention-3", Sec. 3. One CTA owns ``2 * block_q`` query rows of
+one (batch, head) and runs three warpgroups (``lax.axis_index("wg")``):
+
+* **producer** (wg 2, Sec. 3.1 "warp specialization"): gives its registers away
+  (``setmaxnreg`` 40) and only issues TMA copies of K_j and V_j into a ``num_stages``-deep
+  SMEM ring. Each slot has a *ready* mbarrier (arrived by the TMA engine) and a *free*
+  mbarrier (arrived by both consumers once they no longer read the slot).
+* **two consumers** (wg 0 and 1, ``setmaxnreg`` 232): each owns ``block_q`` rows, keeps
+  O, m and l in registers and runs, per K/V block j (Algorithm 1):
+  S = Q·K_jᵀ (wgmma) → online softmax in base 2 with the scale folded into the exponent →
+  O = diag(alpha)·O + P·V_j (wgmma).
+  A shared ``turn`` mbarrier makes the two consumers *ping-pong* (Sec. 3.1, Fig. 1): the
+  softmax of one warpgroup runs while the tensor cores execute the other's GEMMs.
+
+Block skipping comes from :class:`~pallas_flash.masking.MaskSpec.kv_blocks`: K/V blocks
+outside the CTA's ``[first, last)`` are never loaded (causal: nothing above the diagonal),
+blocks inside a consumer's ``[full_first, full_last)`` run the unmasked fast loop, and
+only the boundary blocks build the mask tile. The epilogue normalises O once, writes it
+through SMEM with a TMA store, and writes the log-sum-exp (natural log) the same way.
+
+CPU testing: Mosaic GPU interpret mode cannot run ``pl.run_state`` nor a wgmma whose A
+operand is in registers, which is how FA3 feeds P to the P·V GEMM. With
+``interpret=True`` the kernel takes one documented detour (:func:`_pv_through_smem`):
+P is stored to SMEM and P·V lands in a fresh accumulator that is added to O. Everything
+else (pipeline, barriers, ping-pong, masking, epilogue) is the same code on both paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_flash.masking import MaskSpec
+from pallas_flash.mosaic.config import (
+    MAX_HEAD_DIM,
+    NUM_CONSUMERS,
+    MosaicConfig,
+    padded_head_dim,
+)
+from pallas_flash.reference import EMPTY_ROW_LSE
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Registers per thread (setmaxnreg): 2 x 232 (consumers) + 40 (producer) = 504 <= 512,
+# i.e. the 64 K registers of an SM for 3 x 128 threads.
+_CONSUMER_REGISTERS = 232
+_PRODUCER_REGISTERS = 40
+_PRODUCER = NUM_CONSUMERS  # warpgroup index of the TMA producer
+# 128-byte swizzle: one swizzle row is 64 16-bit elements, so every SMEM tile is stored in
+# (8, 64) tiles, the layout wgmma reads without bank conflicts.
+_SWIZZLE = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything the kernel body needs that is not a ref (all Python values)."""
+
+    mask: MaskSpec
+    scale_log2: float  # softmax scale * log2(e): exp(scale*s - m) = exp2(s*scale_log2 - m2)
+    block_q: int
+    block_kv: int
+    num_stages: int
+    head_dim: int
+    dtype: jnp.dtype
+    group: int  # query heads per K/V head (GQA)
+    num_q_tiles: int  # CTAs along the sequence, each of NUM_CONSUMERS * block_q rows
+    pv_through_smem: bool  # the interpret-mode detour, see the module docstring
+
+    @property
+    def reverse_q_tiles(self) -> bool:
+        # Causal work grows with the query index: launch the heaviest CTAs first so the
+        # last wave holds the short ones (FA3/tokamax's causal load balancing).
+        return self.mask.is_causal
+
+    @property
+    def has_lower_band(self) -> bool:
+        # Only a window hides keys *before* a query; otherwise every row starts at key 0
+        # and the leading skip/masked loops are statically empty.
+        return self.mask.window is not None
+
+
+def _smem_transforms(itemsize: int):
+    return (plgpu.TilingTransform((8, _SWIZZLE // itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
+
+
+def _row(x: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """Broadcasts a per-row vector (``WGMMA.reduce(1)`` layout) over a [rows, n] tile."""
+    return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _sync(barrier) -> None:
+    """Both consumers meet: arrive at the 2-arrival barrier and wait for the other."""
+    plgpu.barrier_arrive(barrier)
+    plgpu.barrier_wait(barrier)
+
+
+def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, st: _Static, q_smem, k_smem, v_smem,
+            lse_smem, q_ready, k_ready, v_ready, k_free, v_free, turn, p_smem=None):
+    """One CTA. Refs: q/out [B, Tq, N, D], k/v [B, Tk, K, D], lse [B, N, Tq] (GMEM);
+    q_smem [2, block_q, D], k_smem/v_smem [num_stages, block_kv, D], lse_smem [2, block_q]."""
+    bq, bkv = st.block_q, st.block_kv
+    batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+    q_tile = lax.axis_index("q_tiles")
+    if st.reverse_q_tiles:
+        q_tile = st.num_q_tiles - 1 - q_tile
+    cta_q0 = q_tile * (NUM_CONSUMERS * bq)
+    # The K/V blocks any row of this CTA sees; the producer loads exactly these, once.
+    cta_first, _, _, cta_last = st.mask.kv_blocks(cta_q0, NUM_CONSUMERS * bq, bkv)
+
+    def slot(j):
+        """Ring slot of K/V block j (blocks are numbered from the CTA's first)."""
+        return lax.rem(j - cta_first, st.num_stages)
+
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+        _consumer_warpgroup(
+            wg, st, q_ref, out_ref, lse_ref, q_smem.at[wg], k_smem, v_smem, lse_smem.at[wg],
+            q_ready.at[wg], k_ready, v_ready, k_free, v_free, turn,
+            None if p_smem is None else p_smem.at[wg],
+            batch=batch, head=head, q0=cta_q0 + wg * bq,
+            cta_first=cta_first, cta_last=cta_last, slot=slot)
+
+    @pl.when(wg == _PRODUCER)
+    def _producer():
+        plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+        kv_head = lax.div(head, st.group)  # GQA: K/V are indexed, never repeated
+
+        def load(j, s):
+            rows = (batch, pl.ds(j * bkv, bkv), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[s], k_ready.at[s])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[s], v_ready.at[s])
+
+        # Prologue: fill the ring.
+        for i in range(st.num_stages):
+            pl.when(cta_first + i < cta_last)(functools.partial(load, cta_first + i, i))
+
+        # Steady state: a slot is refilled once both consumers freed it. K is reloaded
+        # before V because consumers free K_j first (right after S = Q·K_jᵀ).
+        @pl.loop(cta_first + st.num_stages, cta_last)
+        def _refill(j):
+            s = slot(j)
+            rows = (batch, pl.ds(j * bkv, bkv), kv_head)
+            plgpu.barrier_wait(k_free.at[s])
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[s], k_ready.at[s])
+            plgpu.barrier_wait(v_free.at[s])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[s], v_ready.at[s])
+
+        # Observe the last releases too: a thread that waits on an mbarrier must see every
+        # phase of it (the phase bit would otherwise be out of step; interpret mode checks).
+        @pl.loop(jnp.maximum(cta_first, cta_last - st.num_stages), cta_last)
+        def _drain(j):
+            plgpu.barrier_wait(k_free.at[slot(j)])
+            plgpu.barrier_wait(v_free.at[slot(j)])
+
+
+def _consumer_warpgroup(wg, st: _Static, q_ref, out_ref, lse_ref, q_tile, k_smem, v_smem,
+                        lse_tile, q_ready, k_ready, v_ready, k_free, v_free, turn, p_tile, *,
+                        batch, head, q0, cta_first, cta_last, slot):
+    """Rows [q0, q0 + block_q) of one head: Algorithm 1 of FA3 for one consumer warpgroup."""
+    bq, bkv, d = st.block_q, st.block_kv, st.head_dim
+    q_rows = (batch, pl.ds(q0, bq), head)
+    plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_tile, q_ready)
+    # This warpgroup's block ranges, inside the CTA's (it must step through all of the
+    # CTA's blocks to keep the ring and the ping-pong in lockstep with the other one).
+    first, full_first, full_last, last = (
+        jnp.clip(x, cta_first, cta_last) for x in st.mask.kv_blocks(q0, bq, bkv))
+
+    def wait_k(j):
+        """K_j must have landed before S = Q·K_jᵀ is issued."""
+        @pl.when(j < cta_last)
+        def _():
+            plgpu.barrier_wait(k_ready.at[slot(j)])
+
+    def pv(o, p16, s, j):
+        """O += P·V_j, on the tensor cores; the wait for K_{j+1} overlaps the GEMM."""
+        if st.pv_through_smem:
+            return _pv_through_smem(o, p16, p_tile, v_smem.at[s], functools.partial(wait_k, j + 1))
+
+        def gemm(o_acc):
+            plgpu.wgmma(o_acc, p16, v_smem.at[s])  # A = P straight from registers (FA3)
+            wait_k(j + 1)
+        return pl.run_state(gemm)(plgpu.ACC.init(o))
+
+    def step(j, carry, *, masked: bool):
+        o, m_i, l_i = carry
+        s = slot(j)
+
+        def qk(s_acc):
+            plgpu.wgmma(s_acc, q_tile, k_smem.at[s].T)
+            # Ping: hand the tensor cores over; the other warpgroup's softmax (or its P·V)
+            # runs while this GEMM executes.
+            _sync(turn)
+            return s_acc[...]
+        scores = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[s])  # S is in registers: K_j may be overwritten
+
+        if masked:  # boundary block: hide pairs outside the band and keys >= seq_kv
+            rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
+            cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
+            visible = st.mask.visible(rows + q0, cols + j * bkv)
+            scores = jnp.where(visible, scores, -jnp.inf)
+        # Online softmax in base 2 (FA3 Alg. 1 lines 9-11): m is kept in log2 units so that
+        # p = exp2(s * scale_log2 - m) is one FMA + ex2 per element.
+        m_new = jnp.maximum(m_i, scores.max(axis=1) * st.scale_log2)
+        if masked:
+            # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead so
+            # that exp2(-inf - m) stays 0 rather than NaN (empty rows end with l = 0).
+            m_new_finite = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        else:
+            m_new_finite = m_new
+        p = jnp.exp2(scores * st.scale_log2 - _row(m_new_finite, scores.shape))
+        alpha = jnp.exp2(m_i - m_new_finite)
+        o = o * _row(alpha, o.shape)
+        p16 = p.astype(st.dtype)
+
+        def give_turn():
+            plgpu.barrier_arrive(turn)  # softmax done: the other warpgroup may go on
+            plgpu.barrier_wait(v_ready.at[s])
+            plgpu.barrier_wait(turn)  # Pong: our turn on the tensor cores again
+
+        if d <= 128:
+            # Row sum before handing over the turn, pinned there: JAX's reference kernel
+            # measured this order to matter at small head dims (register pressure is low).
+            l_i = l_i * alpha + p.sum(axis=1)
+            o, l_i, m_new, p16 = lax.optimization_barrier((o, l_i, m_new, p16))
+            give_turn()
+        else:
+            give_turn()
+            l_i = l_i * alpha + p.sum(axis=1)
+        o = pv(o, p16, s, j)
+        plgpu.barrier_arrive(v_free.at[s])
+        return o, m_new, l_i
+
+    def skip_step(j, carry):
+        """A block another row range of this CTA needs: same barriers as `step`, no math."""
+        s = slot(j)
+        _sync(turn)
+        plgpu.barrier_arrive(k_free.at[s])
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(v_ready.at[s])
+        plgpu.barrier_wait(turn)
+        wait_k(j + 1)
+        plgpu.barrier_arrive(v_free.at[s])
+        return carry
+
+    carry = (
+        plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA),
+        plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+        plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+    )
+    plgpu.barrier_wait(q_ready)
+    wait_k(cta_first)
+    # Consumer 1 starts one turn late, so the two alternate on the tensor cores.
+    pl.when(wg == 1)(functools.partial(_sync, turn))
+    masked_step = functools.partial(step, masked=True)
+    unmasked_step = functools.partial(step, masked=False)
+    if st.has_lower_band:
+        carry = lax.fori_loop(cta_first, first, skip_step, carry)
+        carry = lax.fori_loop(first, full_first, masked_step, carry)
+    carry = lax.fori_loop(full_first, full_last, unmasked_step, carry)  # the fast loop
+    carry = lax.fori_loop(full_last, last, masked_step, carry)
+    o, m_i, l_i = lax.fori_loop(last, cta_last, skip_step, carry)
+    pl.when(wg == 0)(functools.partial(_sync, turn))  # ... and consumer 0 ends one late
+
+    # Epilogue (Alg. 1 lines 12-14): normalise once, O and LSE leave through SMEM + TMA.
+    empty = l_i == 0.0  # rows that saw no key: O = 0, lse = EMPTY_ROW_LSE
+    l_safe = jnp.where(empty, 1.0, l_i)
+    o = o * _row(1.0 / l_safe, o.shape)
+    lse = jnp.where(empty, EMPTY_ROW_LSE, (m_i + jnp.log2(l_safe)) * _LN2)
+    q_tile[...] = o.astype(st.dtype)  # Q is dead after the last Q·Kᵀ: reuse its tile
+    lse_tile[...] = lse
+    plgpu.commit_smem()  # register stores -> visible to the TMA engine
+    plgpu.copy_smem_to_gmem(q_tile, out_ref.at[q_rows])
+    plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[batch, head, pl.ds(q0, bq)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _pv_through_smem(o, p16, p_tile, v_tile, wait_next_k):
+    """Interpret-mode P·V: P via SMEM, P·V into a fresh accumulator, then O + P·V.
+
+    Same arithmetic as the register path; it costs a second [block_q, D] f32 accumulator
+    of registers and an SMEM round trip, so the GPU path does not use it.
+    """
+    p_tile[...] = p16
+    plgpu.commit_smem()
+
+    def gemm(pv_acc):
+        plgpu.wgmma(pv_acc, p_tile, v_tile)
+        wait_next_k()
+        return pv_acc[...]
+    return o + pl.run_scoped(gemm, plgpu.ACC(o.shape, jnp.float32))
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _pad(x: jax.Array, seq: int, head_dim: int) -> jax.Array:
+    """Zero-pads [B, S, H, D] to [B, seq, H, head_dim] (no copy when nothing to pad)."""
+    pads = ((0, 0), (0, seq - x.shape[1]), (0, 0), (0, head_dim - x.shape[3]))
+    return x if not any(p for _, p in pads) else jnp.pad(x, pads)
+
+
+def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool) -> str | None:
+    """Why the Mosaic GPU forward cannot run this call, or None if it can."""
+    del kv_shape, mask
+    if has_segments:
+        return "segment ids are not supported by the Mosaic GPU kernel yet"
+    if jnp.dtype(dtype) not in _DTYPES:
+        return f"the Mosaic GPU kernel takes bfloat16 or float16 inputs, got {jnp.dtype(dtype)}"
+    if q_shape[-1] > MAX_HEAD_DIM:
+        return f"head_dim {q_shape[-1]} is above the kernel's maximum {MAX_HEAD_DIM}"
+    return None
+
+
+def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: MaskSpec,
+            scale: float, config: MosaicConfig, interpret: bool
+            ) -> tuple[jax.Array, jax.Array]:
+    """Attention forward on Hopper.
+
+    Args:
+      q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_kv, kv_heads, head_dim],
+        bfloat16 or float16, ``heads % kv_heads == 0``.
+      segment_ids: must be None (see :func:`unsupported`).
+      mask: visibility; its ``seq_q``/``seq_kv`` are the real lengths.
+      scale: logit scale.
+      config: block sizes; ``config.check_fits`` must pass at the padded head dim.
+      interpret: run in Mosaic GPU interpret mode on the CPU.
+
+    Returns:
+      ``out`` like ``q`` and ``lse: [batch, heads, seq_q]`` float32 (natural log).
+
+    Any lengths work: the wrapper zero-pads the sequences to whole blocks (padded keys
+    are hidden by ``mask.seq_kv``, padded query rows are cut off) and the head dim to a
+    multiple of 64 (zero columns change neither Q·Kᵀ nor the kept columns of P·V).
+    """
+    reason = unsupported(q.shape, k.shape, q.dtype, mask, segment_ids is not None)
+    if reason is not None:
+        raise ValueError(reason)
+    batch, seq_q, heads, head_dim = q.shape
+    seq_kv, kv_heads = k.shape[1], k.shape[2]
+    dim = padded_head_dim(head_dim)
+    itemsize = jnp.dtype(q.dtype).itemsize
+    config.check_fits(dim, itemsize)
+    rows_per_cta = NUM_CONSUMERS * config.block_q
+    seq_q_pad = _round_up(seq_q, rows_per_cta)
+    seq_kv_pad = _round_up(seq_kv, config.block_kv)
+    st = _Static(
+        mask=mask, scale_log2=scale * _LOG2E, block_q=config.block_q,
+        block_kv=config.block_kv, num_stages=config.num_stages, head_dim=dim,
+        dtype=jnp.dtype(q.dtype), group=heads // kv_heads,
+        num_q_tiles=seq_q_pad // rows_per_cta, pv_through_smem=interpret)
+
+    transforms = _smem_transforms(itemsize)
+    scratch = dict(
+        q_smem=plgpu.SMEM((NUM_CONSUMERS, st.block_q, dim), q.dtype, transforms=transforms),
+        k_smem=plgpu.SMEM((st.num_stages, st.block_kv, dim), q.dtype, transforms=transforms),
+        v_smem=plgpu.SMEM((st.num_stages, st.block_kv, dim), q.dtype, transforms=transforms),
+        lse_smem=plgpu.SMEM((NUM_CONSUMERS, st.block_q), jnp.float32),
+        q_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+        k_ready=plgpu.Barrier(num_barriers=st.num_stages),
+        v_ready=plgpu.Barrier(num_barriers=st.num_stages),
+        k_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=st.num_stages),
+        v_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=st.num_stages),
+        turn=plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+    )
+    if st.pv_through_smem:
+        scratch["p_smem"] = plgpu.SMEM(
+            (NUM_CONSUMERS, st.block_q, st.block_kv), q.dtype, transforms=transforms)
+
+    call = plgpu.kernel(
+        functools.partial(_kernel, st=st),
+        out_type=(
+            jax.ShapeDtypeStruct((batch, seq_q_pad, heads, dim), q.dtype),
+            jax.ShapeDtypeStruct((batch, heads, seq_q_pad), jnp.float32),
+        ),
+        scratch_types=scratch,
+        grid=(heads, st.num_q_tiles, batch),
+        grid_names=("heads", "q_tiles", "batch"),
+        num_threads=NUM_CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    out, lse = call(_pad(q, seq_q_pad, dim), _pad(k, seq_kv_pad, dim), _pad(v, seq_kv_pad, dim))
+    return out[:, :seq_q, :, :head_dim], lse[:, :, :seq_q]
