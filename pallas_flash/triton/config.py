@@ -30,8 +30,8 @@ class TritonConfig:
     num_warps: int = 8
     num_stages: int = 3
     bwd_block_q: int = 64
-    bwd_block_kv: int = 128
-    bwd_num_warps: int = 8
+    bwd_block_kv: int = 64
+    bwd_num_warps: int = 4
     bwd_num_stages: int = 2
 
     def __post_init__(self) -> None:
@@ -53,8 +53,7 @@ def default_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> TritonConfig:
     del dtype, mask
     head_dim = q_shape[-1]
     if head_dim <= 64:
-        config = TritonConfig(block_q=128, block_kv=64, num_warps=4, num_stages=3,
-                              bwd_block_q=64, bwd_block_kv=128, bwd_num_warps=8)
+        config = TritonConfig(block_q=128, block_kv=64, num_warps=4, num_stages=3)
     elif head_dim <= 128:
         config = TritonConfig()
     else:
