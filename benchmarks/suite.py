@@ -1,0 +1,436 @@
+"""The FlashAttention papers' benchmark, every implementation side by side in one process.
+
+``python -m benchmarks.suite --out DIR`` times forward, backward and forward+backward of each
+available implementation (``benchmarks.implementations``) over head dims × sequence lengths ×
+causal, with the papers' shapes and FLOP conventions (``benchmarks.flops``), and writes
+``DIR/<device>-<date>.json``, ``.md`` and bar charts (``benchmarks.report``). A point that fails
+(compile error, out of memory, wrong result) is recorded with its error and the suite goes on.
+``--quick`` runs tiny shapes in seconds on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import report
+from benchmarks.flops import PASSES, Pass, attention_flops, problem_shape, tflops_per_s
+from benchmarks.implementations import (
+    IMPLEMENTATIONS,
+    REFERENCE,
+    Implementation,
+    error_summary,
+    probe,
+)
+from benchmarks.timing import time_fn
+
+DTYPES: dict[str, jnp.dtype] = {
+    "bf16": jnp.dtype(jnp.bfloat16),
+    "fp16": jnp.dtype(jnp.float16),
+    "fp32": jnp.dtype(jnp.float32),
+}
+_CAUSAL = {"no": (False,), "yes": (True,), "both": (False, True)}
+# Defaults of the size options; --quick swaps in the second set (CPU smoke test, seconds).
+_FULL = {"head_dims": "64,128,256", "seq_lens": "1024,2048,4096,8192,16384", "tokens": 16384,
+         "hidden": 2048, "iters": 30, "warmup": 3, "max_seconds": 2.0}
+_QUICK = {"head_dims": "64", "seq_lens": "64,128", "tokens": 256, "hidden": 128,
+          "iters": 3, "warmup": 1, "max_seconds": 0.5}
+
+
+@dataclasses.dataclass(frozen=True)
+class SuiteConfig:
+    """What to run. Sizes follow ``benchmarks.flops.problem_shape``."""
+
+    impls: tuple[str, ...] | None = None  # None: every available implementation
+    head_dims: tuple[int, ...] = (64, 128, 256)
+    seq_lens: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384)
+    causal: tuple[bool, ...] = (False, True)
+    passes: tuple[Pass, ...] = PASSES
+    dtype: str = "bf16"
+    iters: int = 30
+    warmup: int = 3
+    max_seconds: float = 2.0  # per timing, once 5 samples are taken
+    tokens: int = 16384
+    hidden: int = 2048
+    tolerance: float = 0.05  # max |out - ref| / max |ref| over out and gradients
+    input_sets: int = 3
+    time_limit: float | None = None  # seconds; later points are recorded as not run
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """One timing of one implementation at one point (``ms`` is None when it failed)."""
+
+    ms: float | None = None
+    max_rel_err: float | None = None
+    error: str | None = None
+
+
+def relative_error(actual: Any, expected: Any) -> float:
+    """``max |actual - expected| / max |expected|`` over matching pytree leaves (NaN-aware:
+    a NaN anywhere gives NaN)."""
+    worst = 0.0
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        a32, e32 = jnp.asarray(a, jnp.float32), jnp.asarray(e, jnp.float32)
+        scale = float(jnp.max(jnp.abs(e32)))
+        diff = float(jnp.max(jnp.abs(a32 - e32)))
+        err = diff / scale if scale > 0 else diff
+        if math.isnan(err):
+            return math.nan
+        worst = max(worst, err)
+    return worst
+
+
+def _forward(impl: Implementation, causal: bool) -> Callable[..., Any]:
+    return jax.jit(lambda q, k, v: impl.fn(q, k, v, causal))
+
+
+def _forward_backward(impl: Implementation, causal: bool) -> Callable[..., Any]:
+    def fwdbwd(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array) -> tuple[jax.Array, ...]:
+        out, vjp = jax.vjp(lambda q, k, v: impl.fn(q, k, v, causal), q, k, v)
+        return (out, *vjp(do))
+
+    return jax.jit(fwdbwd)
+
+
+class _Runner:
+    """Jitted functions per (implementation, causal, measured pass), reused across points so
+    the reference and the timed calls share one compilation."""
+
+    def __init__(self, config: SuiteConfig):
+        self.config = config
+        self._fns: dict[tuple[str, bool, str], Callable[..., Any]] = {}
+
+    def fn(self, impl: Implementation, causal: bool, kind: str) -> Callable[..., Any]:
+        key = (impl.name, causal, kind)
+        if key not in self._fns:
+            make = _forward if kind == "fwd" else _forward_backward
+            self._fns[key] = make(impl, causal)
+        return self._fns[key]
+
+    def measure(self, fn: Callable[..., Any], arg_sets: Sequence[Sequence[jax.Array]],
+                expected: Any) -> Measurement:
+        """Check ``fn`` against ``expected`` (if given) on the first input set, then time it."""
+        cfg = self.config
+        try:
+            out = jax.block_until_ready(fn(*arg_sets[0]))
+            err = None if expected is None else relative_error(out, expected)
+            del out
+            if err is not None and not err <= cfg.tolerance:
+                return Measurement(max_rel_err=err,
+                                   error=f"wrong result: max rel err {err:.3g} > {cfg.tolerance}")
+            timing = time_fn(fn, arg_sets, iters=cfg.iters, warmup=cfg.warmup,
+                             max_seconds=cfg.max_seconds)
+        except Exception as exc:
+            return Measurement(error=error_summary(exc))
+        return Measurement(ms=timing.median_ms, max_rel_err=err)
+
+
+@jax.jit(static_argnums=(1, 2, 3))
+def _inputs(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype,
+            n_sets: int) -> list[tuple[jax.Array, ...]]:
+    """``n_sets`` tuples ``(q, k, v, do)`` of standard-normal values (one compilation)."""
+    keys = jax.random.split(key, (n_sets, 4))
+    return [tuple(jax.random.normal(keys[i, j], shape, dtype) for j in range(4))
+            for i in range(n_sets)]
+
+
+def _kinds(passes: Sequence[str]) -> tuple[str, ...]:
+    """The measured functions the reported passes need (bwd = fwdbwd - fwd)."""
+    kinds = []
+    if "fwd" in passes or "bwd" in passes:
+        kinds.append("fwd")
+    if "fwdbwd" in passes or "bwd" in passes:
+        kinds.append("fwdbwd")
+    return tuple(kinds)
+
+
+def _point_record(impl: Implementation, dtype: str, head_dim: int, seq_len: int, batch: int,
+                  heads: int, causal: bool, pass_: Pass,
+                  measured: Mapping[str, Measurement]) -> dict[str, Any]:
+    """The JSON record of one (implementation, point, pass) from its measurements."""
+    if pass_ == "bwd":
+        fwd, both = measured["fwd"], measured["fwdbwd"]
+        error = both.error or (fwd.error and f"forward: {fwd.error}")
+        ms = None
+        if error is None and fwd.ms is not None and both.ms is not None:
+            ms = both.ms - fwd.ms
+            if ms <= 0:
+                error, ms = f"forward+backward ({both.ms:.3f} ms) not slower than forward", None
+        result = Measurement(ms=ms, max_rel_err=both.max_rel_err, error=error)
+    else:
+        result = measured[pass_]
+    flops = attention_flops(batch, heads, seq_len, head_dim, causal=causal, pass_=pass_)
+    return {
+        "impl": impl.name, "dtype": dtype, "head_dim": head_dim, "seq_len": seq_len,
+        "batch": batch, "heads": heads, "causal": causal, "pass": pass_,
+        "flops": flops, "ms": result.ms,
+        "tflops": None if result.ms is None else tflops_per_s(flops, result.ms),
+        "ratio_to_cudnn": None, "max_rel_err": result.max_rel_err, "error": result.error,
+    }
+
+
+def add_ratios(points: list[dict[str, Any]]) -> None:
+    """Fill ``ratio_to_cudnn`` of every point that has a cuDNN point to compare with."""
+    key = ("head_dim", "seq_len", "causal", "pass")
+    cudnn = {tuple(p[k] for k in key): p["tflops"] for p in points
+             if p["impl"] == REFERENCE and p["tflops"]}
+    for p in points:
+        base = cudnn.get(tuple(p[k] for k in key))
+        p["ratio_to_cudnn"] = p["tflops"] / base if base and p["tflops"] is not None else None
+
+
+def _progress(index: int, total: int, records: list[dict[str, Any]]) -> str:
+    first = records[0]
+    parts = [f"[{index:>3}/{total}] d={first['head_dim']:<3} L={first['seq_len']:<5} "
+             f"{'causal' if first['causal'] else 'full  '} {first['impl']:<19}"]
+    for r in records:
+        if r["error"] is not None:
+            parts.append(f"{r['pass']} FAILED {r['error'][:100]}")
+        else:
+            parts.append(f"{r['pass']} {r['ms']:.3f} ms {report.fmt_tflops(r['tflops'])} TF/s")
+    errs = [r["max_rel_err"] for r in records if r["max_rel_err"] is not None]
+    if errs:
+        parts.append(f"err {max(errs):.1e}")
+    return " | ".join(parts)
+
+
+def select_implementations(
+        config: SuiteConfig, registry: Mapping[str, Implementation],
+        log: Callable[[str], None] = print,
+) -> tuple[list[Implementation], str | None, dict[str, str]]:
+    """Probe every registered implementation; returns (those to run, the reference's name or
+    None, {name: why unavailable})."""
+    dtype = DTYPES[config.dtype]
+    unknown = sorted(set(config.impls or ()) - set(registry))
+    if unknown:
+        raise ValueError(f"unknown implementations {unknown}; known: {sorted(registry)}")
+    available, unavailable = {}, {}
+    for name, impl in registry.items():
+        reason = probe(impl, dtype)
+        if reason is None:
+            available[name] = impl
+        else:
+            unavailable[name] = reason
+        log(f"probe {name:<20} {'ok' if reason is None else reason}")
+    wanted = config.impls or tuple(registry)
+    run = [available[name] for name in wanted if name in available]
+    reference = next((n for n in (REFERENCE, "xla") if n in available), None)
+    return run, reference, {n: r for n, r in unavailable.items() if n in wanted}
+
+
+def run_suite(config: SuiteConfig, registry: Mapping[str, Implementation] | None = None,
+              on_point: Callable[[dict[str, Any]], None] | None = None,
+              log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the suite; returns the result document (see ``benchmarks/README.md``).
+
+    Args:
+      config: what to run.
+      registry: the implementations to choose from (default ``IMPLEMENTATIONS``).
+      on_point: called with the result so far after every point (to save partial results).
+      log: where progress lines go.
+    """
+    registry = IMPLEMENTATIONS if registry is None else registry
+    dtype = DTYPES[config.dtype]
+    for d in config.head_dims:
+        for length in config.seq_lens:
+            problem_shape(d, length, tokens=config.tokens, hidden=config.hidden)
+    impls, reference_name, unavailable = select_implementations(config, registry, log)
+    device = jax.devices()[0]
+    result: dict[str, Any] = {
+        "schema": 1,
+        "date": datetime.date.today().isoformat(),
+        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": device.device_kind,
+        "platform": device.platform,
+        "jax_version": jax.__version__,
+        "config": {**dataclasses.asdict(config), "impls": [i.name for i in impls]},
+        "reference": reference_name,
+        "implementations": {i.name: {"dtype": _dtype_name(i.dtype or dtype), "note": i.note}
+                            for i in impls},
+        "unavailable": unavailable,
+        "points": [],
+    }
+    runner = _Runner(config)
+    kinds = _kinds(config.passes)
+    key = jax.random.key(config.seed)
+    start = time.perf_counter()
+    grid = [(d, c, n) for d in config.head_dims for c in config.causal for n in config.seq_lens]
+    total, index = len(grid) * len(impls), 0
+    for head_dim, causal, seq_len in grid:
+        batch, heads = problem_shape(head_dim, seq_len, tokens=config.tokens, hidden=config.hidden)
+        key, point_key = jax.random.split(key)
+        sets = _inputs(point_key, (batch, seq_len, heads, head_dim), dtype, config.input_sets)
+        expected = _reference_outputs(runner, registry.get(reference_name), causal, kinds, sets)
+        for impl in impls:
+            index += 1
+            run_dtype = impl.dtype or dtype
+            if config.time_limit is not None and time.perf_counter() - start > config.time_limit:
+                skipped = Measurement(error=f"not run: --time-limit {config.time_limit:g} s")
+                measured = dict.fromkeys(kinds, skipped)
+            else:
+                impl_sets = sets if run_dtype == dtype else [
+                    tuple(x.astype(run_dtype) for x in s) for s in sets]
+                measured = {}
+                for kind in kinds:
+                    args = impl_sets if kind == "fwdbwd" else [s[:3] for s in impl_sets]
+                    check = None if impl.name == reference_name else expected.get(kind)
+                    measured[kind] = runner.measure(runner.fn(impl, causal, kind), args, check)
+                del impl_sets
+                gc.collect()
+            records = [_point_record(impl, _dtype_name(run_dtype), head_dim, seq_len, batch,
+                                     heads, causal, p, measured) for p in config.passes]
+            result["points"].extend(records)
+            log(_progress(index, total, records))
+        del sets, expected
+        gc.collect()
+        add_ratios(result["points"])
+        if on_point is not None:
+            on_point(result)
+    add_ratios(result["points"])
+    return result
+
+
+def _reference_outputs(runner: _Runner, reference: Implementation | None, causal: bool,
+                       kinds: Sequence[str], sets: Sequence[tuple[jax.Array, ...]]) -> dict:
+    """The reference implementation's outputs on the first input set, per measured kind
+    (a kind is missing when the reference fails there)."""
+    expected = {}
+    if reference is None:
+        return expected
+    for kind in kinds:
+        args = sets[0] if kind == "fwdbwd" else sets[0][:3]
+        try:
+            expected[kind] = jax.block_until_ready(runner.fn(reference, causal, kind)(*args))
+        except Exception:
+            continue
+    return expected
+
+
+def _dtype_name(dtype: jnp.dtype) -> str:
+    return next(name for name, d in DTYPES.items() if d == jnp.dtype(dtype))
+
+
+def file_stem(device_kind: str, date: str, tag: str | None = None) -> str:
+    """``<device>-<date>[-<tag>]`` with the device kind lower-cased and spaces as dashes."""
+    slug = re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-") or "device"
+    return f"{slug}-{date}" + (f"-{tag}" if tag else "")
+
+
+def write_json(result: Mapping[str, Any], path: Path) -> None:
+    """Write ``result`` atomically (a killed run leaves the previous complete file)."""
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from exc
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _names(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
+    def parse(text: str) -> tuple[str, ...]:
+        values = tuple(x.strip() for x in text.split(",") if x.strip())
+        bad = [v for v in values if v not in choices]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"{bad or text!r}: choose from {', '.join(choices)}")
+        return values
+
+    return parse
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[SuiteConfig, Path, str | None]:
+    """Command line → (config, output directory, file-name tag)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.suite", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--impls", type=_names(tuple(IMPLEMENTATIONS)),
+                        help=f"comma list (default: every available one of "
+                             f"{','.join(IMPLEMENTATIONS)})")
+    parser.add_argument("--head-dims", type=_ints, help=f"default {_FULL['head_dims']}")
+    parser.add_argument("--seq-lens", type=_ints, help=f"default {_FULL['seq_lens']}")
+    parser.add_argument("--causal", choices=tuple(_CAUSAL), default="both")
+    parser.add_argument("--passes", type=_names(PASSES), default=PASSES,
+                        help="comma list of fwd,bwd,fwdbwd (default all)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    parser.add_argument("--iters", type=int, help="timing samples per measurement (default 30)")
+    parser.add_argument("--warmup", type=int, help="untimed calls first (default 3)")
+    parser.add_argument("--max-seconds", type=float,
+                        help="stop sampling a measurement after this long, once 5 samples are "
+                             "taken (default 2)")
+    parser.add_argument("--tokens", type=int, help="batch × seq_len (default 16384)")
+    parser.add_argument("--hidden", type=int, help="heads × head_dim (default 2048)")
+    parser.add_argument("--tolerance", type=float, default=0.05,
+                        help="max relative error vs the reference before a point counts as "
+                             "wrong (default 0.05)")
+    parser.add_argument("--time-limit", type=float,
+                        help="seconds; points not started by then are recorded as not run")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--tag", help="appended to the output file names")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"tiny sizes for a CPU smoke test: {_QUICK}")
+    args = parser.parse_args(argv)
+    sizes = _QUICK if args.quick else _FULL
+    pick = {name: getattr(args, name) if getattr(args, name) is not None else default
+            for name, default in sizes.items()}
+    config = SuiteConfig(
+        impls=args.impls,
+        head_dims=pick["head_dims"] if isinstance(pick["head_dims"], tuple)
+        else _ints(pick["head_dims"]),
+        seq_lens=pick["seq_lens"] if isinstance(pick["seq_lens"], tuple)
+        else _ints(pick["seq_lens"]),
+        causal=_CAUSAL[args.causal], passes=tuple(args.passes), dtype=args.dtype,
+        iters=pick["iters"], warmup=pick["warmup"], max_seconds=pick["max_seconds"],
+        tokens=pick["tokens"], hidden=pick["hidden"], tolerance=args.tolerance,
+        time_limit=args.time_limit, seed=args.seed)
+    try:
+        for d in config.head_dims:
+            for length in config.seq_lens:
+                problem_shape(d, length, tokens=config.tokens, hidden=config.hidden)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return config, args.out, args.tag
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m benchmarks.suite``."""
+    config, out_dir, tag = parse_args(argv)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = jax.devices()[0]
+    stem = file_stem(device.device_kind, datetime.date.today().isoformat(), tag)
+    json_path = out_dir / f"{stem}.json"
+    print(f"pallas-flash benchmark suite: {device.device_kind}, jax {jax.__version__}, "
+          f"writing {json_path}", flush=True)
+    result = run_suite(config, on_point=lambda r: write_json(r, json_path),
+                       log=lambda line: print(line, flush=True))
+    write_json(result, json_path)
+    md_path, charts = report.write_report(result, out_dir, stem)
+    print(f"\nwrote {json_path}, {md_path} and {len(charts)} charts\n")
+    print(report.text_table(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
