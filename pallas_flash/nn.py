@@ -164,9 +164,10 @@ class FlashSelfAttention(nnx.Module):
             self.v_proj = linear(d_model, kv_features)
         self.out_proj = linear(q_features, d_model)
         self.fused_qkv = fused_qkv
-        self.cached_key: nnx.Cache | None = None
-        self.cached_value: nnx.Cache | None = None
-        self.cache_index: nnx.Cache | None = None
+        # Data attributes (not static) so that init_cache can fill them in later.
+        self.cached_key: nnx.Cache | None = nnx.data(None)
+        self.cached_value: nnx.Cache | None = nnx.data(None)
+        self.cache_index: nnx.Cache | None = nnx.data(None)
 
     def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> None:
         """Allocate an empty KV cache for decoding up to ``max_length`` tokens.
