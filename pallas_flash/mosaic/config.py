@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 
 from pallas_flash.masking import MaskSpec
+from pallas_flash.padding import round_up
 
 #: Shared memory one sm90 CTA may use (the opt-in maximum, checked again at lowering).
 SMEM_BUDGET = 232448
@@ -27,7 +28,7 @@ NUM_CONSUMERS = 2
 
 
 def _align(nbytes: int) -> int:
-    return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
+    return round_up(nbytes, SMEM_ALIGNMENT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +81,7 @@ class MosaicConfig:
 
 def padded_head_dim(head_dim: int) -> int:
     """The kernel's head dim for a caller's ``head_dim``: the next multiple of 64."""
-    return -(-head_dim // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE
+    return round_up(head_dim, HEAD_DIM_MULTIPLE)
 
 
 def default_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicConfig:

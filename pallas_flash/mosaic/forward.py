@@ -46,6 +46,7 @@ from pallas_flash.mosaic.config import (
     MosaicConfig,
     padded_head_dim,
 )
+from pallas_flash.padding import pad_axis, round_up
 from pallas_flash.reference import EMPTY_ROW_LSE
 
 _LOG2E = math.log2(math.e)
@@ -304,14 +305,9 @@ def _pv_through_smem(o, p16, p_tile, v_tile, wait_next_k):
     return o + pl.run_scoped(gemm, plgpu.ACC(o.shape, jnp.float32))
 
 
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
 def _pad(x: jax.Array, seq: int, head_dim: int) -> jax.Array:
     """Zero-pads [B, S, H, D] to [B, seq, H, head_dim] (no copy when nothing to pad)."""
-    pads = ((0, 0), (0, seq - x.shape[1]), (0, 0), (0, head_dim - x.shape[3]))
-    return x if not any(p for _, p in pads) else jnp.pad(x, pads)
+    return pad_axis(pad_axis(x, 1, seq), 3, head_dim)
 
 
 def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool) -> str | None:
@@ -356,8 +352,8 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
     itemsize = jnp.dtype(q.dtype).itemsize
     config.check_fits(dim, itemsize)
     rows_per_cta = NUM_CONSUMERS * config.block_q
-    seq_q_pad = _round_up(seq_q, rows_per_cta)
-    seq_kv_pad = _round_up(seq_kv, config.block_kv)
+    seq_q_pad = round_up(seq_q, rows_per_cta)
+    seq_kv_pad = round_up(seq_kv, config.block_kv)
     st = _Static(
         mask=mask, scale_log2=scale * _LOG2E, block_q=config.block_q,
         block_kv=config.block_kv, num_stages=config.num_stages, head_dim=dim,
