@@ -67,9 +67,16 @@ def _cell(point: dict[str, Any] | None) -> str:
     if point is None:
         return ""
     if point["error"] is not None:
-        return "wrong" if point["error"].startswith("wrong result") else "failed"
+        return _status(point["error"])
     ratio = point["ratio_to_cudnn"]
     return fmt_tflops(point["tflops"]) + ("" if ratio is None else f" ({ratio:.2f}×)")
+
+
+def _status(error: str) -> str:
+    """How a failed point shows in a table cell."""
+    if error.startswith("wrong result"):
+        return "WRONG"
+    return "not run" if error.startswith("not run") else "failed"
 
 
 def _rows(result: dict[str, Any], pass_: str) -> list[tuple[int, bool, int]]:
@@ -156,7 +163,7 @@ def text_table(result: dict[str, Any]) -> str:
                 if p is None:
                     text = ""
                 elif p["error"] is not None:
-                    text = "WRONG" if p["error"].startswith("wrong result") else "fail"
+                    text = _status(p["error"])
                 else:
                     ratio = p["ratio_to_cudnn"]
                     text = fmt_tflops(p["tflops"]) + ("" if ratio is None else f" {ratio:.2f}x")
@@ -164,7 +171,7 @@ def text_table(result: dict[str, Any]) -> str:
             lines.append(f"{pass_:<6} {d:>3} {'yes' if causal else 'no':<6} {length:>6} | "
                          + " ".join(cells))
     for impl, error, where in failures(result):
-        lines.append(f"{impl} failed at {len(where)} point(s), e.g. {where[0]}: {error[:160]}")
+        lines.append(f"{impl}: no number at {len(where)} point(s), e.g. {where[0]}: {error[:160]}")
     return "\n".join(lines)
 
 

@@ -123,6 +123,22 @@ class _Runner:
             self._fns[key] = make(impl, causal)
         return self._fns[key]
 
+    def measure_impl(self, impl: Implementation, causal: bool, kinds: Sequence[str],
+                     sets: Sequence[tuple[jax.Array, ...]],
+                     expected: Mapping[str, Any]) -> dict[str, Measurement]:
+        """Measure each kind (``fwd``, ``fwdbwd``) of ``impl`` on input sets ``(q, k, v, do)``,
+        cast to the implementation's own dtype if it has one."""
+        dtype = sets[0][0].dtype
+        if impl.dtype is not None and impl.dtype != dtype:
+            sets = [tuple(x.astype(impl.dtype) for x in s) for s in sets]
+        measured = {}
+        for kind in kinds:
+            args = sets if kind == "fwdbwd" else [s[:3] for s in sets]
+            measured[kind] = self.measure(self.fn(impl, causal, kind), args, expected.get(kind))
+        del sets
+        gc.collect()
+        return measured
+
     def measure(self, fn: Callable[..., Any], arg_sets: Sequence[Sequence[jax.Array]],
                 expected: Any) -> Measurement:
         """Check ``fn`` against ``expected`` (if given) on the first input set, then time it."""
@@ -275,26 +291,21 @@ def run_suite(config: SuiteConfig, registry: Mapping[str, Implementation] | None
     for head_dim, causal, seq_len in grid:
         batch, heads = problem_shape(head_dim, seq_len, tokens=config.tokens, hidden=config.hidden)
         key, point_key = jax.random.split(key)
-        sets = _inputs(point_key, (batch, seq_len, heads, head_dim), dtype, config.input_sets)
-        expected = _reference_outputs(runner, registry.get(reference_name), causal, kinds, sets)
+        sets, expected = None, {}
+        if config.time_limit is None or time.perf_counter() - start <= config.time_limit:
+            sets = _inputs(point_key, (batch, seq_len, heads, head_dim), dtype, config.input_sets)
+            expected = _reference_outputs(runner, registry.get(reference_name), causal, kinds,
+                                          sets)
         for impl in impls:
             index += 1
-            run_dtype = impl.dtype or dtype
-            if config.time_limit is not None and time.perf_counter() - start > config.time_limit:
+            if sets is None:
                 skipped = Measurement(error=f"not run: --time-limit {config.time_limit:g} s")
                 measured = dict.fromkeys(kinds, skipped)
             else:
-                impl_sets = sets if run_dtype == dtype else [
-                    tuple(x.astype(run_dtype) for x in s) for s in sets]
-                measured = {}
-                for kind in kinds:
-                    args = impl_sets if kind == "fwdbwd" else [s[:3] for s in impl_sets]
-                    check = None if impl.name == reference_name else expected.get(kind)
-                    measured[kind] = runner.measure(runner.fn(impl, causal, kind), args, check)
-                del impl_sets
-                gc.collect()
-            records = [_point_record(impl, _dtype_name(run_dtype), head_dim, seq_len, batch,
-                                     heads, causal, p, measured) for p in config.passes]
+                check = {} if impl.name == reference_name else expected
+                measured = runner.measure_impl(impl, causal, kinds, sets, check)
+            records = [_point_record(impl, _dtype_name(impl.dtype or dtype), head_dim, seq_len,
+                                     batch, heads, causal, p, measured) for p in config.passes]
             result["points"].extend(records)
             log(_progress(index, total, records))
         del sets, expected
@@ -426,10 +437,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run_suite(config, on_point=lambda r: write_json(r, json_path),
                        log=lambda line: print(line, flush=True))
     write_json(result, json_path)
-    md_path, charts = report.write_report(result, out_dir, stem)
-    print(f"\nwrote {json_path}, {md_path} and {len(charts)} charts\n")
+    status = 0
+    try:
+        md_path, charts = report.write_report(result, out_dir, stem)
+        print(f"\nwrote {json_path}, {md_path} and {len(charts)} charts\n")
+    except Exception as exc:  # the JSON is safe; `python -m benchmarks.report` can retry
+        print(f"\nwrote {json_path}; markdown/charts failed: {error_summary(exc)}\n")
+        status = 1
     print(report.text_table(result), flush=True)
-    return 0
+    return status
 
 
 if __name__ == "__main__":
