@@ -1,0 +1,283 @@
+"""CPU tests of the benchmark suite: FLOP conventions, timing, the report writer, a tiny run."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import report, suite
+from benchmarks.flops import attention_flops, problem_shape, tflops_per_s
+from benchmarks.implementations import IMPLEMENTATIONS, Implementation, error_summary
+from benchmarks.timing import time_fn
+
+# --- FLOP conventions ------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("head_dim", "seq_len", "expected"), [
+    (128, 16384, (1, 16)),
+    (64, 1024, (16, 32)),
+    (256, 512, (32, 8)),
+])
+def test_problem_shape_follows_the_papers(head_dim, seq_len, expected):
+    assert problem_shape(head_dim, seq_len) == expected
+
+
+@pytest.mark.parametrize(("head_dim", "seq_len"), [(96, 1024), (128, 3000)])
+def test_problem_shape_rejects_inexact_divisions(head_dim, seq_len):
+    with pytest.raises(ValueError, match="not a multiple"):
+        problem_shape(head_dim, seq_len)
+
+
+def test_forward_flops_hand_computed():
+    # 4 · 1 · 16 · 16384² · 128 = 2^41.
+    assert attention_flops(1, 16, 16384, 128, causal=False, pass_="fwd") == 2**41
+    # 4 · 16 · 32 · 1024² · 64 = 2^37.
+    assert attention_flops(16, 32, 1024, 64, causal=False, pass_="fwd") == 2**37
+    # 4 · 3 · 5 · 7² · 11 (not a power of two).
+    assert attention_flops(3, 5, 7, 11, causal=False, pass_="fwd") == 32340
+
+
+def test_causal_halves_and_backward_is_two_and_a_half_forwards():
+    fwd = attention_flops(1, 16, 16384, 128, causal=False, pass_="fwd")
+    assert attention_flops(1, 16, 16384, 128, causal=True, pass_="fwd") == fwd / 2
+    assert attention_flops(1, 16, 16384, 128, causal=False, pass_="bwd") == 2.5 * fwd
+    assert attention_flops(1, 16, 16384, 128, causal=True, pass_="bwd") == 1.25 * fwd
+    assert attention_flops(1, 16, 16384, 128, causal=False, pass_="fwdbwd") == 3.5 * fwd
+    with pytest.raises(ValueError, match="pass"):
+        attention_flops(1, 1, 1, 1, causal=False, pass_="both")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_forward_flops_depend_only_on_tokens_hidden_and_length(head_dim):
+    # With batch·L = tokens and heads·D = hidden, the forward is 4·tokens·L·hidden.
+    batch, heads = problem_shape(head_dim, 4096)
+    flops = attention_flops(batch, heads, 4096, head_dim, causal=False, pass_="fwd")
+    assert flops == 4 * 16384 * 4096 * 2048
+
+
+def test_tflops_per_s():
+    assert tflops_per_s(1e12, 1.0) == pytest.approx(1000.0)
+    # The anchors' cuDNN forward at head_dim 128, L 16384: 2^41 FLOPs in 3.373 ms ≈ 652.
+    assert tflops_per_s(2**41, 3.373) == pytest.approx(651.9, abs=0.1)
+    with pytest.raises(ValueError):
+        tflops_per_s(1.0, 0.0)
+
+
+# --- timing and helpers ----------------------------------------------------------------------
+
+def test_time_fn_rotates_inputs_and_counts_samples():
+    seen = []
+
+    def fn(x):
+        seen.append(x)
+        return x
+
+    timing = time_fn(fn, [(0,), (1,), (2,)], iters=4, warmup=2, min_sample_ms=0.0)
+    assert timing.samples == 4
+    assert timing.calls_per_sample == 1
+    assert 0 < timing.min_ms <= timing.median_ms <= timing.max_ms
+    # Two warm-up calls, one estimate, then timed calls cycling through the three sets.
+    assert seen == [0, 1, 0, 0, 1, 2, 0]
+
+
+def test_time_fn_stops_at_the_time_cap_after_min_samples():
+    timing = time_fn(lambda: None, [()], iters=10**6, warmup=1, max_seconds=0.0, min_samples=3)
+    assert timing.samples == 3
+
+
+def test_relative_error():
+    ref = jnp.array([1.0, -2.0, 4.0])
+    assert suite.relative_error(ref, ref) == 0.0
+    assert suite.relative_error((ref, ref * 1.1), (ref, ref)) == pytest.approx(0.1, rel=1e-5)
+    assert math.isnan(suite.relative_error(ref.at[0].set(jnp.nan), ref))
+
+
+def test_error_summary_keeps_type_and_first_line():
+    assert error_summary(ValueError("\nshared memory overflow\n  details")) == (
+        "ValueError: shared memory overflow")
+    assert error_summary(AssertionError()) == "AssertionError"
+
+
+def test_file_stem():
+    assert suite.file_stem("NVIDIA H200", "2026-11-29") == "nvidia-h200-2026-11-29"
+    assert suite.file_stem("cpu", "2026-11-29", "d128") == "cpu-2026-11-29-d128"
+
+
+def test_backward_time_is_forward_backward_minus_forward():
+    impl = IMPLEMENTATIONS["xla"]
+    measured = {"fwd": suite.Measurement(ms=1.0), "fwdbwd": suite.Measurement(ms=3.0)}
+    record = suite._point_record(impl, "bf16", 128, 16384, 1, 16, False, "bwd", measured)
+    assert record["ms"] == pytest.approx(2.0)
+    assert record["tflops"] == pytest.approx(2.5 * 2**41 / 2e-3 / 1e12)
+    measured["fwdbwd"] = suite.Measurement(ms=0.9)
+    record = suite._point_record(impl, "bf16", 128, 16384, 1, 16, False, "bwd", measured)
+    assert record["ms"] is None and "not slower" in record["error"]
+    measured["fwd"] = suite.Measurement(error="ValueError: boom")
+    record = suite._point_record(impl, "bf16", 128, 16384, 1, 16, False, "bwd", measured)
+    assert record["error"] == "forward: ValueError: boom"
+
+
+def test_parse_args_quick_defaults_and_overrides():
+    config, out_dir, tag = suite.parse_args(["--quick", "--head-dims", "32", "--causal", "yes",
+                                         "--passes", "fwd,bwd", "--tag", "x"])
+    assert config.head_dims == (32,)
+    assert config.tokens == 256 and config.causal == (True,)
+    assert config.passes == ("fwd", "bwd") and tag == "x"
+    assert out_dir == Path("benchmarks/results")
+    config, _, _ = suite.parse_args([])
+    assert config.seq_lens == (1024, 2048, 4096, 8192, 16384)
+    assert config.head_dims == (64, 128, 256) and config.tokens == 16384
+    with pytest.raises(SystemExit):
+        suite.parse_args(["--seq-lens", "3000"])
+    with pytest.raises(SystemExit):
+        suite.parse_args(["--impls", "nope"])
+
+
+# --- report ----------------------------------------------------------------------------------
+
+def _point(impl, pass_, tflops, *, causal=False, seq_len=1024, error=None, dtype="bf16"):
+    batch, heads = problem_shape(128, seq_len)
+    flops = attention_flops(batch, heads, seq_len, 128, causal=causal, pass_=pass_)
+    return {"impl": impl, "dtype": dtype, "head_dim": 128, "seq_len": seq_len, "batch": batch,
+            "heads": heads, "causal": causal, "pass": pass_, "flops": flops,
+            "ms": None if tflops is None else flops / (tflops * 1e9),
+            "tflops": tflops, "ratio_to_cudnn": None, "max_rel_err": None, "error": error}
+
+
+def _result(points, device="NVIDIA H200"):
+    suite.add_ratios(points)
+    return {"schema": 1, "date": "2026-11-29", "device": device, "platform": "gpu",
+            "jax_version": "0.11.2", "reference": "cudnn",
+            "config": {"dtype": "bf16", "tokens": 16384, "hidden": 2048, "iters": 30,
+                       "warmup": 3, "input_sets": 3, "tolerance": 0.05},
+            "implementations": {"cudnn": {"dtype": "bf16", "note": "jax.nn (cuDNN)"}},
+            "unavailable": {"tokamax": "ModuleNotFoundError: No module named 'tokamax'"},
+            "points": points}
+
+
+def _sample_result():
+    return _result([
+        _point("cudnn", "fwd", 500.0), _point("xla", "fwd", 125.0),
+        _point("jax_mgpu", "fwd", 600.0, dtype="fp16"),
+        _point("cudnn", "fwd", 400.0, seq_len=2048), _point("xla", "fwd", 100.0, seq_len=2048),
+        _point("jax_mgpu", "fwd", None, seq_len=2048, error="ValueError: smem overflow"),
+        _point("cudnn", "bwd", 400.0), _point("xla", "bwd", 40.0),
+        _point("jax_mgpu", "bwd", None, error="wrong result: max rel err 0.9 > 0.05"),
+    ])
+
+
+def test_ratios_to_cudnn():
+    points = {(p["impl"], p["seq_len"], p["pass"]): p for p in _sample_result()["points"]}
+    assert points[("cudnn", 1024, "fwd")]["ratio_to_cudnn"] == 1.0
+    assert points[("xla", 1024, "fwd")]["ratio_to_cudnn"] == 0.25
+    assert points[("jax_mgpu", 1024, "fwd")]["ratio_to_cudnn"] == pytest.approx(1.2)
+    assert points[("xla", 1024, "bwd")]["ratio_to_cudnn"] == pytest.approx(0.1)
+    assert points[("jax_mgpu", 2048, "fwd")]["ratio_to_cudnn"] is None
+
+
+def test_report_round_trips_json_into_markdown(tmp_path):
+    path = tmp_path / "nvidia-h200-2026-11-29.json"
+    path.write_text(json.dumps(_sample_result()))
+    result = report.load([path])
+    md = report.markdown(result)
+    assert md.startswith("# Attention benchmark: NVIDIA H200, 2026-11-29")
+    assert "jax 0.11.2" in md
+    assert "| head_dim | causal | L | cudnn | xla | jax_mgpu (fp16) |" in md
+    assert "| 128 | no | 1024 | 500 (1.00×) | 125 (0.25×) | 600 (1.20×) |" in md
+    assert "| 128 | no | 2048 | 400 (1.00×) | 100 (0.25×) | failed |" in md
+    assert "| 128 | no | 1024 | 400 (1.00×) | 40 (0.10×) | WRONG |" in md
+    assert "## Forward (TFLOP/s)" in md and "## Backward (TFLOP/s)" in md
+    assert "| jax_mgpu | ValueError: smem overflow | fwd d128 L2048 |" in md
+    assert "`tokamax`: not available" in md
+    table = report.text_table(result)
+    assert "125 0.25x" in table and "WRONG" in table and "failed" in table
+
+
+def test_report_writes_one_chart_per_head_dim_causal_and_pass(tmp_path):
+    md_path, charts = report.write_report(_sample_result(), tmp_path, "h200")
+    assert md_path == tmp_path / "h200.md"
+    assert sorted(p.name for p in charts) == ["h200-d128-full-bwd.png", "h200-d128-full-fwd.png"]
+    for chart in charts:
+        assert chart.read_bytes().startswith(b"\x89PNG")
+
+
+def test_report_merges_files_later_points_win(tmp_path):
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps(_sample_result()))
+    second.write_text(json.dumps(_result([_point("cudnn", "fwd", 800.0),
+                                          _point("cudnn", "fwd", 300.0, causal=True)])))
+    merged = report.load([first, second])
+    cudnn = {(p["seq_len"], p["causal"], p["pass"]): p["tflops"]
+             for p in merged["points"] if p["impl"] == "cudnn"}
+    assert cudnn[(1024, False, "fwd")] == 800.0
+    assert cudnn[(1024, True, "fwd")] == 300.0
+    assert len(merged["points"]) == len(_sample_result()["points"]) + 1
+    other = tmp_path / "c.json"
+    other.write_text(json.dumps(_result([], device="cpu")))
+    with pytest.raises(ValueError, match="different devices"):
+        report.load([first, other])
+
+
+# --- a tiny run of the suite on CPU ----------------------------------------------------------
+
+def _xla(q, k, v, causal):
+    return IMPLEMENTATIONS["xla"].fn(q, k, v, causal)
+
+
+def _wrong(q, k, v, causal):
+    return 2 * _xla(q, k, v, causal)
+
+
+def _fails_at_64(q, k, v, causal):
+    if q.shape[1] == 64:  # passes the probe (L 256), fails at the point, like an smem overflow
+        raise ValueError("Mosaic GPU kernel exceeds available shared memory\nmore detail")
+    return _xla(q, k, v, causal)
+
+
+def test_suite_records_timings_wrong_results_and_failures():
+    registry = {
+        "xla": IMPLEMENTATIONS["xla"],
+        "wrong": Implementation("wrong", _wrong),
+        "fails": Implementation("fails", _fails_at_64),
+        "fp32": Implementation("fp32", _xla, dtype=jnp.dtype(jnp.float32)),
+        "missing": Implementation("missing", lambda q, k, v, c: __import__("no_such_module")),
+    }
+    config = suite.SuiteConfig(head_dims=(32,), seq_lens=(64,), causal=(True,), tokens=128,
+                               hidden=64, iters=2, warmup=1, max_seconds=0.05)
+    saved = []
+    result = suite.run_suite(config, registry, on_point=saved.append, log=lambda _: None)
+    assert result["reference"] == "xla"
+    assert result["unavailable"] == {"missing": "ModuleNotFoundError: No module named "
+                                                "'no_such_module'"}
+    assert len(saved) == 1
+    points = {(p["impl"], p["pass"]): p for p in result["points"]}
+    assert len(points) == 4 * 3
+    for pass_ in ("fwd", "bwd", "fwdbwd"):
+        xla = points[("xla", pass_)]
+        assert (xla["batch"], xla["heads"], xla["causal"]) == (2, 2, True)
+        assert xla["flops"] == attention_flops(2, 2, 64, 32, causal=True, pass_=pass_)
+        assert points[("wrong", pass_)]["error"].startswith("wrong result: max rel err 1")
+        assert points[("wrong", pass_)]["tflops"] is None
+        assert "exceeds available shared memory" in points[("fails", pass_)]["error"]
+        assert points[("fp32", pass_)]["dtype"] == "fp32"
+        assert points[("fp32", pass_)]["max_rel_err"] < 0.05
+        assert points[("fp32", pass_)]["ratio_to_cudnn"] is None
+    assert points[("xla", "fwd")]["error"] is None and points[("xla", "fwd")]["ms"] > 0
+    assert points[("xla", "fwdbwd")]["error"] is None
+
+
+def test_suite_main_quick_on_cpu(tmp_path, capsys):
+    assert suite.main(["--quick", "--impls", "xla", "--causal", "no", "--seq-lens", "64",
+                       "--passes", "fwd", "--out", str(tmp_path)]) == 0
+    (json_path,) = tmp_path.glob("*.json")
+    result = json.loads(json_path.read_text())
+    assert result["device"] and result["jax_version"]
+    assert json_path.with_suffix(".md").exists()
+    assert list(tmp_path.glob("*-d64-full-fwd.png"))
+    (point,) = result["points"]
+    assert point["impl"] == "xla" and point["error"] is None and point["tflops"] > 0
+    out = capsys.readouterr().out
+    assert "fwd     64 no         64 |" in out
