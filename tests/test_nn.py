@@ -1,0 +1,176 @@
+"""pallas_flash.nn: the NNX layer and the Linen attention_fn against plain references."""
+
+from __future__ import annotations
+
+import flax.linen as linen
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pallas_flash.masking import MaskSpec
+from pallas_flash.nn import FlashSelfAttention, make_attention_fn, rotary_embedding
+from pallas_flash.reference import standard_attention
+
+D_MODEL, HEADS = 32, 4
+
+
+def reference_attention(query, key, value, *, is_causal, local_window_size, q_segment_ids,
+                        kv_segment_ids):
+    """The layer's AttentionFn contract, computed by the materialised-softmax reference."""
+    window = local_window_size
+    if isinstance(window, int):
+        window = (window, window)
+    mask = MaskSpec(seq_q=query.shape[1], seq_kv=key.shape[1], is_causal=is_causal,
+                    window=window)
+    segments = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
+    out, _ = standard_attention(query, key, value, mask=mask, segment_ids=segments)
+    return out
+
+
+def _layer(**kwargs) -> FlashSelfAttention:
+    """Same seed, so two layers differing only in attention_fn share their parameters."""
+    return FlashSelfAttention(D_MODEL, HEADS, rngs=nnx.Rngs(0), **kwargs)
+
+
+def _inputs(batch=2, seq=16, seed=1):
+    return jax.random.normal(jax.random.key(seed), (batch, seq, D_MODEL))
+
+
+def _value_and_param_grads(layer, x, **call_kwargs):
+    """(out, d sum(out * cotangent) / d params), in one jitted call."""
+    graphdef, params = nnx.split(layer)
+    cotangent = jax.random.normal(jax.random.key(7), x.shape)
+
+    def loss(params):
+        out = nnx.merge(graphdef, params)(x, **call_kwargs)
+        return jnp.sum(out * cotangent), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    return out, nnx.to_pure_dict(grads)
+
+
+@pytest.mark.parametrize("kwargs, segmented", [
+    ({"num_kv_heads": 2}, True),                                  # GQA, causal, packed
+    ({"fused_qkv": False, "local_window_size": 3}, False),        # separate projections
+    ({"num_kv_heads": 1, "is_causal": False, "use_bias": True,    # MQA, bidirectional,
+      "rope_base": None, "local_window_size": (2, 1)}, True),     # asymmetric window
+])
+def test_layer_matches_reference_attention(kwargs, segmented):
+    x = _inputs()
+    call = {}
+    if segmented:
+        call["segment_ids"] = jnp.array([[1] * 5 + [2] * 11, [1] * 9 + [2] * 4 + [3] * 3])
+        call["positions"] = jnp.array([list(range(5)) + list(range(11)),
+                                       list(range(9)) + list(range(4)) + list(range(3))])
+    out, grads = _value_and_param_grads(_layer(**kwargs), x, **call)
+    want_out, want_grads = _value_and_param_grads(
+        _layer(attention_fn=reference_attention, **kwargs), x, **call)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    assert jax.tree.structure(grads) == jax.tree.structure(want_grads)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_gqa_projection_shapes_and_shared_heads():
+    layer = _layer(num_kv_heads=2, fused_qkv=False)
+    assert layer.q_proj.kernel.shape == (D_MODEL, HEADS * 8)
+    assert layer.k_proj.kernel.shape == layer.v_proj.kernel.shape == (D_MODEL, 2 * 8)
+    fused = _layer(num_kv_heads=2)
+    assert fused.qkv_proj.kernel.shape == (D_MODEL, (HEADS + 2 * 2) * 8)
+    # Copying each KV head to the query heads that share it gives the same layer as MHA.
+    mha = _layer(fused_qkv=False)
+    for name in ("k_proj", "v_proj"):
+        kernel = getattr(layer, name).kernel[...].reshape(D_MODEL, 2, 1, 8)
+        getattr(mha, name).kernel[...] = jnp.repeat(kernel, 2, axis=2).reshape(D_MODEL, -1)
+    mha.q_proj.kernel[...] = layer.q_proj.kernel[...]
+    mha.out_proj.kernel[...] = layer.out_proj.kernel[...]
+    x = _inputs()
+    np.testing.assert_allclose(layer(x), mha(x), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_documents_equal_separate_documents():
+    layer = _layer(num_kv_heads=2)
+    forward = jax.jit(lambda x, **kw: layer(x, **kw))
+    x = _inputs(batch=1, seq=16)
+    packed = forward(x, segment_ids=jnp.array([[1] * 8 + [2] * 8]),
+                     positions=jnp.array([list(range(8)) * 2]))
+    separate = jnp.concatenate([forward(x[:, :8]), forward(x[:, 8:])], axis=1)
+    np.testing.assert_allclose(packed, separate, rtol=1e-5, atol=1e-5)
+
+
+def test_cached_decoding_reproduces_full_forward():
+    layer = _layer(num_kv_heads=2, local_window_size=4)
+    x = _inputs(seq=12)
+    full = layer(x)
+    layer.init_cache(batch_size=2, max_length=12)
+    # A 5-token prefill, then one token at a time.
+    steps = [layer(x[:, :5], decode=True)]
+    steps += [layer(x[:, t:t + 1], decode=True) for t in range(5, 12)]
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-5, atol=1e-5)
+    assert int(layer.cache_index[...]) == 12
+
+
+def test_rotary_embedding_depends_only_on_relative_position():
+    q = jax.random.normal(jax.random.key(0), (1, 1, 1, 8))
+    k = jax.random.normal(jax.random.key(1), (1, 1, 1, 8))
+
+    def score(q_pos, k_pos):
+        rq = rotary_embedding(q, jnp.array([[q_pos]]), 10_000.0)
+        rk = rotary_embedding(k, jnp.array([[k_pos]]), 10_000.0)
+        return jnp.sum(rq * rk)
+
+    np.testing.assert_allclose(score(7, 3), score(107, 103), rtol=1e-4)
+    np.testing.assert_allclose(rotary_embedding(q, jnp.array([[0]]), 10_000.0), q)
+
+
+def test_layer_errors():
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        _layer(num_kv_heads=3)
+    with pytest.raises(ValueError, match="either attention_fn or implementation"):
+        _layer(attention_fn=reference_attention, implementation="xla")
+    with pytest.raises(ValueError, match="init_cache"):
+        _layer()(_inputs(), decode=True)
+    with pytest.raises(ValueError, match="is_causal"):
+        _layer(is_causal=False).init_cache(1, 4)
+
+
+def _linen_pair(attention_fn, x, **call_kwargs):
+    """Outputs of MultiHeadDotProductAttention with flax's default and with attention_fn,
+    on the same parameters."""
+    default = linen.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=D_MODEL)
+    ours = linen.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=D_MODEL,
+                                              attention_fn=attention_fn)
+    params = default.init(jax.random.key(0), x)
+    return ours.apply(params, x), default.apply(params, x, **call_kwargs)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_linen_attention_fn_matches_flax_default(is_causal):
+    x = _inputs()
+    mask = {"mask": linen.make_causal_mask(x[..., 0])} if is_causal else {}
+    got, want = _linen_pair(make_attention_fn(is_causal=is_causal), x, **mask)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_linen_attention_fn_extra_batch_dims():
+    x = _inputs(batch=6).reshape(2, 3, 16, D_MODEL)
+    got, want = _linen_pair(make_attention_fn(), x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_linen_attention_fn_rejects_what_it_cannot_do():
+    fn = make_attention_fn()
+    q = jnp.zeros((1, 4, 2, 8))
+    with pytest.raises(ValueError, match="bias"):
+        fn(q, q, q, bias=jnp.zeros((1, 2, 4, 4)))
+    with pytest.raises(ValueError, match="mask"):
+        fn(q, q, q, mask=jnp.ones((1, 1, 4, 4), bool))
+    with pytest.raises(ValueError, match="dropout"):
+        fn(q, q, q, dropout_rate=0.1, deterministic=False)
+    fn(q, q, q, dropout_rate=0.1, deterministic=True)   # inference: dropout is off
+    layer = linen.MultiHeadDotProductAttention(num_heads=2, attention_fn=fn)
+    x = jnp.ones((1, 4, 16))
+    with pytest.raises(ValueError, match="mask"):
+        layer.init(jax.random.key(0), x, mask=jnp.ones((1, 1, 4, 4), bool))
