@@ -139,25 +139,27 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, st: _Static, q_smem, k_sme
         plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
         kv_head = lax.div(head, st.group)  # GQA: K/V are indexed, never repeated
 
-        def load(j, s):
+        def load(ref, smem, ready, j):
             rows = (batch, pl.ds(j * bkv, bkv), kv_head)
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[s], k_ready.at[s])
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[s], v_ready.at[s])
+            plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot(j)], ready.at[slot(j)])
+        load_k = functools.partial(load, k_ref, k_smem, k_ready)
+        load_v = functools.partial(load, v_ref, v_smem, v_ready)
 
         # Prologue: fill the ring.
         for i in range(st.num_stages):
-            pl.when(cta_first + i < cta_last)(functools.partial(load, cta_first + i, i))
+            @pl.when(cta_first + i < cta_last)
+            def _fill(j=cta_first + i):
+                load_k(j)
+                load_v(j)
 
         # Steady state: a slot is refilled once both consumers freed it. K is reloaded
         # before V because consumers free K_j first (right after S = Q·K_jᵀ).
         @pl.loop(cta_first + st.num_stages, cta_last)
         def _refill(j):
-            s = slot(j)
-            rows = (batch, pl.ds(j * bkv, bkv), kv_head)
-            plgpu.barrier_wait(k_free.at[s])
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[s], k_ready.at[s])
-            plgpu.barrier_wait(v_free.at[s])
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[s], v_ready.at[s])
+            plgpu.barrier_wait(k_free.at[slot(j)])
+            load_k(j)
+            plgpu.barrier_wait(v_free.at[slot(j)])
+            load_v(j)
 
         # Observe the last releases too: a thread that waits on an mbarrier must see every
         # phase of it (the phase bit would otherwise be out of step; interpret mode checks).
