@@ -1,0 +1,1 @@
+"""Example models built on pallas_flash: a byte-level transformer, its data and training."""
