@@ -96,7 +96,7 @@ class MaskSpec:
             ok = ok & (diff >= lo)
         if hi < _UNBOUNDED:
             ok = ok & (diff <= hi)
-        return ok
+        return jnp.broadcast_to(ok, diff.shape)
 
     def block_visible(self, q_start, block_q: int, k_start, block_kv: int) -> jnp.ndarray:
         """``visible`` on the ``[block_q, block_kv]`` tile whose corner is (q_start, k_start)."""
@@ -120,7 +120,7 @@ class MaskSpec:
         k_end = xp.minimum(q_last + hi, self.seq_kv - 1) + 1
         k_begin = xp.maximum(q_start + lo, 0)
         first = _div(k_begin, block_kv)
-        last = xp.maximum(_cdiv(xp.maximum(k_end, 0), block_kv), first)
+        last = xp.where(k_end > k_begin, _cdiv(xp.maximum(k_end, 0), block_kv), first)
         # Keys visible to *every* row: k >= q_last + lo and k <= q_start + hi (and < seq_kv).
         full_begin = xp.maximum(q_last + lo, 0)
         full_end = xp.minimum(q_start + hi, self.seq_kv - 1) + 1
@@ -143,7 +143,7 @@ class MaskSpec:
         q_begin = xp.clip(k_start - hi, 0, num_q_blocks * block_q)
         q_end = xp.clip(k_last - lo + 1, 0, num_q_blocks * block_q)
         first = _div(q_begin, block_q)
-        last = xp.maximum(_cdiv(q_end, block_q), first)
+        last = xp.where(q_end > q_begin, _cdiv(q_end, block_q), first)
         # Rows that see every key of the block: q >= k_last - hi and q <= k_start - lo,
         # and the block holds no padded key.
         full_begin = xp.clip(k_last - hi, 0, num_q_blocks * block_q)

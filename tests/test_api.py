@@ -1,0 +1,60 @@
+"""Bad input gets a ValueError that names the argument."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+import pallas_flash as pf
+
+
+def _qkv(q_shape=(1, 16, 4, 32), kv_shape=(1, 16, 2, 32), dtype=jnp.float32):
+    q = jnp.ones(q_shape, dtype)
+    k = jnp.ones(kv_shape, dtype)
+    return q, k, k
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(q=jnp.ones((16, 4, 32))), "query must have rank 4"),
+        (dict(k=jnp.ones((1, 16, 2, 2, 32))), "key must have rank 4"),
+        (dict(v=jnp.ones((1, 16, 2, 16))), "key and value must have the same shape"),
+        (dict(k=jnp.ones((2, 16, 2, 32)), v=jnp.ones((2, 16, 2, 32))), "batch size"),
+        (dict(k=jnp.ones((1, 16, 2, 16)), v=jnp.ones((1, 16, 2, 16))), "head_dim"),
+        (dict(k=jnp.ones((1, 16, 3, 32)), v=jnp.ones((1, 16, 3, 32))), "multiple of key/value"),
+        (dict(q=jnp.ones((1, 16, 4, 32), jnp.bfloat16)), "share one dtype"),
+        (dict(q=jnp.ones((1, 16, 4, 32), jnp.int32)), "query dtype"),
+        (dict(q=jnp.ones((1, 16, 4, 512)), k=jnp.ones((1, 16, 2, 512)),
+              v=jnp.ones((1, 16, 2, 512))), "head_dim must be in"),
+        (dict(scale=0.0), "scale must be a positive"),
+        (dict(scale=-1.0), "scale must be a positive"),
+        (dict(scale=float("nan")), "scale must be a positive"),
+        (dict(local_window_size=-1), "local_window_size"),
+        (dict(local_window_size=(1, 2, 3)), "local_window_size"),
+        (dict(causal_alignment="center"), "causal_alignment"),
+        (dict(is_causal="yes"), "is_causal"),
+        (dict(implementation="cuda"), "implementation must be one of"),
+        (dict(q_segment_ids=jnp.zeros((1, 15), jnp.int32)), "q_segment_ids must have shape"),
+        (dict(q_segment_ids=jnp.zeros((1, 16), jnp.float32)), "integer dtype"),
+        (dict(q_segment_ids=jnp.zeros((1, 16), jnp.int32),
+              kv_segment_ids=jnp.zeros((2, 16), jnp.int32)), "kv_segment_ids must have shape"),
+    ],
+)
+def test_bad_input_raises_value_error(kwargs, match):
+    q, k, v = _qkv()
+    q, k, v = kwargs.pop("q", q), kwargs.pop("k", k), kwargs.pop("v", v)
+    with pytest.raises(ValueError, match=match):
+        pf.attention(q, k, v, **kwargs)
+
+
+def test_segment_ids_required_together_when_lengths_differ():
+    q, k, v = _qkv(kv_shape=(1, 8, 2, 32))
+    with pytest.raises(ValueError, match="given together"):
+        pf.attention(q, k, v, q_segment_ids=jnp.zeros((1, 16), jnp.int32))
+
+
+def test_default_scale_is_inverse_sqrt_head_dim():
+    q, k, v = (x * jnp.arange(16.0)[None, :, None, None] / 16 for x in _qkv())
+    assert jnp.allclose(pf.attention(q, k, v), pf.attention(q, k, v, scale=32 ** -0.5))
+    assert not jnp.allclose(pf.attention(q, k, v), pf.attention(q, k, v, scale=1.0))
