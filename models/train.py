@@ -4,7 +4,8 @@
     python -m models.train --preset small --seq-len 4096 # one GPU
 
 Writes ``<out>/loss.png``, ``<out>/metrics.json`` and orbax checkpoints under
-``<out>/checkpoints``; ``--resume`` continues from the latest one.
+``<out>/checkpoints``; ``--resume`` continues from the latest one (``--overwrite`` starts
+afresh in a folder that already holds a run).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -78,8 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-rows", type=int, default=64, help="validation rows per evaluation")
     p.add_argument("--checkpoint-every", type=int,
                    help="steps between checkpoints (default: same as --eval-every)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in --out")
+    runs = p.add_mutually_exclusive_group()
+    runs.add_argument("--resume", action="store_true",
+                      help="continue from the latest checkpoint in --out (same flags as the "
+                           "interrupted run: the schedule depends on --steps)")
+    runs.add_argument("--overwrite", action="store_true",
+                      help="delete the checkpoints already in --out and start afresh")
     p.add_argument("--out", type=Path, help="output folder (default: runs/<preset>)")
     p.add_argument("--seed", type=int, default=0, help="initialisation and data-order seed")
     p.add_argument("--prompt", default="def ", help="start of the generated sample")
@@ -186,6 +192,20 @@ def plot_losses(history: dict[str, list], path: Path) -> None:
     plt.close(fig)
 
 
+def open_checkpoints(out: Path, resume: bool, overwrite: bool) -> ocp.CheckpointManager:
+    """The run's checkpoint manager; refuses to mix a fresh run into an earlier one."""
+    directory = out / "checkpoints"
+    if overwrite:
+        shutil.rmtree(directory, ignore_errors=True)
+    manager = ocp.CheckpointManager(directory,
+                                    options=ocp.CheckpointManagerOptions(max_to_keep=2))
+    if not resume and manager.latest_step() is not None:
+        raise ValueError(
+            f"{directory} already holds checkpoints (latest: step {manager.latest_step()}); "
+            "pass --resume to continue that run or --overwrite to start afresh")
+    return manager
+
+
 def _restore(manager: ocp.CheckpointManager, params, opt_state, history_path: Path):
     """Latest checkpoint and the history up to it, or ``None`` if there is none."""
     step = manager.latest_step()
@@ -210,6 +230,7 @@ def train(args: argparse.Namespace) -> dict[str, list]:
     config = PRESETS[args.preset]
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
+    manager = open_checkpoints(out, args.resume, args.overwrite)
     train_rows, val_rows = data.load_corpus(args.seq_len, args.data, args.val_fraction)
     model = Transformer(config, dtype=compute_dtype(args.dtype), rngs=nnx.Rngs(args.seed),
                         **attention_kwargs(args.implementation))
@@ -223,8 +244,6 @@ def train(args: argparse.Namespace) -> dict[str, list]:
     train_step, eval_step = make_steps(graphdef, tx)
     history: dict[str, list] = {"step": [], "loss": [], "val_step": [], "val_loss": []}
     history_path = out / "metrics.json"
-    manager = ocp.CheckpointManager(out / "checkpoints",
-                                    options=ocp.CheckpointManagerOptions(max_to_keep=2))
     start = 0
     if args.resume and (restored := _restore(manager, params, opt_state, history_path)):
         start, params, opt_state, history = restored
@@ -233,6 +252,7 @@ def train(args: argparse.Namespace) -> dict[str, list]:
         history["val_step"].append(0)
         history["val_loss"].append(
             evaluate(eval_step, params, val_rows, args.batch_size, args.eval_rows))
+        print(f"step 0: validation {history['val_loss'][0]:.3f}")
 
     def save(step):
         history_path.write_text(json.dumps(history))

@@ -44,6 +44,8 @@ def test_resume_gives_the_same_next_losses(corpus, tmp_path):
     flags = ("--steps", "6", "--checkpoint-every", "3", "--eval-every", "3",
              "--sample-tokens", "0")
     want = train(_args(corpus, straight, *flags))
+    with pytest.raises(ValueError, match="--resume"):
+        train(_args(corpus, straight, *flags))      # a fresh run must not mix into it
     # A run that died after its step-3 checkpoint: same folder, minus what came later.
     shutil.copytree(straight, crashed)
     shutil.rmtree(crashed / "checkpoints" / "6")
