@@ -44,6 +44,22 @@ TRAIN_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except where there is none to show (None, switches)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _per_preset(name: str) -> str:
+    """'(tiny: 300, small: 5000)' for a flag whose default depends on the preset."""
+    values = {preset: (TRAIN_DEFAULTS[preset] | {"seq_len": PRESETS[preset].seq_len})[name]
+              for preset in PRESETS}
+    return "(" + ", ".join(f"{preset}: {value:g}" for preset, value in values.items()) + ")"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     p = argparse.ArgumentParser(
@@ -54,14 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
             "library, split into train/validation by file, packed into rows with segment ids "
             "(attention never crosses a document). Writes a loss plot, metrics.json and "
             "orbax checkpoints to --out, and prints a generated sample at the end."),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                    help="model size (tiny: CPU, ~2 min; small: ~76M params, GPU)")
-    p.add_argument("--steps", type=int, help="optimizer steps (default: per preset)")
-    p.add_argument("--batch-size", type=int, help="rows per step (default: per preset)")
-    p.add_argument("--seq-len", type=int, help="tokens (bytes) per row (default: per preset)")
-    p.add_argument("--learning-rate", type=float, help="peak learning rate (default: per preset)")
-    p.add_argument("--warmup-steps", type=int, help="linear warm-up steps (default: per preset)")
+    p.add_argument("--steps", type=int, help=f"optimizer steps {_per_preset('steps')}")
+    p.add_argument("--batch-size", type=int, help=f"rows per step {_per_preset('batch_size')}")
+    p.add_argument("--seq-len", type=int, help=f"tokens (bytes) per row {_per_preset('seq_len')}")
+    p.add_argument("--learning-rate", type=float,
+                   help=f"peak learning rate {_per_preset('learning_rate')}")
+    p.add_argument("--warmup-steps", type=int,
+                   help=f"linear warm-up steps {_per_preset('warmup_steps')}")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay (matrices only)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip")
     p.add_argument("--implementation",
