@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_flash as pf
-from pallas_flash.triton import TritonConfig, default_config
+from pallas_flash.triton import default_config
 
 
 def _median_ms(fn, *args, iters: int) -> float:
@@ -111,7 +111,7 @@ def main() -> None:
                     t_fwd, t_bwd = _timed(attn, q, k, v, g, args.iters)
                     row.update(fwd_ms=t_fwd, bwd_ms=t_bwd, fwd_tflops=flops / t_fwd / 1e9,
                                bwd_tflops=2.5 * flops / t_bwd / 1e9)
-                except Exception as e:  # noqa: BLE001 - record and go on
+                except Exception as e:
                     row["error"] = str(e).splitlines()[0][:200]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -119,8 +119,9 @@ def main() -> None:
     print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}")
     print(f"{'impl':20s} {'D':>4s} {'causal':>6s} {'fwd TF/s':>9s} {'bwd TF/s':>9s} {'err':>8s}")
     for row in rows:
+        fwd, bwd = row.get("fwd_tflops", float("nan")), row.get("bwd_tflops", float("nan"))
         print(f"{row['impl']:20s} {row['head_dim']:4d} {row['causal']!s:>6s} "
-              f"{row.get('fwd_tflops', float('nan')):9.1f} {row.get('bwd_tflops', float('nan')):9.1f} "
+              f"{fwd:9.1f} {bwd:9.1f} "
               f"{row.get('max_rel_err', float('nan')):8.2e} {row.get('error', '')}")
     if args.out:
         with open(args.out, "w") as f:

@@ -117,7 +117,7 @@ def attention(
       ``out: [batch, seq_q, heads, head_dim]`` in the input dtype, or ``(out, lse)``.
     """
     _check_arrays(query, key, value)
-    batch, seq_q, heads, head_dim = query.shape
+    batch, seq_q, _, head_dim = query.shape
     seq_kv = key.shape[1]
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
@@ -167,7 +167,8 @@ def _check_arrays(query, key, value) -> None:
             "query, key and value must share one dtype, got "
             f"{query.dtype}, {key.dtype}, {value.dtype}")
     if key.shape != value.shape:
-        raise ValueError(f"key and value must have the same shape, got {key.shape} and {value.shape}")
+        raise ValueError(
+            f"key and value must have the same shape, got {key.shape} and {value.shape}")
     if query.shape[0] != key.shape[0]:
         raise ValueError(
             f"key batch size {key.shape[0]} does not match query batch size {query.shape[0]}")

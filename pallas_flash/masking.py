@@ -57,7 +57,8 @@ class MaskSpec:
 
     def __post_init__(self) -> None:
         if self.seq_q < 1 or self.seq_kv < 1:
-            raise ValueError(f"sequence lengths must be positive, got {self.seq_q=}, {self.seq_kv=}")
+            raise ValueError(
+                f"sequence lengths must be positive, got {self.seq_q=}, {self.seq_kv=}")
         if self.causal_alignment not in ("top_left", "bottom_right"):
             raise ValueError(
                 "causal_alignment must be 'top_left' or 'bottom_right', "

@@ -163,7 +163,8 @@ def flash_attention_v2(q, k, v, *, scale: float | None = None, mask: MaskSpec | 
             m_i = m_new
         # Lines 12-13: normalise once; L_i = m_i + log(l_i).
         outs.append(o_i / jnp.where(l_i == 0, 1.0, l_i)[..., None])
-        lses.append(jnp.where(l_i == 0, EMPTY_ROW_LSE, m_i + jnp.log(jnp.where(l_i == 0, 1.0, l_i))))
+        safe_l = jnp.where(l_i == 0, 1.0, l_i)
+        lses.append(jnp.where(l_i == 0, EMPTY_ROW_LSE, m_i + jnp.log(safe_l)))
     out = jnp.concatenate(outs, axis=2)
     return jnp.transpose(out, (0, 2, 1, 3)).astype(q.dtype), jnp.concatenate(lses, axis=-1)
 
@@ -193,7 +194,8 @@ def attention_float64(q, k, v, *, scale: float | None = None, mask: MaskSpec | N
     l = p.sum(axis=-1, keepdims=True)
     p = p / np.where(l == 0, 1.0, l)
     out = np.einsum("bnqk,bknd->bqnd", p, v_rep)
-    lse = np.where(l[..., 0] == 0, EMPTY_ROW_LSE, m[..., 0] + np.log(np.where(l == 0, 1, l)[..., 0]))
+    l = l[..., 0]
+    lse = np.where(l == 0, EMPTY_ROW_LSE, m[..., 0] + np.log(np.where(l == 0, 1.0, l)))
     if d_out is None:
         return out, lse
     d_out = np.asarray(d_out, np.float64)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_qkv, rel_err, run_attention, tolerance
+from support import random_qkv, rel_err, run_attention, tolerance
 
 import pallas_flash as pf
 from pallas_flash.masking import MaskSpec
@@ -97,7 +97,7 @@ def test_huge_logits_stay_finite(impl):
 def test_gradient_through_lse(impl):
     q, k, v, _ = random_qkv(1, 40, 40, 2, 2, 32)
     weights = jax.random.normal(jax.random.PRNGKey(3), (1, 40, 2))
-    from conftest import implementation_kwargs
+    from support import implementation_kwargs
 
     extra = implementation_kwargs(impl, 32)
 
@@ -119,7 +119,7 @@ def test_gradient_through_lse(impl):
 
 
 def test_jit_vmap_grad(impl):
-    from conftest import implementation_kwargs
+    from support import implementation_kwargs
 
     extra = implementation_kwargs(impl, 32)
     q, k, v, _ = random_qkv(3, 32, 32, 2, 2, 32)

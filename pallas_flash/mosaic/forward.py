@@ -75,6 +75,7 @@ class _Static:
     dtype: jnp.dtype
     group: int  # query heads per K/V head (GQA)
     num_q_tiles: int  # CTAs along the sequence, each of NUM_CONSUMERS * block_q rows
+    kv_padded: bool  # seq_kv was padded up to whole blocks
     pv_through_smem: bool  # the interpret-mode detour, see the module docstring
 
     @property
@@ -88,6 +89,12 @@ class _Static:
         # Only a window hides keys *before* a query; otherwise every row starts at key 0
         # and the leading skip/masked loops are statically empty.
         return self.mask.window is not None
+
+    @property
+    def has_upper_mask(self) -> bool:
+        # Causal/window rows end before the last key, and padded keys must be hidden;
+        # otherwise every visited block is full and the trailing masked loop is empty.
+        return self.mask.is_causal or self.mask.window is not None or self.kv_padded
 
 
 def _smem_transforms(itemsize: int):
@@ -274,7 +281,8 @@ def _consumer_warpgroup(wg, st: _Static, q_ref, out_ref, lse_ref, q_tile, k_smem
         carry = lax.fori_loop(cta_first, first, skip_step, carry)
         carry = lax.fori_loop(first, full_first, masked_step, carry)
     carry = lax.fori_loop(full_first, full_last, unmasked_step, carry)  # the fast loop
-    carry = lax.fori_loop(full_last, last, masked_step, carry)
+    if st.has_upper_mask:
+        carry = lax.fori_loop(full_last, last, masked_step, carry)
     o, m_i, l_i = lax.fori_loop(last, cta_last, skip_step, carry)
     pl.when(wg == 0)(functools.partial(_sync, turn))  # ... and consumer 0 ends one late
 
@@ -360,7 +368,8 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         mask=mask, scale_log2=scale * _LOG2E, block_q=config.block_q,
         block_kv=config.block_kv, num_stages=config.num_stages, head_dim=dim,
         dtype=jnp.dtype(q.dtype), group=heads // kv_heads,
-        num_q_tiles=seq_q_pad // rows_per_cta, pv_through_smem=interpret)
+        num_q_tiles=seq_q_pad // rows_per_cta, kv_padded=seq_kv_pad != seq_kv,
+        pv_through_smem=interpret)
 
     transforms = _smem_transforms(itemsize)
     scratch = dict(

@@ -1,0 +1,32 @@
+"""TritonConfig validation and the heuristic."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from pallas_flash.masking import MaskSpec
+from pallas_flash.triton import TritonConfig, default_config
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("block_q", 48), ("block_kv", 8), ("bwd_block_q", 0), ("bwd_block_kv", 100),
+     ("num_warps", 3), ("bwd_num_warps", 32), ("num_stages", 0), ("bwd_num_stages", -1)],
+)
+def test_invalid_fields_are_named(field, value):
+    with pytest.raises(ValueError, match=field):
+        TritonConfig(**{field: value})
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
+def test_heuristic_gives_valid_configs(head_dim):
+    shape = (1, 4096, 8, head_dim)
+    config = default_config(shape, shape, jnp.bfloat16, MaskSpec(4096, 4096))
+    assert isinstance(config, TritonConfig)
+
+
+def test_heuristic_shrinks_tiles_for_short_sequences():
+    config = default_config((1, 20, 2, 64), (1, 40, 2, 64), jnp.float32, MaskSpec(20, 40))
+    assert config.block_q == 32 and config.bwd_block_q == 32
+    assert config.block_kv == 64 and config.bwd_block_kv == 64
