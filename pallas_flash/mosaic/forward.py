@@ -210,8 +210,8 @@ def _consumer_warpgroup(wg, st: _Static, q_ref, out_ref, lse_ref, q_tile, k_smem
 
         def qk(s_acc):
             plgpu.wgmma(s_acc, q_tile, k_smem.at[s].T)
-            # Ping: hand the tensor cores over; the other warpgroup's softmax (or its P·V)
-            # runs while this GEMM executes.
+            # Ping: meet the other warpgroup as it finishes its softmax; it issues its P·V
+            # while this GEMM runs, then its softmax overlaps our next GEMMs.
             _sync(turn)
             return s_acc[...]
         scores = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
@@ -243,7 +243,8 @@ def _consumer_warpgroup(wg, st: _Static, q_ref, out_ref, lse_ref, q_tile, k_smem
 
         if d <= 128:
             # Row sum before handing over the turn, pinned there: JAX's reference kernel
-            # measured this order to matter at small head dims (register pressure is low).
+            # (attention_mgpu) found this order faster at head_dim <= 128, and the other
+            # one at larger head dims.
             l_i = l_i * alpha + p.sum(axis=1)
             o, l_i, m_new, p16 = lax.optimization_barrier((o, l_i, m_new, p16))
             give_turn()
