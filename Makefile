@@ -21,8 +21,10 @@ test: venv
 	$(PY) -m ruff check .
 	$(PY) -m pytest -n $(JOBS) -q tests
 
+# The seed's equivalence check, then the tiny transformer trained on the stdlib's source.
 demo: venv
 	$(PY) -m pallas_flash.demo
+	$(PY) -m models.train --preset tiny --overwrite --out runs/tiny
 
 lint: venv
 	$(PY) -m ruff check .

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import next_power_of_2
 
@@ -49,11 +51,18 @@ class TritonConfig:
 
 
 def default_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> TritonConfig:
-    """Heuristic tiles by head dim, shrunk for short sequences (less padding)."""
-    del dtype, mask
+    """Heuristic tiles by head dim and dtype, shrunk for short sequences (less padding)."""
+    del mask
     head_dim = q_shape[-1]
-    # Winners of benchmarks/tune_triton.py on an H200 (bf16, 16k tokens, 2026-11-29).
-    if head_dim <= 64:
+    if jnp.dtype(dtype).itemsize == 4:
+        # float32 tiles take twice the shared memory of 16-bit ones (227 KiB per block).
+        if head_dim <= 128:
+            config = TritonConfig(block_q=128, block_kv=64, num_warps=8, num_stages=2)
+        else:
+            config = TritonConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2,
+                                  bwd_block_q=32, bwd_block_kv=32)
+    # 16-bit: winners of benchmarks/tune_triton.py on an H200 (bf16, 16k tokens, 2026-11-29).
+    elif head_dim <= 64:
         config = TritonConfig(block_q=128, block_kv=64, num_warps=8, num_stages=3)
     elif head_dim <= 128:
         # 256 query rows over 16 warps: four warpgroups of 64 rows, each K/V tile reused 4×.
