@@ -161,6 +161,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--sweep", action="store_true", help="time several block configs")
     parser.add_argument("--sweep-len", type=int, default=4096, help="seq_len of the sweep")
+    parser.add_argument("--lengths", type=int, nargs="*", help="only these seq_len")
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--compile-only", action="store_true")
     args = parser.parse_args(argv)
@@ -190,7 +191,7 @@ def main(argv=None) -> int:
 
     for d, lengths in ((128, (1024, 4096, 16384)), (64, (4096, 16384)), (256, (4096, 16384))):
         for causal in (False, True):
-            for seq_len in lengths:
+            for seq_len in (x for x in lengths if not args.lengths or x in args.lengths):
                 sweep = args.sweep and seq_len == args.sweep_len
                 bench(args.out, seq_len, d, causal, iters=args.iters, repeats=args.repeats,
                       configs=SWEEP[d] if sweep else (None,))
