@@ -88,7 +88,10 @@ def test_huge_logits_stay_finite(impl):
     q = q * (1e4 / 32 ** 0.5)
     out, lse, grads = run_attention(impl, q, k, v, d_out, is_causal=True)
     ref_out, ref_lse = attention_float64(q, k, v, mask=MaskSpec(48, 48, True))
-    assert rel_err(out, ref_out) < 1e-5
+    # A float32 logit near 1e4 carries an absolute rounding error of ~1e4 · 2^-24 ≈ 6e-4,
+    # which exp turns into a relative error of that size in P: the bound is the input's
+    # conditioning, not the kernel's. The point here is that nothing overflows.
+    assert rel_err(out, ref_out) < 5e-3
     assert rel_err(lse, np.transpose(ref_lse, (0, 2, 1))) < 1e-5
     for g in grads:
         assert np.all(np.isfinite(np.asarray(g)))
