@@ -16,7 +16,7 @@ Implementation = Literal["mosaic", "triton", "xla"]
 
 # Each module exposes KERNELS (autodiff.Kernels), default_config(q_shape, kv_shape, dtype,
 # mask) -> its frozen config dataclass, and unsupported(q_shape, kv_shape, dtype, mask,
-# has_segments) -> None, or a sentence saying why it cannot run this call.
+# has_segments, softcap=None) -> None, or a sentence saying why it cannot run this call.
 _BACKEND_MODULES = {
     "xla": "pallas_flash.xla",
     "triton": "pallas_flash.triton",
@@ -41,12 +41,17 @@ def default_implementation() -> str:
     return available_implementations()[0]
 
 
-def _choose(query, key, mask, has_segments, interpret) -> str:
+def _unsupported(name: str, query, key, mask: MaskSpec, has_segments: bool,
+                 softcap: float | None) -> str | None:
+    return _backend(name).unsupported(query.shape, key.shape, query.dtype, mask,
+                                      has_segments, softcap=softcap)
+
+
+def _choose(query, key, mask, has_segments, softcap, interpret) -> str:
     """The first implementation, fastest first, that supports this call."""
     candidates = ("triton", "xla") if interpret else available_implementations()
     for name in candidates:
-        if _backend(name).unsupported(query.shape, key.shape, query.dtype, mask,
-                                      has_segments) is None:
+        if _unsupported(name, query, key, mask, has_segments, softcap) is None:
             return name
     return "xla"
 
@@ -79,6 +84,10 @@ def attention(
     local_window_size: int | tuple[int, int] | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     return_residual: bool = False,
     implementation: Implementation | None = None,
     interpret: bool = False,
@@ -103,7 +112,16 @@ def attention(
       q_segment_ids: ``[batch, seq_q]`` integer ids of packed documents; a query sees only
         keys with the same id (combined with the causal/window mask). Give both or neither;
         ``kv_segment_ids`` defaults to ``q_segment_ids`` when ``seq_q == seq_kv``.
-      kv_segment_ids: ``[batch, seq_kv]`` integer ids.
+      kv_segment_ids: ``[batch, seq_kv]`` integer ids. The two values ``-2**31`` and
+        ``-2**31 + 1`` are reserved (they mark padding, below).
+      query_seq_lengths: ``[batch]`` number of real queries per sequence (as ``jax.nn``);
+        rows past it output 0.
+      key_value_seq_lengths: ``[batch]`` number of real keys per sequence; later keys are
+        hidden (and their tiles skipped).
+      logits_soft_cap: ``c > 0``: logits become ``c · tanh(logits / c)`` before the softmax
+        (Gemma-2 style soft-capping), with its gradient.
+      sinks: ``[heads]`` learnable logits, one per query head, that join every row's softmax
+        denominator without contributing a value (attention sinks); differentiable.
       return_residual: also return ``lse: [batch, seq_q, heads]`` (float32, natural log of
         the softmax denominator; gradients flow through it). Rows that see no key have
         output 0 and lse ``-1e30``.
@@ -131,23 +149,26 @@ def attention(
     mask = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, is_causal=is_causal,
                     causal_alignment=causal_alignment, window=window)
     segment_ids = _canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv)
+    segment_ids = _fold_lengths(segment_ids, query_seq_lengths, key_value_seq_lengths,
+                                batch, seq_q, seq_kv)
+    softcap = _check_soft_cap(logits_soft_cap)
+    sinks = _check_sinks(sinks, query.shape[2])
 
     if implementation is None:
-        implementation = _choose(query, key, mask, segment_ids is not None, interpret)
+        implementation = _choose(query, key, mask, segment_ids is not None, softcap, interpret)
     if implementation not in _BACKEND_MODULES:
         raise ValueError(
             f"implementation must be one of {sorted(_BACKEND_MODULES)} or None, "
             f"got {implementation!r}")
     backend = _backend(implementation)
-    reason = backend.unsupported(query.shape, key.shape, query.dtype, mask,
-                                 segment_ids is not None)
+    reason = _unsupported(implementation, query, key, mask, segment_ids is not None, softcap)
     if reason is not None:
         raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
     if config is None:
         config = backend.default_config(query.shape, key.shape, query.dtype, mask)
     static = StaticArgs(kernels=backend.KERNELS, mask=mask, scale=float(scale),
-                        config=config, interpret=bool(interpret))
-    out, lse = attention_with_lse(query, key, value, segment_ids, static)
+                        config=config, interpret=bool(interpret), softcap=softcap)
+    out, lse = attention_with_lse(query, key, value, segment_ids, sinks, static)
     if return_residual:
         return out, jnp.transpose(lse, (0, 2, 1))
     return out
@@ -202,6 +223,58 @@ def _canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv):
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"{name} must have an integer dtype, got {ids.dtype}")
     return q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
+
+
+# Segment ids given to padding: a padded query's id matches no key, a padded key's no query.
+PADDED_QUERY_ID = -(2**31)
+PADDED_KEY_ID = -(2**31) + 1
+
+
+def _fold_lengths(segment_ids, q_lengths, kv_lengths, batch, seq_q, seq_kv):
+    """Padding as segment ids: every path that handles segments handles padding too."""
+    if q_lengths is None and kv_lengths is None:
+        return segment_ids
+    if segment_ids is None:
+        segment_ids = (jnp.zeros((batch, seq_q), jnp.int32), jnp.zeros((batch, seq_kv), jnp.int32))
+    q_ids, kv_ids = segment_ids
+    for name, lengths, ids, pad_id in (
+        ("query_seq_lengths", q_lengths, q_ids, PADDED_QUERY_ID),
+        ("key_value_seq_lengths", kv_lengths, kv_ids, PADDED_KEY_ID),
+    ):
+        if lengths is None:
+            continue
+        if getattr(lengths, "shape", None) != (batch,):
+            raise ValueError(
+                f"{name} must have shape [batch] = {(batch,)}, "
+                f"got {getattr(lengths, 'shape', None)}")
+        if not jnp.issubdtype(lengths.dtype, jnp.integer):
+            raise ValueError(f"{name} must have an integer dtype, got {lengths.dtype}")
+        positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
+        padded = jnp.where(positions < lengths[:, None], ids, pad_id)
+        if pad_id == PADDED_QUERY_ID:
+            q_ids = padded
+        else:
+            kv_ids = padded
+    return q_ids, kv_ids
+
+
+def _check_soft_cap(cap) -> float | None:
+    if cap is None:
+        return None
+    if not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap > 0):
+        raise ValueError(f"logits_soft_cap must be a positive finite number, got {cap!r}")
+    return float(cap)
+
+
+def _check_sinks(sinks, heads: int):
+    if sinks is None:
+        return None
+    if getattr(sinks, "shape", None) != (heads,):
+        raise ValueError(
+            f"sinks must have shape [heads] = {(heads,)}, got {getattr(sinks, 'shape', None)}")
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise ValueError(f"sinks must have a floating dtype, got {sinks.dtype}")
+    return sinks
 
 
 def _check_scale(scale) -> None:

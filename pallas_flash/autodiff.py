@@ -45,36 +45,58 @@ class Kernels:
 
 @dataclasses.dataclass(frozen=True)
 class StaticArgs:
-    """Everything about a call that is not an array (hashable: it keys the jit cache)."""
+    """Everything about a call that is not an array (hashable: it keys the jit cache).
+
+    ``softcap``: logits become ``softcap · tanh(logits / softcap)`` (None: off). Passed to
+    the kernels only when set, so backends without it keep their signature.
+    """
 
     kernels: Kernels
     mask: MaskSpec
     scale: float
     config: Any
     interpret: bool
+    softcap: float | None = None
+
+    def kernel_kwargs(self) -> dict:
+        kwargs = dict(mask=self.mask, scale=self.scale, config=self.config,
+                      interpret=self.interpret)
+        if self.softcap is not None:
+            kwargs["softcap"] = self.softcap
+        return kwargs
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, sinks,
                        static: StaticArgs):
-    """Returns ``(out [B, T, N, D], lse [B, N, T] float32)`` computed by ``static.kernels``."""
-    return _forward(q, k, v, segment_ids, static)
+    """Returns ``(out [B, T, N, D], lse [B, N, T] float32)`` computed by ``static.kernels``.
+
+    ``sinks``: None or ``[heads]`` float32 logits that join every row's softmax denominator
+    without contributing a value (attention sinks). They need no kernel support: with
+    ``lse0`` the kernels' log-denominator, the full one is ``lse = logaddexp(lse0, sink)``
+    and ``out = out0 · exp(lse0 - lse)``; the backward recomputes P = exp(S - lse) with the
+    full lse, which is exactly the sink-normalised softmax.
+    """
+    return _forward(q, k, v, segment_ids, sinks, static)
 
 
-def _forward(q, k, v, segment_ids, static: StaticArgs):
-    return static.kernels.forward(
-        q, k, v, segment_ids, mask=static.mask, scale=static.scale, config=static.config,
-        interpret=static.interpret,
-    )
+def _forward(q, k, v, segment_ids, sinks, static: StaticArgs):
+    out, lse = static.kernels.forward(q, k, v, segment_ids, **static.kernel_kwargs())
+    if sinks is None:
+        return out, lse
+    full_lse = jnp.logaddexp(lse, sinks.astype(jnp.float32)[None, :, None])
+    rescale = jnp.exp(lse - full_lse)  # [B, N, T]: share of the mass that is not the sink
+    out = (out * jnp.transpose(rescale, (0, 2, 1))[..., None]).astype(out.dtype)
+    return out, full_lse
 
 
-def _fwd_rule(q, k, v, segment_ids, static: StaticArgs):
-    out, lse = _forward(q, k, v, segment_ids, static)
-    return (out, lse), (q, k, v, segment_ids, out, lse)
+def _fwd_rule(q, k, v, segment_ids, sinks, static: StaticArgs):
+    out, lse = _forward(q, k, v, segment_ids, sinks, static)
+    return (out, lse), (q, k, v, segment_ids, sinks, out, lse)
 
 
 def _bwd_rule(static: StaticArgs, residuals, cotangents):
-    q, k, v, segment_ids, out, lse = residuals
+    q, k, v, segment_ids, sinks, out, lse = residuals
     d_out, d_lse = cotangents
     # delta_i = sum_d dO_id · O_id (FlashAttention-2, Alg. 2 line 4), in float32.
     delta = jnp.einsum(
@@ -83,11 +105,15 @@ def _bwd_rule(static: StaticArgs, residuals, cotangents):
     delta = delta - d_lse.astype(jnp.float32)
     dq, dk, dv = static.kernels.backward(
         q, k, v, segment_ids, out, lse, d_out.astype(q.dtype), delta,
-        mask=static.mask, scale=static.scale, config=static.config,
-        interpret=static.interpret,
+        **static.kernel_kwargs(),
     )
+    d_sinks = None
+    if sinks is not None:
+        # A sink is one more logit with a zero value: dS_sink = P_sink · (0 - delta).
+        p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+        d_sinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
     # Segment ids are integers: no cotangent.
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, d_sinks
 
 
 attention_with_lse.defvjp(_fwd_rule, _bwd_rule)

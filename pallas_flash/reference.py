@@ -170,12 +170,14 @@ def flash_attention_v2(q, k, v, *, scale: float | None = None, mask: MaskSpec | 
 
 
 def attention_float64(q, k, v, *, scale: float | None = None, mask: MaskSpec | None = None,
-                      segment_ids=None, d_out=None):
+                      segment_ids=None, softcap: float | None = None, sinks=None, d_out=None):
     """Float64 NumPy oracle. Returns ``(out, lse)``, or ``(out, lse, (dq, dk, dv))`` when
     ``d_out`` (shaped like ``out``) is given.
 
     Gradients come straight from the softmax Jacobian, not from the FlashAttention
-    backward's delta identity, so the two derivations check each other.
+    backward's delta identity, so the two derivations check each other. ``softcap``: logits
+    become ``softcap · tanh(logits / softcap)``; ``sinks`` ([heads]): one extra logit per
+    head with a zero value; with both, the gradients are ``(dq, dk, dv, d_sinks)``.
     """
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     mask, scale = _default_mask(q, k, mask), _scale(q, scale)
@@ -187,12 +189,23 @@ def attention_float64(q, k, v, *, scale: float | None = None, mask: MaskSpec | N
         q_seg, kv_seg = (np.asarray(x) for x in segment_ids)
         visible = visible & segments_visible(q_seg, kv_seg)[:, None]
     s = np.einsum("bqnd,bknd->bnqk", q, k_rep) * scale
+    slope = 1.0
+    if softcap is not None:
+        t = np.tanh(s / softcap)
+        s, slope = softcap * t, 1.0 - t * t
     s = np.where(visible, s, -np.inf)
+    if sinks is not None:  # the sink is one more column with logit sinks[head]
+        sink_col = np.broadcast_to(np.asarray(sinks, np.float64)[None, :, None, None],
+                                   (*s.shape[:3], 1))
+        s = np.concatenate([s, sink_col], axis=-1)
     m = s.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m)
     l = p.sum(axis=-1, keepdims=True)
     p = p / np.where(l == 0, 1.0, l)
+    p_sink = None
+    if sinks is not None:
+        p, p_sink = p[..., :-1], p[..., -1:]
     out = np.einsum("bnqk,bknd->bqnd", p, v_rep)
     l = l[..., 0]
     lse = np.where(l == 0, EMPTY_ROW_LSE, m[..., 0] + np.log(np.where(l == 0, 1.0, l)))
@@ -201,11 +214,15 @@ def attention_float64(q, k, v, *, scale: float | None = None, mask: MaskSpec | N
     d_out = np.asarray(d_out, np.float64)
     dv_rep = np.einsum("bnqk,bqnd->bknd", p, d_out)
     dp = np.einsum("bqnd,bknd->bnqk", d_out, v_rep)
-    # Softmax Jacobian: dS_ij = P_ij (dP_ij - sum_l P_il dP_il).
-    ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True))
+    # Softmax Jacobian: dS_ij = P_ij (dP_ij - sum_l P_il dP_il) (the sink's dP is 0).
+    row = np.sum(p * dp, axis=-1, keepdims=True)
+    ds = p * (dp - row) * slope
     dq = np.einsum("bnqk,bknd->bqnd", ds, k_rep) * scale
     dk_rep = np.einsum("bnqk,bqnd->bknd", ds, q) * scale
     b, s_kv, _, d = k.shape
     dk = dk_rep.reshape(b, s_kv, kv_heads, group, d).sum(axis=3)
     dv = dv_rep.reshape(b, s_kv, kv_heads, group, d).sum(axis=3)
-    return out, lse, (dq, dk, dv)
+    if sinks is None:
+        return out, lse, (dq, dk, dv)
+    d_sinks = np.sum(p_sink * (0.0 - row), axis=(0, 2, 3))
+    return out, lse, (dq, dk, dv, d_sinks)

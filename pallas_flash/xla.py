@@ -52,17 +52,23 @@ def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
     return q.reshape(b, t, kv_heads, n // kv_heads, d)
 
 
-def _scores(q_g, k_j, scale, mask: MaskSpec, k_start, block_kv, segments):
-    """Masked logits of all queries against one chunk: [B, K, G, T, block_kv].
+def _scores(q_g, k_j, scale, softcap, mask: MaskSpec, k_start, block_kv, segments):
+    """Logits of all queries against one chunk, masked: [B, K, G, T, block_kv].
 
     segments: None or (q_segment_ids [B, T], kv_segment_ids of the chunk [B, block_kv]).
+    Returns (masked logits, visible, d logits / d raw logits) — the last is
+    ``1 - tanh²`` under soft-capping and None without it.
     """
     s = jnp.einsum("btkgd,bskd->bkgts", q_g, k_j, preferred_element_type=jnp.float32,
                    precision=_precision(q_g.dtype)) * scale
+    slope = None
+    if softcap is not None:
+        t = jnp.tanh(s / softcap)
+        s, slope = softcap * t, 1.0 - t * t
     visible = mask.block_visible(0, q_g.shape[1], k_start, block_kv)
     if segments is not None:
         visible = visible & segments_visible(*segments)[:, None, None]
-    return jnp.where(visible, s, _MASKED), visible
+    return jnp.where(visible, s, _MASKED), visible, slope
 
 
 def _segment_chunks(segment_ids, block: int):
@@ -76,7 +82,7 @@ def _segment_chunks(segment_ids, block: int):
 
 
 def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaConfig,
-            interpret: bool):
+            interpret: bool, softcap: float | None = None):
     """q: [B, T, N, D], k/v: [B, S, K, D] -> (out [B, T, N, D], lse [B, N, T] float32)."""
     del interpret
     batch, seq_q, heads, head_dim = q.shape
@@ -92,7 +98,7 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaCo
         o, m, l = carry
         index, k_j, v_j, kv_seg = xs
         segments = None if q_seg is None else (q_seg, kv_seg)
-        s, visible = _scores(q_g, k_j, scale, mask, index * block, block, segments)
+        s, visible, _ = _scores(q_g, k_j, scale, softcap, mask, index * block, block, segments)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
@@ -116,7 +122,7 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaCo
 
 
 def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, scale: float,
-             config: XlaConfig, interpret: bool):
+             config: XlaConfig, interpret: bool, softcap: float | None = None):
     """Gradients by recomputing P per K/V chunk (FlashAttention-2, Algorithm 2)."""
     del out, interpret
     batch, seq_q, heads, head_dim = q.shape
@@ -133,14 +139,18 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
     def step(dq, xs):
         index, k_j, v_j, kv_seg = xs
         segments = None if q_seg is None else (q_seg, kv_seg)
-        s, visible = _scores(q_g, k_j, scale, mask, index * block, block, segments)
+        s, visible, slope = _scores(q_g, k_j, scale, softcap, mask, index * block, block,
+                                    segments)
         p = jnp.where(visible, jnp.exp(s - lse_g[..., None]), 0.0)
         # dV_j = Pᵀ dO, dP = dO V_jᵀ, dS = P ∘ (dP - delta), dQ += dS K_j, dK_j = dSᵀ Q.
         dv_j = jnp.einsum("bkgts,btkgd->bskd", p.astype(q.dtype), do_g,
                           preferred_element_type=jnp.float32, precision=prec)
         dp = jnp.einsum("btkgd,bskd->bkgts", do_g, v_j,
                         preferred_element_type=jnp.float32, precision=prec)
-        ds = (p * (dp - delta_g[..., None])).astype(q.dtype)
+        ds = p * (dp - delta_g[..., None])
+        if slope is not None:  # chain rule through c·tanh(x/c)
+            ds = ds * slope
+        ds = ds.astype(q.dtype)
         dq = dq + jnp.einsum("bkgts,bskd->btkgd", ds, k_j,
                              preferred_element_type=jnp.float32, precision=prec)
         dk_j = jnp.einsum("bkgts,btkgd->bskd", ds, q_g,
@@ -163,9 +173,10 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
 KERNELS = Kernels(name="xla", forward=forward, backward=backward)
 
 
-def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool) -> str | None:
+def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
+                softcap: float | None = None) -> str | None:
     """The XLA path runs every call the API accepts."""
-    del q_shape, kv_shape, dtype, mask, has_segments
+    del q_shape, kv_shape, dtype, mask, has_segments, softcap
     return None
 
 

@@ -39,6 +39,12 @@ def _qkv(q_shape=(1, 16, 4, 32), kv_shape=(1, 16, 2, 32), dtype=jnp.float32):
         (dict(q_segment_ids=jnp.zeros((1, 16), jnp.float32)), "integer dtype"),
         (dict(q_segment_ids=jnp.zeros((1, 16), jnp.int32),
               kv_segment_ids=jnp.zeros((2, 16), jnp.int32)), "kv_segment_ids must have shape"),
+        (dict(query_seq_lengths=jnp.array([3, 4])), "query_seq_lengths must have shape"),
+        (dict(key_value_seq_lengths=jnp.array([3.0])), "key_value_seq_lengths must have an int"),
+        (dict(logits_soft_cap=0.0), "logits_soft_cap must be a positive"),
+        (dict(logits_soft_cap=-5), "logits_soft_cap must be a positive"),
+        (dict(sinks=jnp.zeros(3)), "sinks must have shape"),
+        (dict(sinks=jnp.zeros(4, jnp.int32)), "sinks must have a floating"),
     ],
 )
 def test_bad_input_raises_value_error(kwargs, match):

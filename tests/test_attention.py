@@ -140,3 +140,62 @@ def test_jit_vmap_grad(impl):
 def test_default_implementation_on_cpu():
     assert pf.default_implementation() == "xla"
     assert pf.available_implementations() == ("xla",)
+
+
+def _variant_check(impl, q, k, v, d_out, *, mask, segment_ids=None, softcap=None, sinks=None,
+                   **kwargs):
+    """Output, lse and every gradient (sinks too) of `impl` vs the float64 oracle."""
+    from support import implementation_kwargs
+
+    extra = implementation_kwargs(impl, q.shape[-1])
+
+    def f(q, k, v, sinks):
+        return pf.attention(q, k, v, is_causal=mask.is_causal,
+                            causal_alignment=mask.causal_alignment,
+                            local_window_size=mask.window, logits_soft_cap=softcap,
+                            sinks=sinks, return_residual=True, **kwargs, **extra)
+
+    (out, lse), vjp = jax.vjp(f, q, k, v, sinks)
+    grads = vjp((d_out, jnp.zeros_like(lse)))
+    ref_out, ref_lse, ref_grads = attention_float64(
+        q, k, v, mask=mask, segment_ids=segment_ids, softcap=softcap, sinks=sinks,
+        d_out=d_out)
+    assert rel_err(out, ref_out) < 1e-5
+    assert rel_err(lse, np.transpose(ref_lse, (0, 2, 1))) < 1e-5
+    grads = grads if sinks is not None else grads[:3]
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert rel_err(got, want) < 2e-5
+
+
+def test_soft_cap(impl):
+    q, k, v, d_out = random_qkv(1, 60, 60, 2, 2, 32)
+    _variant_check(impl, 4 * q, k, v, d_out, mask=MaskSpec(60, 60, True), softcap=3.0)
+
+
+def test_sinks(impl):
+    q, k, v, d_out = random_qkv(2, 50, 50, 4, 2, 32)
+    sinks = jax.random.normal(jax.random.PRNGKey(11), (4,)) * 2
+    _variant_check(impl, q, k, v, d_out, mask=MaskSpec(50, 50, True), sinks=sinks)
+
+
+def test_sequence_lengths(impl):
+    q, k, v, d_out = random_qkv(2, 64, 48, 2, 1, 32)
+    q_len, kv_len = jnp.array([40, 64]), jnp.array([48, 17])
+    q_ids = jnp.where(jnp.arange(64)[None] < q_len[:, None], 0, -1)
+    kv_ids = jnp.where(jnp.arange(48)[None] < kv_len[:, None], 0, -2)
+    _variant_check(impl, q, k, v, d_out, mask=MaskSpec(64, 48), segment_ids=(q_ids, kv_ids),
+                   query_seq_lengths=q_len, key_value_seq_lengths=kv_len)
+
+
+def test_all_variants_together(impl):
+    """causal + segments + window + GQA + soft-cap + sinks + padding, odd lengths."""
+    q, k, v, d_out = random_qkv(2, 75, 75, 4, 2, 32)
+    ids = jnp.cumsum(jax.random.bernoulli(jax.random.PRNGKey(2), 0.05, (2, 75)), axis=1)
+    lengths = jnp.array([75, 61])
+    valid = jnp.arange(75)[None] < lengths[:, None]
+    sinks = jax.random.normal(jax.random.PRNGKey(4), (4,))
+    _variant_check(
+        impl, 3 * q, k, v, d_out, mask=MaskSpec(75, 75, True, window=(20, 0)),
+        segment_ids=(jnp.where(valid, ids, -1), jnp.where(valid, ids, -2)),
+        softcap=5.0, sinks=sinks, q_segment_ids=ids.astype(jnp.int32),
+        query_seq_lengths=lengths, key_value_seq_lengths=lengths)

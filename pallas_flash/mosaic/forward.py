@@ -321,11 +321,14 @@ def _pad(x: jax.Array, seq: int, head_dim: int) -> jax.Array:
     return pad_axis(pad_axis(x, 1, seq), 3, head_dim)
 
 
-def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool) -> str | None:
+def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
+                softcap: float | None = None) -> str | None:
     """Why the Mosaic GPU forward cannot run this call, or None if it can."""
     del kv_shape, mask
     if has_segments:
         return "segment ids are not supported by the Mosaic GPU kernel yet"
+    if softcap is not None:
+        return "logit soft-capping is not supported by the Mosaic GPU kernel yet"
     if jnp.dtype(dtype) not in _DTYPES:
         return f"the Mosaic GPU kernel takes bfloat16 or float16 inputs, got {jnp.dtype(dtype)}"
     if q_shape[-1] > MAX_HEAD_DIM:

@@ -9,9 +9,10 @@ from pallas_flash.triton.config import TritonConfig, default_config
 from pallas_flash.triton.forward import forward
 
 
-def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool) -> str | None:
+def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
+                softcap: float | None = None) -> str | None:
     """Every call the API accepts runs here (head dims are padded to powers of two)."""
-    del q_shape, kv_shape, dtype, mask, has_segments
+    del q_shape, kv_shape, dtype, mask, has_segments, softcap
     return None
 
 

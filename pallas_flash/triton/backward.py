@@ -26,7 +26,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import next_power_of_2, pad_axis, round_up
 from pallas_flash.triton.config import TritonConfig
-from pallas_flash.triton.forward import LOG2_E, dot_precision
+from pallas_flash.triton.forward import LOG2_E, dot_precision, log2_logits
 
 
 def _visible(mask: MaskSpec, q_start, block_q, k_start, block_kv, q_seg, kv_seg):
@@ -36,16 +36,26 @@ def _visible(mask: MaskSpec, q_start, block_q, k_start, block_kv, q_seg, kv_seg)
     return visible
 
 
-def _probabilities(q, k, lse2, qk_scale, precision, visible):
-    """P = exp2(S·scale·log2 e - lse·log2 e): the forward's softmax, recomputed."""
-    s = plgpu.dot(q, k, trans_b=True, precision=precision) * qk_scale
+def _probabilities(q, k, lse2, scale, softcap, precision, visible):
+    """P = exp2(S·log2 e - lse·log2 e): the forward's softmax, recomputed.
+
+    Returns ``(p, slope)``, slope as in :func:`log2_logits`.
+    """
+    qk = plgpu.dot(q, k, trans_b=True, precision=precision)
+    s, slope = log2_logits(qk, scale, softcap)
     p = jnp.exp2(s - lse2[:, None])
-    return p if visible is None else jnp.where(visible, p, 0.0)
+    return (p if visible is None else jnp.where(visible, p, 0.0)), slope
+
+
+def _score_gradient(p, dp, delta, slope):
+    """dS = P ∘ (dP - delta) (FA2, Alg. 2), then through the soft-cap's tanh if any."""
+    ds = p * (dp - delta[:, None])
+    return ds if slope is None else ds * slope
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, mask: MaskSpec,
-                 scale: float, block_q: int, block_kv: int, num_q_blocks: int, group: int,
-                 has_segments: bool):
+                 scale: float, softcap: float | None, block_q: int, block_kv: int,
+                 num_q_blocks: int, group: int, has_segments: bool):
     if has_segments:
         q_seg_ref, kv_seg_ref, dk_ref, dv_ref = rest
     else:
@@ -54,7 +64,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, mask: M
     precision = dot_precision(k_ref.dtype)
     k, v = k_ref[...], v_ref[...]
     kv_seg = kv_seg_ref[pl.ds(k_start, block_kv)] if has_segments else None
-    qk_scale = scale * LOG2_E
 
     def q_step(i, carry, *, head, masked: bool):
         dk, dv = carry
@@ -66,10 +75,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, mask: M
         if masked:
             q_seg = q_seg_ref[rows] if has_segments else None
             visible = _visible(mask, q_start, block_q, k_start, block_kv, q_seg, kv_seg)
-        p = _probabilities(q, k, lse2, qk_scale, precision, visible)
+        p, slope = _probabilities(q, k, lse2, scale, softcap, precision, visible)
         dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
         dp = plgpu.dot(do, v, trans_b=True, precision=precision)
-        ds = p * (dp - delta[:, None])
+        ds = _score_gradient(p, dp, delta, slope)
         dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True, precision=precision)
         return dk, dv
 
@@ -89,7 +98,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, mask: M
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, mask: MaskSpec,
-               scale: float, block_q: int, block_kv: int, has_segments: bool):
+               scale: float, softcap: float | None, block_q: int, block_kv: int,
+               has_segments: bool):
     if has_segments:
         q_seg_ref, kv_seg_ref, dq_ref = rest
     else:
@@ -99,7 +109,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, mask: Mas
     q, do = q_ref[...], do_ref[...]
     lse2, delta = lse_ref[...], delta_ref[...]
     q_seg = q_seg_ref[pl.ds(q_start, block_q)] if has_segments else None
-    qk_scale = scale * LOG2_E
 
     def kv_step(j, dq, *, masked: bool):
         k_start = j * block_kv
@@ -109,9 +118,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, mask: Mas
         if masked:
             kv_seg = kv_seg_ref[cols] if has_segments else None
             visible = _visible(mask, q_start, block_q, k_start, block_kv, q_seg, kv_seg)
-        p = _probabilities(q, k, lse2, qk_scale, precision, visible)
+        p, slope = _probabilities(q, k, lse2, scale, softcap, precision, visible)
         dp = plgpu.dot(do, v, trans_b=True, precision=precision)
-        ds = p * (dp - delta[:, None])
+        ds = _score_gradient(p, dp, delta, slope)
         return dq + plgpu.dot(ds.astype(k.dtype), k, precision=precision)
 
     first, full_first, full_last, last = mask.kv_blocks(q_start, block_q, block_kv)
@@ -125,7 +134,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, mask: Mas
 
 
 def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, scale: float,
-             config: TritonConfig, interpret: bool):
+             config: TritonConfig, interpret: bool, softcap: float | None = None):
     """Returns (dq [B, T, N, D], dk [B, S, K, D], dv [B, S, K, D])."""
     del out  # only needed for delta, which the caller computed
     batch, seq_q, heads, head_dim = q.shape
@@ -148,8 +157,8 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
         segment_inputs = [pad_axis(q_seg, 1, padded_q, -1), pad_axis(kv_seg, 1, padded_kv, -2)]
     params = plgpu.CompilerParams(num_warps=config.bwd_num_warps,
                                   num_stages=config.bwd_num_stages)
-    static = dict(mask=mask, scale=scale, block_q=block_q, block_kv=block_kv,
-                  has_segments=has_segments)
+    static = dict(mask=mask, scale=scale, softcap=softcap, block_q=block_q,
+                  block_kv=block_kv, has_segments=has_segments)
 
     # dK/dV: the group's query heads are viewed as one [T, G, D] block per KV head.
     def kv_tile(j, b, h):

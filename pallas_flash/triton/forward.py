@@ -39,8 +39,21 @@ def query_block_order(program: int, num_q_blocks: int, mask: MaskSpec):
     return num_q_blocks - 1 - program if mask.is_causal else program
 
 
+def log2_logits(qk, scale: float, softcap: float | None):
+    """Logits in base 2 from raw Q·Kᵀ: exp(x) = exp2(x·log2 e), so the scale folds in.
+
+    Returns ``(logits2, slope)``; with soft-capping the logits are ``c·tanh(scale·qk/c)`` and
+    ``slope = 1 - tanh²`` is their derivative w.r.t. ``scale·qk`` (None without it).
+    """
+    if softcap is None:
+        return qk * (scale * LOG2_E), None
+    t = jnp.tanh(qk * (scale / softcap))
+    return t * (softcap * LOG2_E), 1.0 - t * t
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, *rest, mask: MaskSpec, scale: float,
-                    block_q: int, block_kv: int, num_q_blocks: int, has_segments: bool):
+                    softcap: float | None, block_q: int, block_kv: int, num_q_blocks: int,
+                    has_segments: bool):
     if has_segments:
         q_seg_ref, kv_seg_ref, o_ref, lse_ref = rest
     else:
@@ -49,14 +62,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, *rest, mask: MaskSpec, scale: float,
     precision = dot_precision(q_ref.dtype)
     q = q_ref[...]
     q_seg = q_seg_ref[pl.ds(q_start, block_q)] if has_segments else None
-    # Fold the softmax scale into base 2: exp(x·scale) = exp2(x·scale·log2 e).
-    qk_scale = scale * LOG2_E
 
     def kv_step(j, carry, *, masked: bool):
         acc, m_i, l_i = carry
         k_start = j * block_kv
         k = k_ref[pl.ds(k_start, block_kv), :]
-        s = plgpu.dot(q, k, trans_b=True, precision=precision) * qk_scale  # [block_q, block_kv]
+        qk = plgpu.dot(q, k, trans_b=True, precision=precision)  # [block_q, block_kv]
+        s, _ = log2_logits(qk, scale, softcap)
         if masked:
             visible = mask.block_visible(q_start, block_q, k_start, block_kv)
             if has_segments:
@@ -91,7 +103,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *rest, mask: MaskSpec, scale: float,
 
 
 def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: TritonConfig,
-            interpret: bool):
+            interpret: bool, softcap: float | None = None):
     """q: [B, T, N, D], k/v: [B, S, K, D] -> (out [B, T, N, D], lse [B, N, T] float32)."""
     batch, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
@@ -128,7 +140,8 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: Trito
         inputs += [pad_axis(q_seg, 1, padded_q, -1), pad_axis(kv_seg, 1, padded_kv, -2)]
 
     kernel = functools.partial(
-        _forward_kernel, mask=mask, scale=scale, block_q=block_q, block_kv=block_kv,
+        _forward_kernel, mask=mask, scale=scale, softcap=softcap, block_q=block_q,
+        block_kv=block_kv,
         num_q_blocks=num_q_blocks, has_segments=has_segments)
     out, lse = pl.pallas_call(
         kernel,
