@@ -27,6 +27,7 @@ from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import next_power_of_2, pad_axis, round_up
 from pallas_flash.triton.config import TritonConfig
 from pallas_flash.triton.forward import LOG2_E, dot_precision, log2_logits
+from pallas_flash.triton.segments import segment_operands, skip_disjoint_tiles
 
 
 def _visible(mask: MaskSpec, q_start, block_q, k_start, block_kv, q_seg, kv_seg):
@@ -57,10 +58,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, mask: M
                  scale: float, softcap: float | None, block_q: int, block_kv: int,
                  num_q_blocks: int, group: int, has_segments: bool):
     if has_segments:
-        q_seg_ref, kv_seg_ref, dk_ref, dv_ref = rest
+        q_seg_ref, kv_seg_ref, q_range_ref, kv_range_ref, dk_ref, dv_ref = rest
     else:
         dk_ref, dv_ref = rest
-    k_start = pl.program_id(0) * block_kv
+    kv_block = pl.program_id(0)
+    k_start = kv_block * block_kv
     precision = dot_precision(k_ref.dtype)
     k, v = k_ref[...], v_ref[...]
     kv_seg = kv_seg_ref[pl.ds(k_start, block_kv)] if has_segments else None
@@ -87,6 +89,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, mask: M
     def head_step(head, carry):
         masked_step = functools.partial(q_step, head=head, masked=True)
         fast_step = functools.partial(q_step, head=head, masked=has_segments)
+        if has_segments:
+            masked_step, fast_step = (
+                skip_disjoint_tiles(step, q_range_ref, kv_block, kv_range_ref,
+                                    kv_is_loop_index=False)
+                for step in (masked_step, fast_step))
         carry = lax.fori_loop(first, full_first, masked_step, carry)
         carry = lax.fori_loop(full_first, full_last, fast_step, carry)
         return lax.fori_loop(full_last, last, masked_step, carry)
@@ -101,10 +108,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, mask: Mas
                scale: float, softcap: float | None, block_q: int, block_kv: int,
                has_segments: bool):
     if has_segments:
-        q_seg_ref, kv_seg_ref, dq_ref = rest
+        q_seg_ref, kv_seg_ref, q_range_ref, kv_range_ref, dq_ref = rest
     else:
         (dq_ref,) = rest
-    q_start = pl.program_id(0) * block_q
+    q_block = pl.program_id(0)
+    q_start = q_block * block_q
     precision = dot_precision(q_ref.dtype)
     q, do = q_ref[...], do_ref[...]
     lse2, delta = lse_ref[...], delta_ref[...]
@@ -126,6 +134,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, mask: Mas
     first, full_first, full_last, last = mask.kv_blocks(q_start, block_q, block_kv)
     masked_step = functools.partial(kv_step, masked=True)
     fast_step = functools.partial(kv_step, masked=has_segments)
+    if has_segments:
+        masked_step, fast_step = (
+            skip_disjoint_tiles(step, q_range_ref, q_block, kv_range_ref, kv_is_loop_index=True)
+            for step in (masked_step, fast_step))
     dq = jnp.zeros(q.shape, jnp.float32)
     dq = lax.fori_loop(first, full_first, masked_step, dq)
     dq = lax.fori_loop(full_first, full_last, fast_step, dq)
@@ -151,10 +163,10 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
     lse2 = pad_axis(lse * LOG2_E, 2, padded_q, jnp.inf)
     delta = pad_axis(delta, 2, padded_q)
     has_segments = segment_ids is not None
-    segment_inputs = []
+    segment_inputs, seg_specs = [], []
     if has_segments:
-        q_seg, kv_seg = segment_ids
-        segment_inputs = [pad_axis(q_seg, 1, padded_q, -1), pad_axis(kv_seg, 1, padded_kv, -2)]
+        segment_inputs, seg_specs = segment_operands(segment_ids, padded_q, padded_kv, block_q,
+                                                     block_kv)
     params = plgpu.CompilerParams(num_warps=config.bwd_num_warps,
                                   num_stages=config.bwd_num_stages)
     static = dict(mask=mask, scale=scale, softcap=softcap, block_q=block_q,
@@ -170,8 +182,6 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
     def group_stats(j, b, h):
         return (b, h, 0, 0)
 
-    seg_specs = [pl.BlockSpec((None, padded_q), lambda j, b, h: (b, 0)),
-                 pl.BlockSpec((None, padded_kv), lambda j, b, h: (b, 0))]
     grouped = lambda x: x.reshape(batch, padded_q, kv_heads, group, padded_d)  # noqa: E731
     stats = lambda x: x.reshape(batch, kv_heads, group, padded_q)  # noqa: E731
     dk, dv = pl.pallas_call(
@@ -184,7 +194,7 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
             pl.BlockSpec((None, padded_q, None, group, padded_d), group_rows),
             pl.BlockSpec((None, None, group, padded_q), group_stats),
             pl.BlockSpec((None, None, group, padded_q), group_stats),
-            *(seg_specs if has_segments else []),
+            *seg_specs,
         ],
         out_specs=[pl.BlockSpec((None, block_kv, None, padded_d), kv_tile)] * 2,
         out_shape=[jax.ShapeDtypeStruct(k_p.shape, k.dtype)] * 2,
@@ -212,7 +222,7 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
             pl.BlockSpec((None, block_q, None, padded_d), q_tile),
             pl.BlockSpec((None, None, block_q), row_stats),
             pl.BlockSpec((None, None, block_q), row_stats),
-            *(seg_specs if has_segments else []),
+            *seg_specs,
         ],
         out_specs=pl.BlockSpec((None, block_q, None, padded_d), q_tile),
         out_shape=jax.ShapeDtypeStruct(q_p.shape, q.dtype),

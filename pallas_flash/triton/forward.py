@@ -21,6 +21,7 @@ from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import next_power_of_2, pad_axis, round_up
 from pallas_flash.reference import EMPTY_ROW_LSE
 from pallas_flash.triton.config import TritonConfig
+from pallas_flash.triton.segments import segment_operands, skip_disjoint_tiles
 
 LOG2_E = math.log2(math.e)
 # Initial running max: finite, so exp2(m_old - m_new) is 0 rather than NaN when a row has
@@ -55,10 +56,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, *rest, mask: MaskSpec, scale: float,
                     softcap: float | None, block_q: int, block_kv: int, num_q_blocks: int,
                     has_segments: bool):
     if has_segments:
-        q_seg_ref, kv_seg_ref, o_ref, lse_ref = rest
+        q_seg_ref, kv_seg_ref, q_range_ref, kv_range_ref, o_ref, lse_ref = rest
     else:
-        (o_ref, lse_ref), q_seg_ref, kv_seg_ref = rest, None, None
-    q_start = query_block_order(pl.program_id(0), num_q_blocks, mask) * block_q
+        o_ref, lse_ref = rest
+    q_block = query_block_order(pl.program_id(0), num_q_blocks, mask)
+    q_start = q_block * block_q
     precision = dot_precision(q_ref.dtype)
     q = q_ref[...]
     q_seg = q_seg_ref[pl.ds(q_start, block_q)] if has_segments else None
@@ -91,6 +93,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, *rest, mask: MaskSpec, scale: float,
              jnp.zeros((block_q,), jnp.float32))
     masked_step = functools.partial(kv_step, masked=True)
     fast_step = functools.partial(kv_step, masked=has_segments)
+    if has_segments:
+        masked_step, fast_step = (
+            skip_disjoint_tiles(step, q_range_ref, q_block, kv_range_ref, kv_is_loop_index=True)
+            for step in (masked_step, fast_step))
     carry = lax.fori_loop(first, full_first, masked_step, carry)
     carry = lax.fori_loop(full_first, full_last, fast_step, carry)
     acc, m_i, l_i = lax.fori_loop(full_last, last, masked_step, carry)
@@ -133,11 +139,9 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: Trito
     ]
     inputs = [q_p, k_p, v_p]
     if has_segments:
-        q_seg, kv_seg = segment_ids
-        in_specs += [pl.BlockSpec((None, padded_q), lambda i, b, h: (b, 0)),
-                     pl.BlockSpec((None, padded_kv), lambda i, b, h: (b, 0))]
-        # Padding ids differ from each other and from real ids (which are >= 0).
-        inputs += [pad_axis(q_seg, 1, padded_q, -1), pad_axis(kv_seg, 1, padded_kv, -2)]
+        arrays, specs = segment_operands(segment_ids, padded_q, padded_kv, block_q, block_kv)
+        inputs += arrays
+        in_specs += specs
 
     kernel = functools.partial(
         _forward_kernel, mask=mask, scale=scale, softcap=softcap, block_q=block_q,
