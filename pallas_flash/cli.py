@@ -1,0 +1,609 @@
+"""``pallas-flash``: the tutorial's experiments from the command line.
+
+    pallas-flash check    every implementation vs the float64 oracle (forward, causal, dQ/dK/dV)
+    pallas-flash bench    standard attention vs ours (and cuDNN, XLA, JAX's Pallas ops on a GPU)
+    pallas-flash memory   peak memory of standard vs tiled attention as L grows
+    pallas-flash io       the HBM-traffic model for the kernels' real block sizes
+
+``python -m pallas_flash`` is the same program. Without a GPU everything runs on the CPU on
+small sizes (Pallas kernels in interpret mode) and says so. ``bench`` and ``io`` reuse the
+repository's ``benchmarks`` package (timing, FLOP conventions, implementations), so they run
+from a source checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import pallas_flash as pf
+from pallas_flash import demo, io_model
+from pallas_flash.masking import MaskSpec
+from pallas_flash.reference import standard_attention
+
+DTYPES = {"fp32": jnp.dtype(jnp.float32), "bf16": jnp.dtype(jnp.bfloat16),
+          "fp16": jnp.dtype(jnp.float16)}
+_CAUSAL = {"no": (False,), "yes": (True,), "both": (False, True)}
+_MIB = 1 << 20
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def _device_line() -> str:
+    device = jax.devices()[0]
+    where = "GPU" if _on_gpu() else "CPU (no GPU found: small sizes, Pallas in interpret mode)"
+    return f"device: {device.device_kind} [{where}], jax {jax.__version__}"
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """argparse type: ``"512,1024"`` -> (512, 1024), positive integers only."""
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from exc
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: one positive integer."""
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from exc
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _progress(iterable, **kwargs):
+    """A tqdm bar on stderr (the tables go to stdout)."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, file=sys.stderr, leave=False, **kwargs)
+
+
+def _benchmarks(parser: argparse.ArgumentParser):
+    """The repository's ``benchmarks`` package (not installed with the wheel): importable
+    from the repository root, or found next to this package in a source checkout."""
+    try:
+        return importlib.import_module("benchmarks.suite")
+    except ImportError:
+        root = Path(__file__).resolve().parents[1]
+        if not (root / "benchmarks" / "__init__.py").is_file():
+            parser.error("this subcommand needs the repository's benchmarks/ package; "
+                         "run it from a source checkout of pallas-flash")
+        sys.path.insert(0, str(root))
+        return importlib.import_module("benchmarks.suite")
+
+
+# --- check -----------------------------------------------------------------------------
+
+
+def _check(args: argparse.Namespace, parser: argparse.ArgumentParser,
+           candidates: Mapping[str, demo.Candidate] | None) -> int:
+    found = dict(demo.candidates() if candidates is None else candidates)
+    if args.impls:
+        unknown = sorted(set(args.impls) - set(found))
+        if unknown:
+            parser.error(f"--impls: unknown or unavailable here: {', '.join(unknown)}; "
+                         f"choose from {', '.join(found)}")
+        found = {name: found[name] for name in args.impls}
+    dtype = DTYPES[args.dtype]
+    print(_device_line())
+    print(f"check vs float64 oracle: B={args.batch} H={args.heads} L={args.seq_len} "
+          f"d={args.head_dim} {dtype.name}, forward" + ("" if args.no_grads else
+                                                       " and dQ, dK, dV"))
+    rows = demo.compare(
+        found, batch=args.batch, seq_len=args.seq_len, heads=args.heads,
+        head_dim=args.head_dim, dtype=dtype, causal=_CAUSAL[args.causal],
+        grads=not args.no_grads, tolerance=args.tolerance, seed=args.seed,
+        progress=lambda jobs: _progress(jobs, desc="check", unit="impl"))
+    print(demo.format_table(rows))
+    failed = sorted({r.label for r in rows if not r.ok})
+    tolerance = demo.TOLERANCES[dtype.name] if args.tolerance is None else args.tolerance
+    print(f"tolerance: max |error| / max |reference| <= {tolerance:g}; "
+          + (f"FAILED: {', '.join(failed)}" if failed else "all passed"))
+    return 1 if failed else 0
+
+
+# --- bench -----------------------------------------------------------------------------
+
+
+def _standard(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
+    return standard_attention(q, k, v, mask=MaskSpec(q.shape[1], k.shape[1],
+                                                     is_causal=causal))[0]
+
+
+def _ours_xla(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
+    return pf.attention(q, k, v, is_causal=causal, implementation="xla")
+
+
+def bench_registry(parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """``standard`` (S and P materialised), every ``benchmarks.implementations`` entry, and
+    ``pallas_flash_xla``; each is probed by the suite and skipped where it cannot run."""
+    _benchmarks(parser)
+    from benchmarks.implementations import IMPLEMENTATIONS, Implementation
+
+    return {
+        "standard": Implementation(
+            "standard", _standard,
+            note="pallas_flash.reference.standard_attention: S and P materialised"),
+        **IMPLEMENTATIONS,
+        "pallas_flash_xla": Implementation(
+            "pallas_flash_xla", _ours_xla, note='pallas_flash.attention(implementation="xla")'),
+    }
+
+
+def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, _) -> int:
+    suite = _benchmarks(parser)
+    from benchmarks.flops import problem_shape
+
+    gpu = _on_gpu()
+    registry = bench_registry(parser)
+    if args.impls:
+        unknown = sorted(set(args.impls) - set(registry))
+        if unknown:
+            parser.error(f"--impls: unknown {', '.join(unknown)}; choose from "
+                         f"{', '.join(registry)}")
+    seq_lens = args.seq_lens or ((512, 1024, 2048, 4096, 8192, 16384) if gpu
+                                 else (128, 256, 512))
+    tokens = args.tokens or (16384 if gpu else 1024)
+    hidden = args.hidden or (2048 if gpu else 128)
+    for length in seq_lens:
+        try:
+            problem_shape(args.head_dim, length, tokens=tokens, hidden=hidden)
+        except ValueError as exc:
+            parser.error(str(exc))
+    config = suite.SuiteConfig(
+        impls=args.impls, head_dims=(args.head_dim,), seq_lens=seq_lens,
+        causal=_CAUSAL[args.causal], passes=("fwd", "bwd") if args.backward else ("fwd",),
+        dtype=args.dtype or ("bf16" if gpu else "fp32"), iters=args.iters or (20 if gpu else 3),
+        warmup=2 if gpu else 1, max_seconds=2.0 if gpu else 0.5, tokens=tokens, hidden=hidden,
+        time_limit=args.time_limit)
+    print(_device_line())
+    print(f"bench: batch × L = {tokens} tokens, hidden {hidden} (heads = {hidden // args.head_dim}"
+          f" of {args.head_dim}), {config.dtype}; FLOPs 4·B·H·L²·D (halved when causal)"
+          + (", backward 2.5× forward" if args.backward else ""))
+    bar: list[Any] = []
+
+    def log(line: str) -> None:
+        match = re.match(r"\[\s*(\d+)/(\d+)\]", line)
+        if match is None:
+            return
+        if not bar:
+            bar.append(_progress(None, total=int(match[2]), desc="bench", unit="point"))
+        bar[0].update(1)
+
+    result = suite.run_suite(config, registry=registry, log=log)
+    if bar:
+        bar[0].close()
+    add_speedups(result["points"])
+    print(bench_table(result))
+    for name, reason in result["unavailable"].items():
+        print(f"not available: {name}: {reason}")
+    if not gpu:
+        print("on CPU there is no small fast on-chip memory to tile for: expect no speedup "
+              "here; the numbers that matter come from a GPU (benchmarks/results/)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        suite.write_json(result, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        _plot_bench(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def add_speedups(points: list[dict[str, Any]]) -> None:
+    """Set ``speedup_vs_standard`` = standard's time / the point's time (None if either
+    is missing) on every suite point."""
+    key = ("seq_len", "causal", "pass", "head_dim")
+    standard = {tuple(p[k] for k in key): p["ms"] for p in points
+                if p["impl"] == "standard" and p["ms"]}
+    for p in points:
+        base = standard.get(tuple(p[k] for k in key))
+        p["speedup_vs_standard"] = base / p["ms"] if base and p["ms"] else None
+
+
+def bench_table(result: Mapping[str, Any]) -> str:
+    """The points of a suite result as a text table: time, TFLOP/s and speedup vs standard."""
+    lines = [f"{'pass':4s} {'causal':6s} {'L':>6s}  {'implementation':22s} {'ms':>9s} "
+             f"{'TFLOP/s':>8s} {'vs standard':>11s}"]
+    order = sorted(result["points"], key=lambda p: (p["pass"], p["causal"], p["seq_len"]))
+    for p in order:
+        if p["error"]:
+            cells = f"{'-':>9s} {'-':>8s} {'-':>11s}  {p['error'][:60]}"
+        else:
+            speedup = p.get("speedup_vs_standard")
+            cells = (f"{p['ms']:9.3f} {p['tflops']:8.3g} "
+                     f"{(f'{speedup:.2f}×' if speedup else '-'):>11s}")
+        lines.append(f"{p['pass']:4s} {'yes' if p['causal'] else 'no':6s} {p['seq_len']:6d}  "
+                     f"{p['impl']:22s} {cells}")
+    return "\n".join(lines)
+
+
+def _plot_bench(result: Mapping[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    series: dict[tuple, list[tuple[int, float, float]]] = {}
+    for p in result["points"]:
+        if p["ms"]:
+            label = (p["impl"], p["pass"], p["causal"])
+            series.setdefault(label, []).append((p["seq_len"], p["ms"], p["tflops"]))
+    for (impl, pass_, causal), values in sorted(series.items()):
+        values.sort()
+        lengths = [v[0] for v in values]
+        name = f"{impl} {pass_}" + (" causal" if causal else "")
+        axes[0].plot(lengths, [v[1] for v in values], marker="o", label=name)
+        axes[1].plot(lengths, [v[2] for v in values], marker="o", label=name)
+    for ax, ylabel in zip(axes, ("time per call (ms)", "TFLOP/s"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length L")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"{result['device']}, {result['config']['dtype']}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --- memory ----------------------------------------------------------------------------
+
+
+def compiled_temp_bytes(fn: Callable[..., Any], *shapes: jax.ShapeDtypeStruct) -> int | None:
+    """Temporary buffer bytes XLA assigns to ``jit(fn)`` for these input shapes (compiled,
+    never run: nothing is allocated), or None when the backend does not say."""
+    analysis = jax.jit(fn).lower(*shapes).compile().memory_analysis()
+    return None if analysis is None else int(analysis.temp_size_in_bytes)
+
+
+def _device_memory_limit() -> int | None:
+    stats = jax.devices()[0].memory_stats() if _on_gpu() else None
+    return None if not stats else stats.get("bytes_limit")
+
+
+@dataclasses.dataclass
+class MemoryRow:
+    """One sequence length of ``pallas-flash memory`` (bytes; measured = compiled temps)."""
+
+    seq_len: int
+    standard_peak: int
+    tiled_peak: int
+    standard_temp: int | None
+    tiled_temp: int | None
+    fits: bool
+
+
+def _memory(args: argparse.Namespace, parser: argparse.ArgumentParser, _) -> int:
+    gpu = _on_gpu()
+    impl = args.impl or pf.default_implementation()
+    interpret = impl == "triton" and not gpu
+    if impl == "mosaic" and "mosaic" not in pf.available_implementations():
+        parser.error("--impl mosaic needs a Hopper GPU")
+    dtype = DTYPES[args.dtype or ("bf16" if gpu else "fp32")]
+    heads = args.heads or (16 if gpu else 4)
+    head_dim = args.head_dim or (128 if gpu else 64)
+    seq_lens = args.seq_lens or (tuple(1024 << i for i in range(9)) if gpu
+                                 else (256, 512, 1024, 2048, 4096))
+    limit = _device_memory_limit()
+    print(_device_line())
+    print(f"memory: batch {args.batch}, {heads} heads of {head_dim}, {dtype.name}, "
+          f"{'forward+backward' if args.backward else 'forward'}; tiled = {impl}"
+          + (" (interpret mode)" if interpret else ""))
+    print("analytic: inputs + output + scratch (standard: S and P in float32; tiled: the lse); "
+          "measured: XLA's temporary buffers for the compiled program")
+    if limit:
+        print(f"device memory: {limit / 2**30:.1f} GiB (memory_stats bytes_limit)")
+    else:
+        print("on CPU: compiled (not run) up to a modest L; the kernels' tiles live on chip "
+              "only on a GPU (the CPU's tiled path is XLA's chunked scan, O(L·block) scratch)")
+
+    def tiled(q, k, v):
+        return pf.attention(q, k, v, is_causal=args.causal, implementation=impl,
+                            interpret=interpret)
+
+    def standard(q, k, v):
+        return _standard(q, k, v, args.causal)
+
+    def with_backward(fn):
+        def fwd_bwd(q, k, v, d_out):
+            out, vjp = jax.vjp(fn, q, k, v)
+            return out, *vjp(d_out)
+        return fwd_bwd
+
+    rows: list[MemoryRow] = []
+    itemsize = dtype.itemsize
+    for length in _progress(seq_lens, desc="memory", unit="L"):
+        shape = jax.ShapeDtypeStruct((args.batch, length, heads, head_dim), dtype)
+        shapes = (shape,) * (4 if args.backward else 3)
+        std = io_model.standard_attention_memory(args.batch, heads, length, head_dim,
+                                                 itemsize=itemsize)
+        til = io_model.tiled_attention_memory(args.batch, heads, length, head_dim,
+                                              itemsize=itemsize)
+        std_fn, til_fn = (with_backward(f) if args.backward else f for f in (standard, tiled))
+        std_temp = compiled_temp_bytes(std_fn, *shapes)
+        til_temp = compiled_temp_bytes(til_fn, *shapes)
+        need = max(std.peak_bytes, std.io_bytes + (std_temp or 0))
+        fits = limit is None or need <= limit
+        rows.append(MemoryRow(length, std.peak_bytes, til.peak_bytes, std_temp, til_temp, fits))
+        if not fits:
+            break
+    print(memory_table(rows))
+    if limit and not rows[-1].fits:
+        print(f"standard attention no longer fits at L={rows[-1].seq_len} "
+              f"({rows[-1].standard_peak / 2**30:.1f} GiB analytic > {limit / 2**30:.1f} GiB)")
+    if args.plot:
+        _plot_memory(rows, limit, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _mib(x: int | None) -> str:
+    return "-" if x is None else f"{x / _MIB:,.1f}"
+
+
+def memory_table(rows: Sequence[MemoryRow]) -> str:
+    """Rows as text: MiB analytic and measured, and standard / tiled."""
+    lines = [f"{'L':>7s} {'standard MiB':>13s} {'tiled MiB':>10s} {'ratio':>7s}   "
+             f"{'measured temp: standard':>23s} {'tiled':>9s}  fits"]
+    for r in rows:
+        lines.append(f"{r.seq_len:7d} {_mib(r.standard_peak):>13s} {_mib(r.tiled_peak):>10s} "
+                     f"{r.standard_peak / r.tiled_peak:7.1f}   {_mib(r.standard_temp):>23s} "
+                     f"{_mib(r.tiled_temp):>9s}  {'yes' if r.fits else 'NO'}")
+    return "\n".join(lines)
+
+
+def _plot_memory(rows: Sequence[MemoryRow], limit: int | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    lengths = [r.seq_len for r in rows]
+    ax.plot(lengths, [r.standard_peak / _MIB for r in rows], "o-", label="standard (model)")
+    ax.plot(lengths, [r.tiled_peak / _MIB for r in rows], "o-", label="tiled (model)")
+    for attr, label in (("standard_temp", "standard: XLA temp buffers"),
+                        ("tiled_temp", "tiled: XLA temp buffers")):
+        points = [(r.seq_len, getattr(r, attr)) for r in rows if getattr(r, attr)]
+        if points:
+            ax.plot(*zip(*[(n, b / _MIB) for n, b in points], strict=True), "x--", label=label)
+    if limit:
+        ax.axhline(limit / _MIB, color="gray", ls=":", label="device memory")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length L")
+    ax.set_ylabel("MiB")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --- io --------------------------------------------------------------------------------
+
+
+def kernel_blocks(impl: str, q_shape: tuple[int, ...], dtype: Any,
+                  mask: MaskSpec) -> tuple[int, int, str]:
+    """``(B_r, B_c, description)`` of the forward kernel's default tiles: the query rows
+    one program keeps on chip (a Mosaic CTA holds two consumers of ``block_q`` rows) and
+    the keys per K/V block."""
+    if impl == "triton":
+        from pallas_flash.triton import default_config
+
+        config = default_config(q_shape, q_shape, dtype, mask)
+        return config.block_q, config.block_kv, repr(config)
+    from pallas_flash.mosaic.config import NUM_CONSUMERS, default_config
+
+    config = default_config(q_shape, q_shape, dtype, mask)
+    return NUM_CONSUMERS * config.block_q, config.block_kv, repr(config)
+
+
+def shared_memory_bytes(device_kind: str) -> int | None:
+    """Shared memory one thread block may use: 227 KiB on Hopper (H100/H200/H800/H20),
+    None for devices this package has no number for."""
+    from pallas_flash.mosaic.config import SMEM_BUDGET
+
+    return SMEM_BUDGET if re.search(r"\bH(100|200|800|20)\b", device_kind) else None
+
+
+def _io(args: argparse.Namespace, parser: argparse.ArgumentParser, _) -> int:
+    _benchmarks(parser)
+    from benchmarks.flops import problem_shape
+    from benchmarks.timing import time_fn
+
+    gpu = _on_gpu()
+    impl = args.impl or ("mosaic" if "mosaic" in pf.available_implementations() else "triton")
+    if gpu and impl == "mosaic" and "mosaic" not in pf.available_implementations():
+        parser.error("--impl mosaic needs a Hopper GPU")
+    dtype = DTYPES[args.dtype]
+    seq_lens = args.seq_lens or (1024, 2048, 4096, 8192, 16384)
+    for length in seq_lens:
+        try:
+            problem_shape(args.head_dim, length, tokens=args.tokens, hidden=args.hidden)
+        except ValueError as exc:
+            parser.error(str(exc))
+    device_kind = jax.devices()[0].device_kind
+    smem = shared_memory_bytes(device_kind) if gpu else None
+    print(_device_line())
+    if gpu and smem is None:
+        print(f"shared memory of a {device_kind} is not known here; assuming Hopper's 227 KiB")
+    if not gpu:
+        print("no GPU: this is the model only (no kernel is timed); shared memory per block "
+              "of an H100/H200 assumed")
+    smem = smem or shared_memory_bytes("H100")
+    itemsize = dtype.itemsize
+    print(f"io: {impl} forward, {dtype.name}, {args.tokens} tokens, hidden {args.hidden}, "
+          f"head_dim {args.head_dim}, causal {args.causal}; shared memory M = "
+          f"{smem / 1024:.0f} KiB = {smem // itemsize} elements of {itemsize} bytes")
+    lines = [f"{'L':>6s} {'B×H':>7s} {'B_r×B_c':>8s} {'K/V passes':>10s} {'standard MiB':>13s} "
+             f"{'tiled MiB':>10s} {'ratio':>6s} {'L²d²/M MiB':>11s}"
+             + (f" {'fwd ms':>8s} {'model GB/s':>10s}" if gpu else "")]
+    config_line = ""
+    for length in _progress(seq_lens, desc="io", unit="L"):
+        batch, heads = problem_shape(args.head_dim, length, tokens=args.tokens,
+                                     hidden=args.hidden)
+        q_shape = (batch, length, heads, args.head_dim)
+        mask = MaskSpec(length, length, is_causal=args.causal)
+        block_q, block_kv, config_line = kernel_blocks(impl, q_shape, dtype, mask)
+        std = io_model.standard_attention_traffic(batch, heads, length, args.head_dim,
+                                                  itemsize=itemsize)
+        til = io_model.tiled_attention_traffic(batch, heads, length, args.head_dim,
+                                               block_q=block_q, block_kv=block_kv,
+                                               itemsize=itemsize, causal=args.causal)
+        passes = io_model.kv_keys_loaded(length, length, block_q, block_kv, mask=mask) / length
+        bound = batch * heads * itemsize * io_model.io_bound_elements(
+            length, args.head_dim, smem // itemsize)
+        line = (f"{length:6d} {f'{batch}×{heads}':>7s} {f'{block_q}×{block_kv}':>8s} "
+                f"{passes:10.1f} {_mib(std.total_bytes):>13s} {_mib(til.total_bytes):>10s} "
+                f"{std.total_bytes / til.total_bytes:6.1f} {bound / _MIB:11,.1f}")
+        if gpu:
+            keys = jax.random.split(jax.random.PRNGKey(length), 3)
+            q, k, v = (jax.random.normal(key, q_shape, dtype) for key in keys)
+            fn = jax.jit(lambda q, k, v: pf.attention(q, k, v, is_causal=args.causal,
+                                                      implementation=impl))
+            ms = time_fn(fn, [(q, k, v)], iters=args.iters).median_ms
+            line += f" {ms:8.3f} {til.total_bytes / (ms * 1e-3) / 1e9:10.0f}"
+        lines.append(line)
+    print(f"tiles (default config at the last L): {config_line}")
+    working = io_model.sram_elements(block_q, block_kv, args.head_dim)
+    print(f"tutorial constraint B_r·d + B_c·d + B_r·B_c = {working} elements = "
+          f"{working * itemsize / 1024:.0f} KiB ≤ M = {smem / 1024:.0f} KiB: "
+          f"{'holds' if io_model.fits_sram(block_q, block_kv, args.head_dim, smem, itemsize=itemsize) else 'violated'}"  # noqa: E501
+          f"; paper's choice for this M: (B_r, B_c) = "
+          f"{io_model.paper_block_sizes(smem // itemsize, args.head_dim)}")
+    print("\n".join(lines))
+    print("K/V passes: times each key is read (once per query block; causal skips blocks "
+          "above the diagonal). ratio = standard / tiled bytes."
+          + (" model GB/s = tiled bytes / forward time." if gpu else ""))
+    return 0
+
+
+# --- parser ----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of ``pallas-flash`` (subcommands check, bench, memory, io)."""
+    parser = argparse.ArgumentParser(
+        prog="pallas-flash", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"pallas-flash {pf.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    check = sub.add_parser("check", help="every implementation vs the float64 oracle",
+                           description="Forward (and dQ, dK, dV) of every implementation that "
+                                       "runs here vs pallas_flash.reference.attention_float64;"
+                                       " exit code 1 on any failure.")
+    check.add_argument("--impls", type=lambda s: tuple(x for x in s.split(",") if x),
+                       help="comma list of fa1-loops,fa2-loops,xla,triton,mosaic "
+                            "(default: all that run here)")
+    check.add_argument("--batch", type=_positive_int, default=2)
+    check.add_argument("--heads", type=_positive_int, default=4)
+    check.add_argument("--seq-len", type=_positive_int, default=128)
+    check.add_argument("--head-dim", type=_positive_int, default=64)
+    check.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
+    check.add_argument("--causal", choices=tuple(_CAUSAL), default="both")
+    check.add_argument("--tolerance", type=float,
+                       help="max |error| / max |reference| (default: 1e-5 fp32, 2e-2 bf16, "
+                            "5e-3 fp16)")
+    check.add_argument("--no-grads", action="store_true", help="forward only")
+    check.add_argument("--seed", type=int, default=0)
+    check.set_defaults(run=_check, subparser=check)
+
+    bench = sub.add_parser(
+        "bench", help="standard attention vs ours (time, TFLOP/s, speedup)",
+        description="Times standard attention (S and P materialised) against pallas-flash "
+                    "and, where they run, cuDNN, XLA and JAX's Pallas ops, with the papers' "
+                    "shapes (batch × L = --tokens, heads = --hidden / --head-dim) via "
+                    "benchmarks.suite. GPU defaults: L 512…16384, bf16; CPU: L 128…512, "
+                    "fp32, 1024 tokens, hidden 128.")
+    bench.add_argument("--seq-lens", type=_int_list)
+    bench.add_argument("--head-dim", type=_positive_int, default=64)
+    bench.add_argument("--tokens", type=_positive_int, help="batch × L")
+    bench.add_argument("--hidden", type=_positive_int, help="heads × head_dim")
+    bench.add_argument("--causal", choices=tuple(_CAUSAL), default="no")
+    bench.add_argument("--backward", action="store_true", help="also time the backward")
+    bench.add_argument("--dtype", choices=tuple(DTYPES))
+    bench.add_argument("--impls", type=lambda s: tuple(x for x in s.split(",") if x),
+                       help="comma list (default: every one that runs here)")
+    bench.add_argument("--iters", type=_positive_int, help="timing samples")
+    bench.add_argument("--time-limit", type=float, help="seconds; later points are not run")
+    bench.add_argument("--json", type=Path, help="write the results (suite JSON) here")
+    bench.add_argument("--plot", type=Path, help="write a PNG of time and TFLOP/s vs L")
+    bench.set_defaults(run=_bench, subparser=bench)
+
+    memory = sub.add_parser(
+        "memory", help="peak memory of standard vs tiled attention as L grows",
+        description="Analytic (pallas_flash.io_model) and compiled (XLA memory_analysis "
+                    "temp bytes) memory of standard vs tiled attention, up to the L where "
+                    "standard attention no longer fits the GPU (CPU: up to --seq-lens).")
+    memory.add_argument("--seq-lens", type=_int_list)
+    memory.add_argument("--batch", type=_positive_int, default=1)
+    memory.add_argument("--heads", type=_positive_int)
+    memory.add_argument("--head-dim", type=_positive_int)
+    memory.add_argument("--dtype", choices=tuple(DTYPES))
+    memory.add_argument("--impl", choices=("xla", "triton", "mosaic"),
+                        help="the tiled implementation (default: the fastest here)")
+    memory.add_argument("--causal", action="store_true")
+    memory.add_argument("--backward", action="store_true", help="measure forward+backward")
+    memory.add_argument("--plot", type=Path, help="write a PNG of memory vs L")
+    memory.set_defaults(run=_memory, subparser=memory)
+
+    io = sub.add_parser(
+        "io", help="HBM traffic of standard vs tiled attention for the real block sizes",
+        description="The FlashAttention IO model (pallas_flash.io_model) for the block "
+                    "sizes of the kernel's default config and the device's shared memory; "
+                    "on a GPU also the measured forward time.")
+    io.add_argument("--impl", choices=("triton", "mosaic"),
+                    help="whose tiles (default: mosaic on Hopper, else triton)")
+    io.add_argument("--seq-lens", type=_int_list)
+    io.add_argument("--head-dim", type=_positive_int, default=128)
+    io.add_argument("--tokens", type=_positive_int, default=16384, help="batch × L")
+    io.add_argument("--hidden", type=_positive_int, default=2048, help="heads × head_dim")
+    io.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    io.add_argument("--causal", action="store_true")
+    io.add_argument("--iters", type=_positive_int, default=10)
+    io.set_defaults(run=_io, subparser=io)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, *,
+         candidates: Mapping[str, demo.Candidate] | None = None) -> int:
+    """Entry point of ``pallas-flash`` and ``python -m pallas_flash``.
+
+    Args:
+      argv: the arguments (default ``sys.argv[1:]``).
+      candidates: the implementations ``check`` runs, by name (default
+        :func:`pallas_flash.demo.candidates`: everything that runs on this machine).
+
+    Returns:
+      The exit status: 0, or 1 when ``check`` finds a wrong implementation. Bad options
+      exit with status 2 (argparse).
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.run(args, args.subparser, candidates)
+
