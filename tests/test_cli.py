@@ -1,0 +1,116 @@
+"""The pallas-flash command line on CPU, tiny sizes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+from pallas_flash import cli, demo
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--batch", "1", "--heads", "2", "--seq-len", "32", "--head-dim", "16"]
+
+
+def _exit_code(argv, capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    return info.value.code, capsys.readouterr().err
+
+
+def test_check_passes_for_correct_implementations(capsys):
+    assert cli.main(["check", *TINY, "--impls", "xla,fa2-loops"]) == 0
+    out = capsys.readouterr().out
+    assert "FAIL" not in out and "all passed" in out
+    # Forward and the three gradients, causal and not.
+    for quantity in ("out", "dq", "dk", "dv"):
+        assert f" {quantity} " in out
+
+
+def test_check_fails_on_a_wrong_implementation(capsys):
+    good = demo.candidates(reference_loops=False)["xla"]
+    wrong = demo.Candidate("off by a little", lambda q, k, v, causal: good.fn(q, k, v, causal)
+                           * 1.001)
+    broken = demo.Candidate("raises", lambda q, k, v, causal: jnp.zeros(()).reshape(5))
+    code = cli.main(["check", *TINY, "--causal", "no"],
+                    candidates={"xla": good, "wrong": wrong, "broken": broken})
+    out = capsys.readouterr().out
+    assert code == 1
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith(
+        ("xla", "off", "raises"))}
+    assert lines["xla"].endswith("pass")
+    assert "FAIL" in lines["off"] and "FAIL" in lines["raises"] and "TypeError" in out
+    assert "FAILED: off by a little, raises" in out
+
+
+def test_check_triton_interpret_forward(capsys):
+    assert cli.main(["check", *TINY, "--impls", "triton", "--causal", "yes",
+                     "--no-grads"]) == 0
+    assert "interpret mode" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["check", "--impls", "nope"], "unknown or unavailable"),
+    (["check", "--seq-len", "0"], "positive integer"),
+    (["check", "--dtype", "fp64"], "invalid choice"),
+    (["bench", "--seq-lens", "48", "--tokens", "128"], "not a multiple"),
+    (["bench", "--impls", "standard,nope"], "unknown nope"),
+    (["bench", "--seq-lens", "a,b"], "comma-separated integers"),
+    (["memory", "--impl", "cuda"], "invalid choice"),
+    (["io", "--head-dim", "-3"], "positive integer"),
+    ([], "required"),
+])
+def test_bad_options_exit_2(argv, message, capsys):
+    code, err = _exit_code(argv, capsys)
+    assert code == 2 and message in err
+
+
+def test_bench_tiny(tmp_path, capsys):
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    argv = ["bench", "--seq-lens", "32,64", "--tokens", "128", "--hidden", "32",
+            "--head-dim", "16", "--impls", "standard,pallas_flash_xla", "--iters", "1",
+            "--json", str(out_json), "--plot", str(out_png)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "CPU" in out and "pallas_flash_xla" in out and "1.00×" in out
+    result = json.loads(out_json.read_text())
+    points = result["points"]
+    assert len(points) == 2 * 2
+    assert all(p["error"] is None and p["speedup_vs_standard"] > 0 for p in points)
+    assert out_png.stat().st_size > 0
+
+
+def test_memory_tiny(tmp_path, capsys):
+    png = tmp_path / "memory.png"
+    argv = ["memory", "--seq-lens", "64,128", "--heads", "1", "--head-dim", "16",
+            "--backward", "--plot", str(png)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("64 ", "128 "))]
+    assert [r[0] for r in rows] == ["64", "128"]
+    assert all(r[-1] == "yes" for r in rows)
+    assert png.stat().st_size > 0
+
+
+def test_io_model_only_on_cpu(capsys):
+    assert cli.main(["io", "--seq-lens", "1024,2048", "--causal"]) == 0
+    out = capsys.readouterr().out
+    assert "model only" in out and "227 KiB" in out
+    assert "256×64" in out  # the Triton heuristic's tiles at head_dim 128, bf16
+
+
+def test_io_mosaic_tiles(capsys):
+    assert cli.main(["io", "--impl", "mosaic", "--seq-lens", "4096", "--head-dim", "64"]) == 0
+    assert "128×256" in capsys.readouterr().out  # CTA = 2 × 64 rows, 256-key blocks
+
+
+def test_python_dash_m(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "pallas_flash", "--help"], env=env,
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0 and "check" in done.stdout and "memory" in done.stdout
