@@ -27,7 +27,7 @@ from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import next_power_of_2, pad_axis, round_up
 from pallas_flash.triton.config import TritonConfig
 from pallas_flash.triton.forward import LOG2_E, dot_precision, log2_logits
-from pallas_flash.triton.segments import segment_operands, skip_disjoint_tiles
+from pallas_flash.triton.tiles import segment_operands, skip_disjoint_tiles, walk_tiles
 
 
 def _visible(mask: MaskSpec, q_start, block_q, k_start, block_kv, q_seg, kv_seg):
@@ -84,19 +84,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, mask: M
         dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True, precision=precision)
         return dk, dv
 
-    first, full_first, full_last, last = mask.q_blocks(k_start, block_kv, block_q, num_q_blocks)
+    ranges = mask.q_blocks(k_start, block_kv, block_q, num_q_blocks)
+    guard = (skip_disjoint_tiles(q_range_ref, kv_range_ref, kv_block, kv_is_loop_index=False)
+             if has_segments else None)
 
-    def head_step(head, carry):
-        masked_step = functools.partial(q_step, head=head, masked=True)
-        fast_step = functools.partial(q_step, head=head, masked=has_segments)
-        if has_segments:
-            masked_step, fast_step = (
-                skip_disjoint_tiles(step, q_range_ref, kv_block, kv_range_ref,
-                                    kv_is_loop_index=False)
-                for step in (masked_step, fast_step))
-        carry = lax.fori_loop(first, full_first, masked_step, carry)
-        carry = lax.fori_loop(full_first, full_last, fast_step, carry)
-        return lax.fori_loop(full_last, last, masked_step, carry)
+    def head_step(head, carry):  # the GQA group's query heads, summed in registers
+        return walk_tiles(functools.partial(q_step, head=head), ranges, carry,
+                          has_segments=has_segments, guard=guard)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, group, head_step, (zeros, zeros))
@@ -131,17 +125,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, mask: Mas
         ds = _score_gradient(p, dp, delta, slope)
         return dq + plgpu.dot(ds.astype(k.dtype), k, precision=precision)
 
-    first, full_first, full_last, last = mask.kv_blocks(q_start, block_q, block_kv)
-    masked_step = functools.partial(kv_step, masked=True)
-    fast_step = functools.partial(kv_step, masked=has_segments)
-    if has_segments:
-        masked_step, fast_step = (
-            skip_disjoint_tiles(step, q_range_ref, q_block, kv_range_ref, kv_is_loop_index=True)
-            for step in (masked_step, fast_step))
-    dq = jnp.zeros(q.shape, jnp.float32)
-    dq = lax.fori_loop(first, full_first, masked_step, dq)
-    dq = lax.fori_loop(full_first, full_last, fast_step, dq)
-    dq = lax.fori_loop(full_last, last, masked_step, dq)
+    guard = (skip_disjoint_tiles(q_range_ref, kv_range_ref, q_block, kv_is_loop_index=True)
+             if has_segments else None)
+    dq = walk_tiles(kv_step, mask.kv_blocks(q_start, block_q, block_kv),
+                    jnp.zeros(q.shape, jnp.float32), has_segments=has_segments, guard=guard)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 

@@ -21,7 +21,7 @@ from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import next_power_of_2, pad_axis, round_up
 from pallas_flash.reference import EMPTY_ROW_LSE
 from pallas_flash.triton.config import TritonConfig
-from pallas_flash.triton.segments import segment_operands, skip_disjoint_tiles
+from pallas_flash.triton.tiles import segment_operands, skip_disjoint_tiles, walk_tiles
 
 LOG2_E = math.log2(math.e)
 # Initial running max: finite, so exp2(m_old - m_new) is 0 rather than NaN when a row has
@@ -86,20 +86,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, *rest, mask: MaskSpec, scale: float,
         acc = alpha[:, None] * acc + plgpu.dot(p.astype(v.dtype), v, precision=precision)
         return acc, m_new, l_i
 
-    first, full_first, full_last, last = mask.kv_blocks(q_start, block_q, block_kv)
     head_dim = q_ref.shape[-1]
     carry = (jnp.zeros((block_q, head_dim), jnp.float32),
              jnp.full((block_q,), _M_INIT, jnp.float32),
              jnp.zeros((block_q,), jnp.float32))
-    masked_step = functools.partial(kv_step, masked=True)
-    fast_step = functools.partial(kv_step, masked=has_segments)
-    if has_segments:
-        masked_step, fast_step = (
-            skip_disjoint_tiles(step, q_range_ref, q_block, kv_range_ref, kv_is_loop_index=True)
-            for step in (masked_step, fast_step))
-    carry = lax.fori_loop(first, full_first, masked_step, carry)
-    carry = lax.fori_loop(full_first, full_last, fast_step, carry)
-    acc, m_i, l_i = lax.fori_loop(full_last, last, masked_step, carry)
+    guard = (skip_disjoint_tiles(q_range_ref, kv_range_ref, q_block, kv_is_loop_index=True)
+             if has_segments else None)
+    acc, m_i, l_i = walk_tiles(kv_step, mask.kv_blocks(q_start, block_q, block_kv), carry,
+                               has_segments=has_segments, guard=guard)
 
     # Normalise once at the end (FA2, Algorithm 1 line 12); rows that saw nothing give 0.
     empty = l_i == 0.0
