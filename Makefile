@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 PY := $(VENV)/bin/python
 JOBS ?= 2
 
-.PHONY: venv test demo lint bench clean
+.PHONY: venv test demo lint bench clean docs
 
 venv: $(STAMP)
 
@@ -25,6 +25,10 @@ test: venv
 demo: venv
 	$(PY) -m pallas_flash.demo
 	$(PY) -m models.train --preset tiny --overwrite --out runs/tiny
+
+# The documentation site, offline, into site/ (mkdocs.yml; pages in docs/).
+docs: venv
+	$(PY) -m mkdocs build --strict
 
 lint: venv
 	$(PY) -m ruff check .

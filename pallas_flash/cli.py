@@ -69,10 +69,28 @@ def _positive_int(text: str) -> int:
     return value
 
 
+class _NoBar:
+    """Stands in for a tqdm bar when tqdm is not installed (it comes with the train extra)."""
+
+    def __init__(self, iterable=None, **_):
+        self.iterable = iterable
+
+    def __iter__(self):
+        return iter(self.iterable)
+
+    def update(self, n: int = 1) -> None:
+        del n
+
+    def close(self) -> None:
+        pass
+
+
 def _progress(iterable, **kwargs):
     """A tqdm bar on stderr (the tables go to stdout)."""
-    from tqdm import tqdm
-
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar(iterable)
     return tqdm(iterable, file=sys.stderr, leave=False, **kwargs)
 
 
