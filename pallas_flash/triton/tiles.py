@@ -9,7 +9,8 @@ its query rows and key columns overlap. The wrapper reduces the ids to one ``[mi
 per tile (in XLA, cheap); the kernels test two scalars per tile and skip the whole tile —
 its loads and both matmuls — when the ranges are disjoint. With documents packed in order, a
 query tile then only visits the key tiles of its own documents, so attention over 8 packed
-documents costs about an eighth of one long one.
+documents should cost about an eighth of one long one (a prediction: not yet timed on a
+GPU).
 """
 
 from __future__ import annotations
