@@ -57,3 +57,15 @@ def test_python_blocks_run(page, capsys):
             exec(compile(block, f"{page.name}[block {index}]", "exec"), namespace)
         except Exception as exc:
             raise AssertionError(f"{page.name}, python block {index} failed:\n{block}") from exc
+
+
+def test_architecture_references_exist():
+    """Every `path.py:name` on the architecture page names a def, class or constant there."""
+    text = (DOCS / "architecture.md").read_text()
+    refs = re.findall(r"`((?:pallas_flash/)?[\w/]+\.py):(\w+)", text)
+    assert len(refs) >= 15
+    for path, name in refs:
+        file = ROOT / path if path.startswith("pallas_flash/") else ROOT / "pallas_flash" / path
+        source = file.read_text()
+        assert re.search(rf"^\s*(def|class) {name}\b|^{name}\s*[:=]", source, re.MULTILINE), \
+            f"{path}:{name} not found"
