@@ -7,8 +7,8 @@
   ``flax.linen.MultiHeadDotProductAttention``.
 
 Both only ever call the attention through keyword arguments of
-:func:`pallas_flash.attention`, so options the API gains later (soft-capping, sinks) can be
-passed through without changing the call sites' shape.
+:func:`pallas_flash.attention`; soft-capping and sinks are passed only when the layer uses
+them, so a replacement ``attention_fn`` needs them only then.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, base: float) -> jax.Arr
 
 
 def masked_attention(query: jax.Array, key: jax.Array, value: jax.Array,
-                     visible: jax.Array) -> jax.Array:
+                     visible: jax.Array, *, logits_soft_cap: float | None = None,
+                     sinks: jax.Array | None = None) -> jax.Array:
     """Softmax attention with an explicit mask, GQA without repeating K/V.
 
     Used over the KV cache, where the number of valid keys changes every step (a dynamic
@@ -70,6 +71,7 @@ def masked_attention(query: jax.Array, key: jax.Array, value: jax.Array,
       query: ``[batch, seq_q, heads, head_dim]``.
       key, value: ``[batch, seq_kv, kv_heads, head_dim]``.
       visible: ``[seq_q, seq_kv]`` bool; every query row must see at least one key.
+      logits_soft_cap, sinks: as in :func:`pallas_flash.attention`.
 
     Returns:
       ``[batch, seq_q, heads, head_dim]`` in ``query.dtype``.
@@ -78,8 +80,16 @@ def masked_attention(query: jax.Array, key: jax.Array, value: jax.Array,
     kv_heads = key.shape[2]
     q = query.reshape(batch, seq_q, kv_heads, heads // kv_heads, head_dim)
     s = jnp.einsum("btkgd,bskd->bkgts", q, key, preferred_element_type=jnp.float32)
-    s = jnp.where(visible, s / math.sqrt(head_dim), -jnp.inf)
+    s = s / math.sqrt(head_dim)
+    if logits_soft_cap is not None:
+        s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+    s = jnp.where(visible, s, -jnp.inf)
+    if sinks is not None:  # one more logit per head, with no value behind it
+        sink = sinks.astype(jnp.float32).reshape(1, kv_heads, heads // kv_heads, 1, 1)
+        s = jnp.concatenate([s, jnp.broadcast_to(sink, (*s.shape[:-1], 1))], axis=-1)
     p = jax.nn.softmax(s, axis=-1)
+    if sinks is not None:
+        p = p[..., :-1]
     out = jnp.einsum("bkgts,bskd->btkgd", p, value.astype(jnp.float32))
     return out.reshape(query.shape).astype(query.dtype)
 
@@ -101,6 +111,9 @@ class FlashSelfAttention(nnx.Module):
       local_window_size: ``w`` or ``(left, right)`` sliding window, as in
         :func:`pallas_flash.attention`.
       rope_base: rotary embedding base, or ``None`` for no position encoding.
+      logits_soft_cap: ``c``: logits become ``c·tanh(logits / c)`` (Gemma-2 style).
+      use_sinks: learn one attention-sink logit per head (initialised to 0), as in
+        :func:`pallas_flash.attention`'s ``sinks``.
       implementation: passed to :func:`pallas_flash.attention` (``None``: fastest available).
       interpret: run the Pallas kernels in interpret mode (CPU tests).
       attention_fn: replaces :func:`pallas_flash.attention` (see :data:`AttentionFn`);
@@ -124,6 +137,8 @@ class FlashSelfAttention(nnx.Module):
         is_causal: bool = True,
         local_window_size: int | tuple[int, int] | None = None,
         rope_base: float | None = 10_000.0,
+        logits_soft_cap: float | None = None,
+        use_sinks: bool = False,
         implementation: Implementation | None = None,
         interpret: bool = False,
         attention_fn: AttentionFn | None = None,
@@ -149,6 +164,8 @@ class FlashSelfAttention(nnx.Module):
         self.is_causal = is_causal
         self.local_window_size = local_window_size
         self.rope_base = rope_base
+        self.logits_soft_cap = logits_soft_cap
+        self.sinks = nnx.Param(jnp.zeros((num_heads,), param_dtype)) if use_sinks else None
         self.attention_fn = attention_fn
         self.decode = decode
         self.dtype = dtype
@@ -226,7 +243,7 @@ class FlashSelfAttention(nnx.Module):
             out = self.attention_fn(
                 query, key, value, is_causal=self.is_causal,
                 local_window_size=self.local_window_size,
-                q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+                q_segment_ids=segment_ids, kv_segment_ids=segment_ids, **self._score_options())
         return self.out_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
 
     def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -261,7 +278,17 @@ class FlashSelfAttention(nnx.Module):
             left = left[0] if isinstance(left, (tuple, list)) else left
             visible &= k_pos >= q_pos - left
         return masked_attention(query, cached_key.astype(query.dtype),
-                                cached_value.astype(query.dtype), visible)
+                                cached_value.astype(query.dtype), visible,
+                                **self._score_options())
+
+    def _score_options(self) -> dict:
+        """Soft-cap and sinks, passed only when used (so any attention_fn still fits)."""
+        options = {}
+        if self.logits_soft_cap is not None:
+            options["logits_soft_cap"] = self.logits_soft_cap
+        if self.sinks is not None:
+            options["sinks"] = self.sinks[...]
+        return options
 
 
 def make_attention_fn(

@@ -112,6 +112,26 @@ def test_cached_decoding_reproduces_full_forward():
     assert int(layer.cache_index[...]) == 12
 
 
+def test_soft_cap_and_sinks_decode_equals_full_forward():
+    # The full forward runs pallas_flash.attention; decoding runs the layer's own
+    # masked_attention over the cache: two implementations of soft-cap + sinks agree.
+    layer = _layer(num_kv_heads=2, logits_soft_cap=2.0, use_sinks=True)
+    layer.sinks[...] = jnp.array([-1.0, 0.0, 0.5, 2.0])
+    x = _inputs(seq=10) * 4
+    full = layer(x)
+    assert not np.allclose(full, _layer(num_kv_heads=2)(x), atol=1e-3)
+    layer.init_cache(batch_size=2, max_length=10)
+    steps = [layer(x[:, :4], decode=True)]
+    steps += [layer(x[:, t:t + 1], decode=True) for t in range(4, 10)]
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_sinks_are_trained():
+    _, grads = _value_and_param_grads(_layer(use_sinks=True), _inputs())
+    assert grads["sinks"].shape == (HEADS,)
+    assert np.all(np.abs(grads["sinks"]) > 0)
+
+
 def test_rotary_embedding_depends_only_on_relative_position():
     q = jax.random.normal(jax.random.key(0), (1, 1, 1, 8))
     k = jax.random.normal(jax.random.key(1), (1, 1, 1, 8))
