@@ -460,6 +460,8 @@ def _io(args: argparse.Namespace, parser: argparse.ArgumentParser, _) -> int:
     if gpu and impl == "mosaic" and "mosaic" not in pf.available_implementations():
         parser.error("--impl mosaic needs a Hopper GPU")
     dtype = DTYPES[args.dtype]
+    if impl == "mosaic" and dtype.itemsize != 2:
+        parser.error("--impl mosaic takes bf16 or fp16 (the Mosaic kernel has no float32 path)")
     seq_lens = args.seq_lens or (1024, 2048, 4096, 8192, 16384)
     for length in seq_lens:
         try:

@@ -63,6 +63,7 @@ def test_check_triton_interpret_forward(capsys):
     (["bench", "--seq-lens", "a,b"], "comma-separated integers"),
     (["memory", "--impl", "cuda"], "invalid choice"),
     (["io", "--head-dim", "-3"], "positive integer"),
+    (["io", "--impl", "mosaic", "--dtype", "fp32"], "bf16 or fp16"),
     ([], "required"),
 ])
 def test_bad_options_exit_2(argv, message, capsys):
