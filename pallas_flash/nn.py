@@ -69,7 +69,8 @@ def masked_attention(query: jax.Array, key: jax.Array, value: jax.Array,
 
     Args:
       query: ``[batch, seq_q, heads, head_dim]``.
-      key, value: ``[batch, seq_kv, kv_heads, head_dim]``.
+      key: ``[batch, seq_kv, kv_heads, head_dim]``.
+      value: ``[batch, seq_kv, kv_heads, head_dim]``.
       visible: ``[seq_q, seq_kv]`` bool; every query row must see at least one key.
       logits_soft_cap, sinks: as in :func:`pallas_flash.attention`.
 
