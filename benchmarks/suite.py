@@ -37,6 +37,7 @@ from benchmarks.implementations import (
     probe,
 )
 from benchmarks.timing import time_fn
+from pallas_flash.cli import int_list
 
 DTYPES: dict[str, jnp.dtype] = {
     "bf16": jnp.dtype(jnp.bfloat16),
@@ -350,17 +351,6 @@ def write_json(result: Mapping[str, Any], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}") from exc
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def _names(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
     def parse(text: str) -> tuple[str, ...]:
         values = tuple(x.strip() for x in text.split(",") if x.strip())
@@ -379,8 +369,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[SuiteConfig, Path, st
     parser.add_argument("--impls", type=_names(tuple(IMPLEMENTATIONS)),
                         help=f"comma list (default: every available one of "
                              f"{','.join(IMPLEMENTATIONS)})")
-    parser.add_argument("--head-dims", type=_ints, help=f"default {_FULL['head_dims']}")
-    parser.add_argument("--seq-lens", type=_ints, help=f"default {_FULL['seq_lens']}")
+    parser.add_argument("--head-dims", type=int_list, help=f"default {_FULL['head_dims']}")
+    parser.add_argument("--seq-lens", type=int_list, help=f"default {_FULL['seq_lens']}")
     parser.add_argument("--causal", choices=tuple(_CAUSAL), default="both")
     parser.add_argument("--passes", type=_names(PASSES), default=PASSES,
                         help="comma list of fwd,bwd,fwdbwd (default all)")
@@ -409,9 +399,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[SuiteConfig, Path, st
     config = SuiteConfig(
         impls=args.impls,
         head_dims=pick["head_dims"] if isinstance(pick["head_dims"], tuple)
-        else _ints(pick["head_dims"]),
+        else int_list(pick["head_dims"]),
         seq_lens=pick["seq_lens"] if isinstance(pick["seq_lens"], tuple)
-        else _ints(pick["seq_lens"]),
+        else int_list(pick["seq_lens"]),
         causal=_CAUSAL[args.causal], passes=tuple(args.passes), dtype=args.dtype,
         iters=pick["iters"], warmup=pick["warmup"], max_seconds=pick["max_seconds"],
         tokens=pick["tokens"], hidden=pick["hidden"], tolerance=args.tolerance,

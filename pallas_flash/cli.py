@@ -46,7 +46,7 @@ def _device_line() -> str:
     return f"device: {device.device_kind} [{where}], jax {jax.__version__}"
 
 
-def _int_list(text: str) -> tuple[int, ...]:
+def int_list(text: str) -> tuple[int, ...]:
     """argparse type: ``"512,1024"`` -> (512, 1024), positive integers only."""
     try:
         values = tuple(int(x) for x in text.split(",") if x.strip())
@@ -562,7 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "shapes (batch × L = --tokens, heads = --hidden / --head-dim) via "
                     "benchmarks.suite. GPU defaults: L 512…16384, bf16; CPU: L 128…512, "
                     "fp32, 1024 tokens, hidden 128.")
-    bench.add_argument("--seq-lens", type=_int_list)
+    bench.add_argument("--seq-lens", type=int_list)
     bench.add_argument("--head-dim", type=_positive_int, default=64)
     bench.add_argument("--tokens", type=_positive_int, help="batch × L")
     bench.add_argument("--hidden", type=_positive_int, help="heads × head_dim")
@@ -582,7 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Analytic (pallas_flash.io_model) and compiled (XLA memory_analysis "
                     "temp bytes) memory of standard vs tiled attention, up to the L where "
                     "standard attention no longer fits the GPU (CPU: up to --seq-lens).")
-    memory.add_argument("--seq-lens", type=_int_list)
+    memory.add_argument("--seq-lens", type=int_list)
     memory.add_argument("--batch", type=_positive_int, default=1)
     memory.add_argument("--heads", type=_positive_int)
     memory.add_argument("--head-dim", type=_positive_int)
@@ -601,7 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "on a GPU also the measured forward time.")
     io.add_argument("--impl", choices=("triton", "mosaic"),
                     help="whose tiles (default: mosaic on Hopper, else triton)")
-    io.add_argument("--seq-lens", type=_int_list)
+    io.add_argument("--seq-lens", type=int_list)
     io.add_argument("--head-dim", type=_positive_int, default=128)
     io.add_argument("--tokens", type=_positive_int, default=16384, help="batch × L")
     io.add_argument("--hidden", type=_positive_int, default=2048, help="heads × head_dim")
