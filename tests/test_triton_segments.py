@@ -30,7 +30,7 @@ def test_disjoint_tiles_are_never_read():
     assert np.all(np.isfinite(np.asarray(out)))
     # Queries of segment 1 see no key: output 0. Segment 0 attends to keys 0..31.
     assert np.all(np.asarray(out[:, 32:]) == 0)
-    assert np.abs(np.asarray(out[:, :32])).min() >= 0 and np.abs(np.asarray(out[:, :32])).max() > 0
+    assert np.abs(np.asarray(out[:, :32])).max() > 0
     for g in (dq, dk[:, :32], dv[:, :32]):
         assert np.all(np.isfinite(np.asarray(g)))
     assert np.all(np.asarray(dk[:, 32:]) == 0) and np.all(np.asarray(dv[:, 32:]) == 0)
