@@ -224,6 +224,11 @@ def open_checkpoints(out: Path, resume: bool, overwrite: bool) -> ocp.Checkpoint
     return manager
 
 
+# (step key, value key) of every series in the history; a resumed run keeps what came
+# before its checkpoint.
+_SERIES = (("step", "loss"), ("val_step", "val_loss"), ("rate_step", "tokens_per_s"))
+
+
 def _restore(manager: ocp.CheckpointManager, params, opt_state, history_path: Path):
     """Latest checkpoint and the history up to it, or ``None`` if there is none."""
     step = manager.latest_step()
@@ -233,18 +238,19 @@ def _restore(manager: ocp.CheckpointManager, params, opt_state, history_path: Pa
                           {"params": params, "opt_state": opt_state})
     restored = manager.restore(step, args=ocp.args.StandardRestore(target))
     saved = json.loads(history_path.read_text())
-    keep = [i for i, s in enumerate(saved["step"]) if s <= step]
-    keep_val = [i for i, s in enumerate(saved["val_step"]) if s <= step]
-    history = {"step": [saved["step"][i] for i in keep],
-               "loss": [saved["loss"][i] for i in keep],
-               "val_step": [saved["val_step"][i] for i in keep_val],
-               "val_loss": [saved["val_loss"][i] for i in keep_val]}
+    history = {}
+    for steps, values in _SERIES:
+        kept = [i for i, s in enumerate(saved.get(steps, [])) if s <= step]
+        history[steps] = [saved[steps][i] for i in kept]
+        history[values] = [saved[values][i] for i in kept]
     return step, restored["params"], restored["opt_state"], history
 
 
 def train(args: argparse.Namespace) -> dict[str, list]:
-    """Run training as configured by :func:`parse_args`. Returns the loss history
-    ``{"step", "loss", "val_step", "val_loss"}`` (also written to metrics.json)."""
+    """Run training as configured by :func:`parse_args`. Returns the history (also written
+    to metrics.json): ``step``/``loss`` (train), ``val_step``/``val_loss`` and
+    ``rate_step``/``tokens_per_s``: throughput of the training steps alone over each
+    logging interval (evaluation and checkpointing excluded), with the step it ends at."""
     config = PRESETS[args.preset]
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -260,7 +266,7 @@ def train(args: argparse.Namespace) -> dict[str, list]:
     graphdef, params = nnx.split(model, nnx.Param)
     opt_state = tx.init(params)
     train_step, eval_step = make_steps(graphdef, tx)
-    history: dict[str, list] = {"step": [], "loss": [], "val_step": [], "val_loss": []}
+    history: dict[str, list] = {name: [] for series in _SERIES for name in series}
     history_path = out / "metrics.json"
     start = 0
     if args.resume and (restored := _restore(manager, params, opt_state, history_path)):
@@ -292,10 +298,10 @@ def train(args: argparse.Namespace) -> dict[str, list]:
             history["step"] += [s for s, _ in pending]
             history["loss"] += [float(v) for _, v in pending]
             pending.clear()
-            now = time.perf_counter()
-            bar.set_postfix(loss=f"{history['loss'][-1]:.3f}",
-                            tok_s=f"{tokens_per_step * (step - ticked) / (now - tick):,.0f}")
-            tick, ticked = now, step
+            rate = tokens_per_step * (step - ticked) / (time.perf_counter() - tick)
+            history["rate_step"].append(step)
+            history["tokens_per_s"].append(rate)
+            bar.set_postfix(loss=f"{history['loss'][-1]:.3f}", tok_s=f"{rate:,.0f}")
         if evaluating or last:
             history["val_step"].append(step)
             history["val_loss"].append(
@@ -304,6 +310,8 @@ def train(args: argparse.Namespace) -> dict[str, list]:
                       f"validation {history['val_loss'][-1]:.3f}")
         if saving or last:
             save(step)
+        if step % 10 == 0 or evaluating or saving or last:
+            tick, ticked = time.perf_counter(), step  # the next interval times steps only
     bar.close()
     manager.wait_until_finished()
 
