@@ -1,29 +1,521 @@
-"""Backward of the Mosaic GPU backend: for now, the Triton dK/dV and dQ kernels.
+"""FlashAttention backward for Hopper (sm90): two warp-specialized Mosaic GPU kernels.
 
-Both backends share the residuals (q, k, v, out, lse) and delta (pallas_flash.autodiff),
-so the Triton backward consumes the Mosaic forward's lse unchanged. The import is lazy:
-the Triton package is only needed once a gradient is taken.
+FlashAttention-2, Algorithm 2, on FlashAttention-3's machinery (Shah et al. 2024, Sec. 3.1):
+P is never stored; it is recomputed tile by tile from Q, K and the forward's LSE, in base 2
+with the softmax scale folded into the exponent (``P = exp2(S·scale·log2e − lse·log2e)``),
+and ``delta = rowsum(dO ∘ O)`` (minus the lse cotangent) comes precomputed from
+:mod:`pallas_flash.autodiff`. Each kernel runs one TMA **producer** warpgroup (``setmaxnreg``
+down to 40) that streams tiles through a ``num_stages``-deep SMEM ring with *ready*
+mbarriers (arrived by the TMA engine) and *free* mbarriers (arrived by the consumers), and
+two **consumer** warpgroups (``setmaxnreg`` up to 232) that run the GEMMs with wgmma and
+keep their accumulators in registers.
+
+* :func:`_dkdv_kernel` — one CTA per ``2·block_kv`` keys of one KV head; each consumer owns
+  ``block_kv`` keys, keeps K_j and V_j in SMEM and dK_j, dV_j in registers. The producer
+  streams (Q_i, dO_i, lse_i, delta_i) for every query block i that sees the CTA's keys, for
+  every query head of the GQA group (the group's sum happens in the accumulators; K/V are
+  never repeated). The consumer works on the transposed tiles, so that dK and dV stay
+  row-major per key and every GEMM reads its B operand straight from SMEM::
+
+      Sᵀ = K_j·Q_iᵀ          Pᵀ = exp2(Sᵀ·scale·log2e − lse_i)       dV_j += Pᵀ·dO_i
+      dPᵀ = V_j·dO_iᵀ        dSᵀ = Pᵀ ∘ (dPᵀ − delta_i)               dK_j += dSᵀ·Q_i
+
+  (Pᵀ and dSᵀ are the A operands, from registers; ``dK_j`` is scaled once at the end.)
+* :func:`_dq_kernel` — one CTA per ``2·dq_block_q`` query rows of one head; each consumer
+  owns ``dq_block_q`` rows and the producer streams (K_j, V_j)::
+
+      S = Q_i·K_jᵀ   P = exp2(S·scale·log2e − lse_i)   dP = dO_i·V_jᵀ
+      dS = P ∘ (dP − delta_i)                           dQ_i += dS·K_j
+
+**Why a separate dQ kernel** (FA2/FA3 accumulate dQ from the dK/dV kernel with fp32 atomic
+adds): every dQ tile is written by exactly one CTA, so the result is deterministic, and the
+dK/dV consumers keep their registers for dK and dV. The price is recomputing S and dP
+(seven GEMMs instead of five).
+
+**Block skipping** comes from :class:`~pallas_flash.masking.MaskSpec`: ``q_blocks`` (dK/dV)
+and ``kv_blocks`` (dQ) give ``(first, full_first, full_last, last)``; blocks outside the
+CTA's ``[first, last)`` are never loaded, a consumer's ``[full_first, full_last)`` runs the
+unmasked loop, the boundary blocks build the mask tile, and blocks that only the other
+consumer needs are stepped through without math (to keep the ring in lockstep).
+
+**Fallback**: segment ids, soft-capping, float32, and head dims above 128 go to the Triton
+backward (:func:`unsupported` says why). Head dim 256 does not fit: dK and dV of 64 keys are
+256 f32 registers per thread on their own, above the 232 a consumer can hold.
+
+**CPU testing**: Mosaic GPU interpret mode cannot run a wgmma whose A operand is in
+registers. With ``interpret=True`` the A operands (Pᵀ, dSᵀ, dS) are stored to an SMEM
+scratch tile first (:func:`_operand_a`); everything else is the same code on both paths.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
 
 from pallas_flash.masking import MaskSpec
+from pallas_flash.mosaic.config import (
+    NUM_CONSUMERS,
+    MosaicBackwardConfig,
+    default_backward_config,
+    padded_head_dim,
+)
+from pallas_flash.mosaic.forward import (
+    _CONSUMER_REGISTERS,
+    _DTYPES,
+    _LOG2E,
+    _PRODUCER,
+    _PRODUCER_REGISTERS,
+    _pad,
+    _row,
+    _smem_transforms,
+)
+from pallas_flash.padding import pad_axis, round_up
+
+#: Largest head dim of the dK/dV kernel: dK + dV of 64 keys cost ``head_dim`` f32 registers
+#: per thread (128 at head dim 128), next to the S and dP tiles.
+MAX_BACKWARD_HEAD_DIM = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything the kernel bodies need that is not a ref (all Python values)."""
+
+    mask: MaskSpec
+    scale: float
+    scale_log2: float  # scale * log2(e)
+    block_q: int  # the streamed (dK/dV) or owned (dQ) query rows per step / consumer
+    block_kv: int  # the owned (dK/dV) or streamed (dQ) keys per consumer / step
+    num_stages: int
+    head_dim: int
+    dtype: jnp.dtype
+    group: int  # query heads per K/V head (GQA)
+    num_q_blocks: int  # of block_q rows, padding included
+    num_tiles: int  # CTAs along the owned sequence
+    needs_mask: bool  # some (q, k) pair of the padded problem is hidden
+    a_through_smem: bool  # the interpret-mode detour, see the module docstring
+
+
+def _col(x: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """Broadcasts a per-column vector (``WGMMA.reduce(0)`` layout) over a [m, cols] tile."""
+    return lax.broadcast_in_dim(x, shape, [1])
+
+
+def _operand_a(x: jax.Array, scratch):
+    """The A operand of a wgmma: ``x`` from registers (FA3), or via SMEM when interpreting."""
+    if scratch is None:
+        return x
+    scratch[...] = x
+    plgpu.commit_smem()
+    return scratch
+
+
+def _wait_all(barriers, s) -> None:
+    for barrier in barriers:
+        plgpu.barrier_wait(barrier.at[s])
+
+
+def _walk(st: _Static, step, skip, cta_range, ranges, carry):
+    """Runs ``step``/``skip`` over a consumer's blocks, in the order the producer loads them.
+
+    ``cta_range``: the CTA's ``(first, last)`` blocks (the producer loads all of them);
+    ``ranges``: this consumer's ``(first, full_first, full_last, last)`` inside it.
+    """
+    cta_first, cta_last = cta_range
+    if not st.needs_mask:  # every block of every consumer is full
+        return lax.fori_loop(cta_first, cta_last, functools.partial(step, masked=False), carry)
+    first, full_first, full_last, last = ranges
+    masked, unmasked = (functools.partial(step, masked=m) for m in (True, False))
+    carry = lax.fori_loop(cta_first, first, skip, carry)
+    carry = lax.fori_loop(first, full_first, masked, carry)
+    carry = lax.fori_loop(full_first, full_last, unmasked, carry)  # the fast loop
+    carry = lax.fori_loop(full_last, last, masked, carry)
+    return lax.fori_loop(last, cta_last, skip, carry)
+
+
+def _stream(st: _Static, free, num_steps, load) -> None:
+    """Producer loop: ``load(t)`` for steps ``0 .. num_steps-1`` into slot ``t % stages``.
+
+    A slot is refilled once every consumer freed it; the last releases are observed too (a
+    thread that waits on an mbarrier must see every phase of it).
+    """
+    for t in range(st.num_stages):
+        pl.when(t < num_steps)(functools.partial(load, jnp.int32(t)))
+
+    @pl.loop(st.num_stages, num_steps)
+    def _refill(t):
+        plgpu.barrier_wait(free.at[lax.rem(t, st.num_stages)])
+        load(t)
+
+    @pl.loop(jnp.maximum(num_steps - st.num_stages, 0), num_steps)
+    def _drain(t):
+        plgpu.barrier_wait(free.at[lax.rem(t, st.num_stages)])
+
+
+# --- dK/dV ------------------------------------------------------------------------------
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
+                 st: _Static, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, k_ready,
+                 v_ready, q_ready, do_ready, lse_ready, delta_ready, free, a_smem=None):
+    """One CTA: keys ``[2·block_kv·tile, +2·block_kv)`` of one KV head.
+
+    GMEM refs: q/do [B, Tq, N, D], k/v [B, Tk, K, D], lse (log2 units)/delta [B, N, Tq],
+    dk/dv [B, Tk, K, D]. SMEM: k/v [2, block_kv, D] (one tile per consumer), q/do
+    [stages, block_q, D], lse/delta [stages, block_q]; a_smem [2, block_kv, block_q]
+    (interpret mode only).
+    """
+    bq, bkv = st.block_q, st.block_kv
+    batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
+    cta_k0 = lax.axis_index("kv_tiles") * (NUM_CONSUMERS * bkv)
+    # The query blocks any key of this CTA is seen by; streamed once per head of the group.
+    cta_first, _, _, cta_last = st.mask.q_blocks(
+        cta_k0, NUM_CONSUMERS * bkv, bq, st.num_q_blocks)
+    blocks_per_head = cta_last - cta_first
+    wg = lax.axis_index("wg")
+
+    def slot(t):
+        return lax.rem(t, st.num_stages)
+
+    @pl.when(wg == _PRODUCER)
+    def _producer():
+        plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+        def load(t):  # step t = (head g of the group, query block i)
+            g = lax.div(t, blocks_per_head)
+            i = cta_first + lax.rem(t, blocks_per_head)
+            head = kv_head * st.group + g
+            rows, s = pl.ds(i * bq, bq), slot(t)
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[s], q_ready.at[s])
+            plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem.at[s],
+                                    do_ready.at[s])
+            plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], lse_smem.at[s],
+                                    lse_ready.at[s])
+            plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], delta_smem.at[s],
+                                    delta_ready.at[s])
+        _stream(st, free, st.group * blocks_per_head, load)
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+        k0 = cta_k0 + wg * bkv
+        keys = (batch, pl.ds(k0, bkv), kv_head)
+        k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+        plgpu.copy_gmem_to_smem(k_ref.at[keys], k_tile, k_ready.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_tile, v_ready.at[wg])
+        ranges = tuple(jnp.clip(x, cta_first, cta_last)
+                       for x in st.mask.q_blocks(k0, bkv, bq, st.num_q_blocks))
+        a_tile = None if a_smem is None else a_smem.at[wg]
+        ready = (q_ready, do_ready, lse_ready, delta_ready)
+        plgpu.barrier_wait(k_ready.at[wg])
+        plgpu.barrier_wait(v_ready.at[wg])
+
+        def accumulate(dk_acc, dv_acc):
+            def step(i, head_step0, *, masked: bool):
+                """Query block i of one head: dV_j += Pᵀ·dO_i, dK_j += dSᵀ·Q_i."""
+                s = slot(head_step0 + i)
+                _wait_all(ready, s)
+                q_tile, do_tile = q_smem.at[s], do_smem.at[s]
+                lse2 = plgpu.load(lse_smem.at[s], layout=plgpu.Layout.WGMMA.reduce(0))
+                delta = plgpu.load(delta_smem.at[s], layout=plgpu.Layout.WGMMA.reduce(0))
+
+                def gemms(st_acc, dpt_acc):
+                    plgpu.wgmma(st_acc, k_tile, q_tile.T)
+                    plgpu.wgmma(dpt_acc, v_tile, do_tile.T)
+                    # Sᵀ is ready once at most the dPᵀ GEMM is in flight: Pᵀ overlaps it.
+                    scores_t = plgpu.wgmma_accumulator_load(st_acc, wait_n=1)
+                    if masked:  # rows are keys, columns queries
+                        shape = (bkv, bq)
+                        keys_idx = plgpu.broadcasted_iota(
+                            jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+                        rows_idx = plgpu.broadcasted_iota(
+                            jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+                        visible = st.mask.visible(rows_idx + i * bq, keys_idx + k0)
+                        scores_t = jnp.where(visible, scores_t, -jnp.inf)
+                    p_t = jnp.exp2(scores_t * st.scale_log2 - _col(lse2, scores_t.shape))
+                    plgpu.wgmma(dv_acc, _operand_a(p_t.astype(st.dtype), a_tile), do_tile)
+                    # dPᵀ is ready once at most the dV GEMM is in flight: dSᵀ overlaps it.
+                    dp_t = plgpu.wgmma_accumulator_load(dpt_acc, wait_n=1)
+                    ds_t = p_t * (dp_t - _col(delta, dp_t.shape))
+                    plgpu.wgmma(dk_acc, _operand_a(ds_t.astype(st.dtype), a_tile), q_tile)
+                    plgpu.wgmma_wait(0)  # Q_i and dO_i are read: the slot may be refilled
+
+                pl.run_scoped(gemms, plgpu.ACC((bkv, bq), jnp.float32),
+                              plgpu.ACC((bkv, bq), jnp.float32))
+                plgpu.barrier_arrive(free.at[s])
+                return head_step0
+
+            def skip(i, head_step0):
+                """A block only the other consumer needs: same barriers, no math."""
+                s = slot(head_step0 + i)
+                _wait_all(ready, s)
+                plgpu.barrier_arrive(free.at[s])
+                return head_step0
+
+            def head(g, carry):  # the GQA group's query heads, summed in dK/dV
+                head_step0 = g * blocks_per_head - cta_first  # step of block i: head_step0 + i
+                _walk(st, step, skip, (cta_first, cta_last), ranges, head_step0)
+                return carry
+
+            lax.fori_loop(0, st.group, head, 0)
+            return dk_acc[...], dv_acc[...]
+
+        dk, dv = pl.run_scoped(accumulate, plgpu.ACC((bkv, st.head_dim), jnp.float32),
+                               plgpu.ACC((bkv, st.head_dim), jnp.float32))
+        # Epilogue: dK_j = scale · Σ dSᵀ·Q (S was scaled); out through the K/V tiles + TMA.
+        k_tile[...] = (dk * st.scale).astype(st.dtype)
+        v_tile[...] = dv.astype(st.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[keys])
+        plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[keys])
+        plgpu.wait_smem_to_gmem(0)
+
+
+# --- dQ ---------------------------------------------------------------------------------
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, st: _Static,
+               q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, q_ready, do_ready,
+               lse_ready, delta_ready, k_ready, v_ready, free, a_smem=None):
+    """One CTA: query rows ``[2·block_q·tile, +2·block_q)`` of one head.
+
+    GMEM refs as in :func:`_dkdv_kernel`, dq [B, Tq, N, D]. SMEM: q/do [2, block_q, D] and
+    lse/delta [2, block_q] (one per consumer), k/v [stages, block_kv, D]; a_smem
+    [2, block_q, block_kv] (interpret mode only).
+    """
+    bq, bkv = st.block_q, st.block_kv
+    batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+    q_tile_idx = lax.axis_index("q_tiles")
+    if st.mask.is_causal:
+        # Causal work grows with the query index: heaviest CTAs first (as the forward).
+        q_tile_idx = st.num_tiles - 1 - q_tile_idx
+    cta_q0 = q_tile_idx * (NUM_CONSUMERS * bq)
+    cta_first, _, _, cta_last = st.mask.kv_blocks(cta_q0, NUM_CONSUMERS * bq, bkv)
+    wg = lax.axis_index("wg")
+
+    def slot(j):
+        return lax.rem(j - cta_first, st.num_stages)
+
+    @pl.when(wg == _PRODUCER)
+    def _producer():
+        plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+        kv_head = lax.div(head, st.group)  # GQA: K/V are indexed, never repeated
+
+        def load(t):
+            j = cta_first + t
+            keys, s = (batch, pl.ds(j * bkv, bkv), kv_head), slot(j)
+            plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[s], k_ready.at[s])
+            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[s], v_ready.at[s])
+        _stream(st, free, cta_last - cta_first, load)
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+        q0 = cta_q0 + wg * bq
+        rows = (batch, pl.ds(q0, bq), head)
+        stats = (batch, head, pl.ds(q0, bq))
+        q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_tile, q_ready.at[wg])
+        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_tile, do_ready.at[wg])
+        plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[wg], lse_ready.at[wg])
+        plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], delta_ready.at[wg])
+        ranges = tuple(jnp.clip(x, cta_first, cta_last)
+                       for x in st.mask.kv_blocks(q0, bq, bkv))
+        a_tile = None if a_smem is None else a_smem.at[wg]
+        _wait_all((q_ready, do_ready, lse_ready, delta_ready), wg)
+        lse2 = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+        delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+
+        def accumulate(dq_acc):
+            def step(j, carry, *, masked: bool):
+                """Key block j: dQ_i += dS·K_j."""
+                s = slot(j)
+                _wait_all((k_ready, v_ready), s)
+                k_tile, v_tile = k_smem.at[s], v_smem.at[s]
+
+                def gemms(s_acc, dp_acc):
+                    plgpu.wgmma(s_acc, q_tile, k_tile.T)
+                    plgpu.wgmma(dp_acc, do_tile, v_tile.T)
+                    # S is ready once at most the dP GEMM is in flight: P overlaps it.
+                    scores = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
+                    if masked:
+                        shape = (bq, bkv)
+                        rows_idx = plgpu.broadcasted_iota(
+                            jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+                        keys_idx = plgpu.broadcasted_iota(
+                            jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+                        visible = st.mask.visible(rows_idx + q0, keys_idx + j * bkv)
+                        scores = jnp.where(visible, scores, -jnp.inf)
+                    p = jnp.exp2(scores * st.scale_log2 - _row(lse2, scores.shape))
+                    dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=0)
+                    ds = p * (dp - _row(delta, dp.shape))
+                    plgpu.wgmma(dq_acc, _operand_a(ds.astype(st.dtype), a_tile), k_tile)
+                    plgpu.wgmma_wait(0)  # K_j is read: the slot may be refilled
+
+                pl.run_scoped(gemms, plgpu.ACC((bq, bkv), jnp.float32),
+                              plgpu.ACC((bq, bkv), jnp.float32))
+                plgpu.barrier_arrive(free.at[s])
+                return carry
+
+            def skip(j, carry):
+                """A block only the other consumer needs: same barriers, no math."""
+                s = slot(j)
+                _wait_all((k_ready, v_ready), s)
+                plgpu.barrier_arrive(free.at[s])
+                return carry
+
+            _walk(st, step, skip, (cta_first, cta_last), ranges, 0)
+            return dq_acc[...]
+
+        dq = pl.run_scoped(accumulate, plgpu.ACC((bq, st.head_dim), jnp.float32))
+        q_tile[...] = (dq * st.scale).astype(st.dtype)  # Q is dead: dQ leaves through its tile
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[rows])
+        plgpu.wait_smem_to_gmem(0)
+
+
+# --- entry points -----------------------------------------------------------------------
+
+
+def unsupported(q_shape, dtype, has_segments: bool, softcap: float | None = None
+                ) -> str | None:
+    """Why the Mosaic GPU backward cannot run this call (it then uses Triton's), or None."""
+    if has_segments:
+        return "segment ids are not supported by the Mosaic GPU backward"
+    if softcap is not None:
+        return "logit soft-capping is not supported by the Mosaic GPU backward"
+    if jnp.dtype(dtype) not in _DTYPES:
+        return f"the Mosaic GPU backward takes bfloat16 or float16, got {jnp.dtype(dtype)}"
+    if padded_head_dim(q_shape[-1]) > MAX_BACKWARD_HEAD_DIM:
+        return (f"head_dim {q_shape[-1]}: dK and dV of 64 keys do not fit a consumer "
+                "warpgroup's registers above head_dim 128")
+    return None
+
+
+def _triton_backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask, scale, interpret,
+                     softcap):
+    from pallas_flash import triton as triton_backend  # lazy: only for the fallback cases
+
+    kwargs = {} if softcap is None else dict(softcap=softcap)
+    config = triton_backend.default_config(q.shape, k.shape, q.dtype, mask)
+    return triton_backend.KERNELS.backward(
+        q, k, v, segment_ids, out, lse, d_out, delta, mask=mask, scale=scale, config=config,
+        interpret=interpret, **kwargs)
 
 
 def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Array,
              lse: jax.Array, d_out: jax.Array, delta: jax.Array, *, mask: MaskSpec,
-             scale: float, config, interpret: bool
+             scale: float, config, interpret: bool, softcap: float | None = None
              ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(dq, dk, dv) from the Triton backward with its own default config.
+    """(dq, dk, dv) of attention on Hopper.
 
-    ``config`` (a MosaicConfig) describes the forward's tiling and does not apply here.
+    Args:
+      q, d_out: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_kv, kv_heads, head_dim].
+      out: unused (delta already holds rowsum(dO ∘ O)).
+      lse, delta: [batch, heads, seq_q] float32; lse in natural log, delta minus the lse
+        cotangent (:mod:`pallas_flash.autodiff`).
+      config: the forward's ``MosaicConfig`` (its tiling does not apply here: the backward
+        tiling comes from :func:`default_backward_config`), or a ``MosaicBackwardConfig``
+        to choose the backward tiling explicitly.
+      interpret: run in Mosaic GPU interpret mode on the CPU.
+
+    Calls that :func:`unsupported` refuses go to the Triton backward. Any lengths work:
+    sequences are zero-padded to whole CTAs (padded rows get lse = +inf, so P = 0; padded
+    keys are hidden by ``mask.seq_kv``) and the head dim to a multiple of 64.
     """
-    del config
-    from pallas_flash import triton as triton_backend  # lazy: see the module docstring
+    del out
+    if unsupported(q.shape, q.dtype, segment_ids is not None, softcap) is not None:
+        return _triton_backward(q, k, v, segment_ids, None, lse, d_out, delta, mask=mask,
+                                scale=scale, interpret=interpret, softcap=softcap)
+    if not isinstance(config, MosaicBackwardConfig):
+        config = default_backward_config(q.shape, k.shape, q.dtype, mask)
+    batch, seq_q, heads, head_dim = q.shape
+    seq_kv, kv_heads = k.shape[1], k.shape[2]
+    dim = padded_head_dim(head_dim)
+    itemsize = jnp.dtype(q.dtype).itemsize
+    config.check_fits(dim, itemsize)
+    # One padded length serves both kernels: whole dK/dV query blocks and dQ CTAs, whole
+    # dK/dV CTAs and dQ key blocks (all block sizes are powers of two times 64).
+    seq_q_pad = round_up(seq_q, max(config.block_q, NUM_CONSUMERS * config.dq_block_q))
+    seq_kv_pad = round_up(seq_kv, max(NUM_CONSUMERS * config.block_kv, config.dq_block_kv))
+    q_p, do_p = (_pad(x, seq_q_pad, dim) for x in (q, d_out))
+    k_p, v_p = (_pad(x, seq_kv_pad, dim) for x in (k, v))
+    # lse in base 2 (the kernels' exponent); padded rows get +inf so that their P is 0.
+    lse2 = pad_axis(lse * _LOG2E, 2, seq_q_pad, jnp.inf)
+    delta = pad_axis(delta, 2, seq_q_pad)
+    common = dict(
+        mask=mask, scale=scale, scale_log2=scale * _LOG2E, num_stages=config.num_stages,
+        head_dim=dim, dtype=jnp.dtype(q.dtype), group=heads // kv_heads,
+        needs_mask=not mask.is_dense or seq_kv_pad != seq_kv, a_through_smem=interpret)
+    transforms = _smem_transforms(itemsize)
+    params = dict(
+        num_threads=NUM_CONSUMERS + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None)
 
-    triton_config = triton_backend.default_config(q.shape, k.shape, q.dtype, mask)
-    return triton_backend.KERNELS.backward(
-        q, k, v, segment_ids, out, lse, d_out, delta, mask=mask, scale=scale,
-        config=triton_config, interpret=interpret)
+    def tiles(*shape):
+        return plgpu.SMEM(shape, q.dtype, transforms=transforms)
+
+    # dK/dV: one CTA per 2·block_kv keys of one KV head.
+    st = _Static(block_q=config.block_q, block_kv=config.block_kv,
+                 num_q_blocks=seq_q_pad // config.block_q,
+                 num_tiles=seq_kv_pad // (NUM_CONSUMERS * config.block_kv), **common)
+    stages, per_consumer = st.num_stages, NUM_CONSUMERS
+    scratch = dict(
+        k_smem=tiles(NUM_CONSUMERS, st.block_kv, dim),
+        v_smem=tiles(NUM_CONSUMERS, st.block_kv, dim),
+        q_smem=tiles(stages, st.block_q, dim), do_smem=tiles(stages, st.block_q, dim),
+        lse_smem=plgpu.SMEM((stages, st.block_q), jnp.float32),
+        delta_smem=plgpu.SMEM((stages, st.block_q), jnp.float32),
+        k_ready=plgpu.Barrier(num_barriers=per_consumer),
+        v_ready=plgpu.Barrier(num_barriers=per_consumer),
+        q_ready=plgpu.Barrier(num_barriers=stages), do_ready=plgpu.Barrier(num_barriers=stages),
+        lse_ready=plgpu.Barrier(num_barriers=stages),
+        delta_ready=plgpu.Barrier(num_barriers=stages),
+        free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
+    )
+    if interpret:
+        scratch["a_smem"] = tiles(NUM_CONSUMERS, st.block_kv, st.block_q)
+    dk, dv = plgpu.kernel(
+        functools.partial(_dkdv_kernel, st=st),
+        out_type=(jax.ShapeDtypeStruct(k_p.shape, q.dtype),) * 2,
+        scratch_types=scratch,
+        grid=(kv_heads, st.num_tiles, batch),
+        grid_names=("heads", "kv_tiles", "batch"),
+        **params,
+    )(q_p, k_p, v_p, do_p, lse2, delta)
+
+    # dQ: one CTA per 2·dq_block_q rows of one head.
+    st = _Static(block_q=config.dq_block_q, block_kv=config.dq_block_kv,
+                 num_q_blocks=seq_q_pad // config.dq_block_q,
+                 num_tiles=seq_q_pad // (NUM_CONSUMERS * config.dq_block_q), **common)
+    scratch = dict(
+        q_smem=tiles(NUM_CONSUMERS, st.block_q, dim),
+        do_smem=tiles(NUM_CONSUMERS, st.block_q, dim),
+        lse_smem=plgpu.SMEM((NUM_CONSUMERS, st.block_q), jnp.float32),
+        delta_smem=plgpu.SMEM((NUM_CONSUMERS, st.block_q), jnp.float32),
+        k_smem=tiles(stages, st.block_kv, dim), v_smem=tiles(stages, st.block_kv, dim),
+        q_ready=plgpu.Barrier(num_barriers=per_consumer),
+        do_ready=plgpu.Barrier(num_barriers=per_consumer),
+        lse_ready=plgpu.Barrier(num_barriers=per_consumer),
+        delta_ready=plgpu.Barrier(num_barriers=per_consumer),
+        k_ready=plgpu.Barrier(num_barriers=stages), v_ready=plgpu.Barrier(num_barriers=stages),
+        free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
+    )
+    if interpret:
+        scratch["a_smem"] = tiles(NUM_CONSUMERS, st.block_q, st.block_kv)
+    dq = plgpu.kernel(
+        functools.partial(_dq_kernel, st=st),
+        out_type=jax.ShapeDtypeStruct(q_p.shape, q.dtype),
+        scratch_types=scratch,
+        grid=(heads, st.num_tiles, batch),
+        grid_names=("heads", "q_tiles", "batch"),
+        **params,
+    )(q_p, k_p, v_p, do_p, lse2, delta)
+    return (dq[:, :seq_q, :, :head_dim], dk[:, :seq_kv, :, :head_dim],
+            dv[:, :seq_kv, :, :head_dim])

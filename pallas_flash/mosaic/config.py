@@ -100,3 +100,82 @@ def default_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicConfig:
     if head_dim <= 64 and mask.is_dense:
         return MosaicConfig(block_q=64, block_kv=256, num_stages=2)
     return MosaicConfig(block_q=64, block_kv=128, num_stages=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBackwardConfig:
+    """Static tiling of the two Hopper backward kernels (:mod:`pallas_flash.mosaic.backward`).
+
+    dK/dV kernel: one CTA owns ``NUM_CONSUMERS * block_kv`` keys of one KV head, each
+    consumer warpgroup ``block_kv`` of them (dK and dV accumulators: ``block_kv * D / 64``
+    f32 registers per thread), and streams ``block_q`` query rows per step.
+    dQ kernel: one CTA owns ``NUM_CONSUMERS * dq_block_q`` query rows and streams
+    ``dq_block_kv`` keys per step. Both rings are ``num_stages`` deep.
+
+    Attributes:
+      block_q: query rows per step of the dK/dV kernel (N of Sᵀ = K·Qᵀ); 64 or 128.
+      block_kv: keys per consumer warpgroup of the dK/dV kernel (wgmma M); 64.
+      dq_block_q: query rows per consumer warpgroup of the dQ kernel (wgmma M); 64.
+      dq_block_kv: keys per step of the dQ kernel; 64 or 128.
+      num_stages: depth of both kernels' SMEM rings, 2 to 4.
+    """
+
+    block_q: int = 64
+    block_kv: int = 64
+    dq_block_q: int = 64
+    dq_block_kv: int = 128
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        if self.block_q not in (64, 128):
+            raise ValueError(f"block_q must be 64 or 128, got {self.block_q}")
+        if self.block_kv != 64:
+            raise ValueError(f"block_kv must be 64, got {self.block_kv}")
+        if self.dq_block_q != 64:
+            raise ValueError(f"dq_block_q must be 64, got {self.dq_block_q}")
+        if self.dq_block_kv not in (64, 128):
+            raise ValueError(f"dq_block_kv must be 64 or 128, got {self.dq_block_kv}")
+        if not 2 <= self.num_stages <= 4:
+            raise ValueError(f"num_stages must be in [2, 4], got {self.num_stages}")
+
+    def dkdv_smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        """dK/dV kernel: resident K/V tiles, the Q/dO ring, the lse/delta ring, barriers."""
+        k_v = 2 * _align(NUM_CONSUMERS * self.block_kv * head_dim * itemsize)
+        q_do = 2 * _align(self.num_stages * self.block_q * head_dim * itemsize)
+        stats = 2 * _align(self.num_stages * self.block_q * 4)
+        # K, V ready per consumer; Q, dO, lse, delta ready and one free per slot.
+        barriers = 8 * (2 * NUM_CONSUMERS + 5 * self.num_stages)
+        return k_v + q_do + stats + barriers
+
+    def dq_smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        """dQ kernel: resident Q/dO tiles, lse/delta, the K and V rings, barriers."""
+        q_do = 2 * _align(NUM_CONSUMERS * self.dq_block_q * head_dim * itemsize)
+        stats = 2 * _align(NUM_CONSUMERS * self.dq_block_q * 4)
+        kv = 2 * _align(self.num_stages * self.dq_block_kv * head_dim * itemsize)
+        # Q, dO, lse, delta ready per consumer; K/V ready and K/V free per slot.
+        barriers = 8 * (4 * NUM_CONSUMERS + 3 * self.num_stages)
+        return q_do + stats + kv + barriers
+
+    def check_fits(self, head_dim: int, itemsize: int = 2) -> None:
+        """Raises ValueError when either kernel cannot run at ``head_dim`` on an sm90 CTA."""
+        need = max(self.dkdv_smem_bytes(head_dim, itemsize),
+                   self.dq_smem_bytes(head_dim, itemsize))
+        if need > SMEM_BUDGET:
+            raise ValueError(
+                f"MosaicBackwardConfig {self} needs {need} bytes of shared memory at "
+                f"head_dim={head_dim}, more than the {SMEM_BUDGET} an sm90 CTA has; "
+                "lower the block sizes or num_stages")
+
+
+def default_backward_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicBackwardConfig:
+    """Heuristic per head_dim (not yet tuned on the card beyond one probe run).
+
+    The dK/dV consumers hold dK and dV for 64 keys each (``D`` f32 registers per thread for
+    both at head_dim 128), so the S and dP tiles must stay small: 128 query rows per step
+    only at head_dim 64. Three stages keep the Q/dO ring ahead of two consumers.
+    """
+    del kv_shape, dtype, mask
+    head_dim = padded_head_dim(q_shape[-1])
+    if head_dim <= 64:
+        return MosaicBackwardConfig(block_q=128, dq_block_kv=128, num_stages=3)
+    return MosaicBackwardConfig(block_q=64, dq_block_kv=128, num_stages=2)
