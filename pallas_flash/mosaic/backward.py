@@ -98,7 +98,7 @@ class _Static:
     num_q_blocks: int  # of block_q rows, padding included
     num_tiles: int  # CTAs along the owned sequence
     needs_mask: bool  # some (q, k) pair of the padded problem is hidden
-    a_through_smem: bool  # the interpret-mode detour, see the module docstring
+    fuse_dq: bool  # the dK/dV kernel also reduce-adds dS·K into a float32 dQ (FA3)
 
 
 def _col(x: jax.Array, shape: tuple[int, int]) -> jax.Array:
@@ -160,16 +160,20 @@ def _stream(st: _Static, free, num_steps, load) -> None:
 # --- dK/dV ------------------------------------------------------------------------------
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
-                 st: _Static, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, k_ready,
-                 v_ready, q_ready, do_ready, lse_ready, delta_ready, free, a_smem=None):
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static,
+                 k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, k_ready, v_ready,
+                 q_ready, do_ready, lse_ready, delta_ready, free, a_smem=None, ds_smem=None,
+                 dq_smem=None):
     """One CTA: keys ``[2·block_kv·tile, +2·block_kv)`` of one KV head.
 
-    GMEM refs: q/do [B, Tq, N, D], k/v [B, Tk, K, D], lse (log2 units)/delta [B, N, Tq],
+    GMEM refs: q/do [B, Tq, N, D], k/v [B, Tk, K, D], lse (log2 units)/delta [B, N, Tq];
+    ``refs`` = (dq_acc [B, Tq, N, D] float32, zero-initialised, when ``st.fuse_dq``;)
     dk/dv [B, Tk, K, D]. SMEM: k/v [2, block_kv, D] (one tile per consumer), q/do
     [stages, block_q, D], lse/delta [stages, block_q]; a_smem [2, block_kv, block_q]
-    (interpret mode only).
+    (interpret mode only); with ``st.fuse_dq``: ds_smem [2, block_kv, block_q] and dq_smem
+    [2, block_q, D] float32.
     """
+    dq_ref, dk_ref, dv_ref = refs if st.fuse_dq else (None, *refs)
     bq, bkv = st.block_q, st.block_kv
     batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
     cta_k0 = lax.axis_index("kv_tiles") * (NUM_CONSUMERS * bkv)
@@ -211,12 +215,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
         ranges = tuple(jnp.clip(x, cta_first, cta_last)
                        for x in st.mask.q_blocks(k0, bkv, bq, st.num_q_blocks))
         a_tile = None if a_smem is None else a_smem.at[wg]
+        ds_tile, dq_tile = (None, None) if not st.fuse_dq else (ds_smem.at[wg], dq_smem.at[wg])
         ready = (q_ready, do_ready, lse_ready, delta_ready)
         plgpu.barrier_wait(k_ready.at[wg])
         plgpu.barrier_wait(v_ready.at[wg])
 
         def accumulate(dk_acc, dv_acc):
-            def step(i, head_step0, *, masked: bool):
+            def step(i, head_step0, *, head, masked: bool):
                 """Query block i of one head: dV_j += Pᵀ·dO_i, dK_j += dSᵀ·Q_i."""
                 s = slot(head_step0 + i)
                 _wait_all(ready, s)
@@ -241,8 +246,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
                     plgpu.wgmma(dv_acc, _operand_a(p_t.astype(st.dtype), a_tile), do_tile)
                     # dPᵀ is ready once at most the dV GEMM is in flight: dSᵀ overlaps it.
                     dp_t = plgpu.wgmma_accumulator_load(dpt_acc, wait_n=1)
-                    ds_t = p_t * (dp_t - _col(delta, dp_t.shape))
-                    plgpu.wgmma(dk_acc, _operand_a(ds_t.astype(st.dtype), a_tile), q_tile)
+                    ds_t = (p_t * (dp_t - _col(delta, dp_t.shape))).astype(st.dtype)
+                    if st.fuse_dq:
+                        ds_tile[...] = ds_t  # dS = (dSᵀ)ᵀ is read from SMEM, transposed
+                        plgpu.commit_smem()
+                    plgpu.wgmma(dk_acc, _operand_a(ds_t, a_tile), q_tile)
+                    if st.fuse_dq:  # issued behind dK += dSᵀ·Q_i; waits for both
+                        _reduce_dq(ds_tile, k_tile, dq_tile,
+                                   dq_ref.at[batch, pl.ds(i * bq, bq), head])
                     plgpu.wgmma_wait(0)  # Q_i and dO_i are read: the slot may be refilled
 
                 pl.run_scoped(gemms, plgpu.ACC((bkv, bq), jnp.float32),
@@ -259,7 +270,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
 
             def head(g, carry):  # the GQA group's query heads, summed in dK/dV
                 head_step0 = g * blocks_per_head - cta_first  # step of block i: head_step0 + i
-                _walk(st, step, skip, (cta_first, cta_last), ranges, head_step0)
+                _walk(st, functools.partial(step, head=kv_head * st.group + g), skip,
+                      (cta_first, cta_last), ranges, head_step0)
                 return carry
 
             lax.fori_loop(0, st.group, head, 0)
@@ -274,6 +286,22 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
         plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[keys])
         plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[keys])
         plgpu.wait_smem_to_gmem(0)
+
+
+def _reduce_dq(ds_tile, k_tile, dq_tile, dq_rows) -> None:
+    """FA3's dQ: ``dq_rows += dS·K_j`` with a TMA reduce-add (float32, in L2).
+
+    ``ds_tile``: dSᵀ [block_kv, block_q] in SMEM (A operand, transposed view); ``dq_tile``:
+    [block_q, D] float32 staging tile, still read by the previous step's reduce-add.
+    """
+    def gemm(acc):
+        plgpu.wgmma(acc, ds_tile.T, k_tile)
+        return plgpu.wgmma_accumulator_load(acc, wait_n=0)
+    dq = pl.run_scoped(gemm, plgpu.ACC(dq_tile.shape, jnp.float32))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous step's add read the tile
+    dq_tile[...] = dq
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dq_tile, dq_rows, reduction_op="add")
 
 
 # --- dQ ---------------------------------------------------------------------------------
@@ -434,11 +462,10 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
                                 scale=scale, interpret=interpret, softcap=softcap)
     if not isinstance(config, MosaicBackwardConfig):
         config = default_backward_config(q.shape, k.shape, q.dtype, mask)
-    batch, seq_q, heads, head_dim = q.shape
+    _, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     dim = padded_head_dim(head_dim)
-    itemsize = jnp.dtype(q.dtype).itemsize
-    config.check_fits(dim, itemsize)
+    config.check_fits(dim, jnp.dtype(q.dtype).itemsize)
     # One padded length serves both kernels: whole dK/dV query blocks and dQ CTAs, whole
     # dK/dV CTAs and dQ key blocks (all block sizes are powers of two times 64).
     seq_q_pad = round_up(seq_q, max(config.block_q, NUM_CONSUMERS * config.dq_block_q))
@@ -448,74 +475,103 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
     # lse in base 2 (the kernels' exponent); padded rows get +inf so that their P is 0.
     lse2 = pad_axis(lse * _LOG2E, 2, seq_q_pad, jnp.inf)
     delta = pad_axis(delta, 2, seq_q_pad)
+    fuse_dq = not config.deterministic and not interpret
     common = dict(
         mask=mask, scale=scale, scale_log2=scale * _LOG2E, num_stages=config.num_stages,
         head_dim=dim, dtype=jnp.dtype(q.dtype), group=heads // kv_heads,
-        needs_mask=not mask.is_dense or seq_kv_pad != seq_kv, a_through_smem=interpret)
-    transforms = _smem_transforms(itemsize)
-    params = dict(
-        num_threads=NUM_CONSUMERS + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None)
+        needs_mask=not mask.is_dense or seq_kv_pad != seq_kv, fuse_dq=fuse_dq)
+    operands = (q_p, k_p, v_p, do_p, lse2, delta)
+    dkdv_static = _Static(block_q=config.block_q, block_kv=config.block_kv,
+                          num_q_blocks=seq_q_pad // config.block_q,
+                          num_tiles=seq_kv_pad // (NUM_CONSUMERS * config.block_kv), **common)
+    if fuse_dq:
+        dq_acc = jax.new_ref(jnp.zeros(q_p.shape, jnp.float32))  # the reduce-adds' target
+        dk, dv = _call_dkdv(dkdv_static, operands, dq_acc, interpret=interpret)
+        dq = (jax.freeze(dq_acc) * scale).astype(q.dtype)
+    else:
+        dk, dv = _call_dkdv(dkdv_static, operands, None, interpret=interpret)
+        dq_static = _Static(block_q=config.dq_block_q, block_kv=config.dq_block_kv,
+                            num_q_blocks=seq_q_pad // config.dq_block_q,
+                            num_tiles=seq_q_pad // (NUM_CONSUMERS * config.dq_block_q),
+                            **common)
+        dq = _call_dq(dq_static, operands, interpret=interpret)
+    return (dq[:, :seq_q, :, :head_dim], dk[:, :seq_kv, :, :head_dim],
+            dv[:, :seq_kv, :, :head_dim])
 
-    def tiles(*shape):
-        return plgpu.SMEM(shape, q.dtype, transforms=transforms)
 
-    # dK/dV: one CTA per 2·block_kv keys of one KV head.
-    st = _Static(block_q=config.block_q, block_kv=config.block_kv,
-                 num_q_blocks=seq_q_pad // config.block_q,
-                 num_tiles=seq_kv_pad // (NUM_CONSUMERS * config.block_kv), **common)
-    stages, per_consumer = st.num_stages, NUM_CONSUMERS
+def _kernel_params(interpret: bool) -> dict:
+    return dict(num_threads=NUM_CONSUMERS + 1, thread_name="wg",
+                compiler_params=plgpu.CompilerParams(approx_math=True),
+                interpret=plgpu.InterpretGPUParams() if interpret else None)
+
+
+def _tiles(st: _Static, *shape, dtype=None):
+    """A swizzled SMEM buffer (the layout TMA writes and wgmma reads)."""
+    dtype = jnp.dtype(dtype or st.dtype)
+    return plgpu.SMEM(shape, dtype, transforms=_smem_transforms(dtype.itemsize))
+
+
+def _call_dkdv(st: _Static, operands, dq_acc, *, interpret: bool):
+    """dK, dV [B, Tk_pad, K, D_pad]: one CTA per 2·block_kv keys of one KV head.
+
+    ``dq_acc``: None, or a zeroed float32 ref [B, Tq_pad, N, D_pad] that receives dS·K.
+    """
+    q_p, k_p = operands[:2]
+    batch, kv_heads = k_p.shape[0], k_p.shape[2]
+    bq, bkv, d, stages = st.block_q, st.block_kv, st.head_dim, st.num_stages
     scratch = dict(
-        k_smem=tiles(NUM_CONSUMERS, st.block_kv, dim),
-        v_smem=tiles(NUM_CONSUMERS, st.block_kv, dim),
-        q_smem=tiles(stages, st.block_q, dim), do_smem=tiles(stages, st.block_q, dim),
-        lse_smem=plgpu.SMEM((stages, st.block_q), jnp.float32),
-        delta_smem=plgpu.SMEM((stages, st.block_q), jnp.float32),
-        k_ready=plgpu.Barrier(num_barriers=per_consumer),
-        v_ready=plgpu.Barrier(num_barriers=per_consumer),
+        k_smem=_tiles(st, NUM_CONSUMERS, bkv, d), v_smem=_tiles(st, NUM_CONSUMERS, bkv, d),
+        q_smem=_tiles(st, stages, bq, d), do_smem=_tiles(st, stages, bq, d),
+        lse_smem=plgpu.SMEM((stages, bq), jnp.float32),
+        delta_smem=plgpu.SMEM((stages, bq), jnp.float32),
+        k_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+        v_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
         q_ready=plgpu.Barrier(num_barriers=stages), do_ready=plgpu.Barrier(num_barriers=stages),
         lse_ready=plgpu.Barrier(num_barriers=stages),
         delta_ready=plgpu.Barrier(num_barriers=stages),
         free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
     )
     if interpret:
-        scratch["a_smem"] = tiles(NUM_CONSUMERS, st.block_kv, st.block_q)
-    dk, dv = plgpu.kernel(
+        scratch["a_smem"] = _tiles(st, NUM_CONSUMERS, bkv, bq)
+    extra = ()
+    if dq_acc is not None:
+        scratch["ds_smem"] = _tiles(st, NUM_CONSUMERS, bkv, bq)
+        scratch["dq_smem"] = _tiles(st, NUM_CONSUMERS, bq, d, dtype=jnp.float32)
+        extra = (dq_acc,)
+    return plgpu.kernel(
         functools.partial(_dkdv_kernel, st=st),
-        out_type=(jax.ShapeDtypeStruct(k_p.shape, q.dtype),) * 2,
+        out_type=(jax.ShapeDtypeStruct(k_p.shape, q_p.dtype),) * 2,
         scratch_types=scratch,
         grid=(kv_heads, st.num_tiles, batch),
         grid_names=("heads", "kv_tiles", "batch"),
-        **params,
-    )(q_p, k_p, v_p, do_p, lse2, delta)
+        **_kernel_params(interpret),
+    )(*operands, *extra)
 
-    # dQ: one CTA per 2·dq_block_q rows of one head.
-    st = _Static(block_q=config.dq_block_q, block_kv=config.dq_block_kv,
-                 num_q_blocks=seq_q_pad // config.dq_block_q,
-                 num_tiles=seq_q_pad // (NUM_CONSUMERS * config.dq_block_q), **common)
+
+def _call_dq(st: _Static, operands, *, interpret: bool):
+    """dQ [B, Tq_pad, N, D_pad]: one CTA per 2·dq_block_q query rows of one head."""
+    q_p = operands[0]
+    batch, heads = q_p.shape[0], q_p.shape[2]
+    bq, bkv, d, stages = st.block_q, st.block_kv, st.head_dim, st.num_stages
     scratch = dict(
-        q_smem=tiles(NUM_CONSUMERS, st.block_q, dim),
-        do_smem=tiles(NUM_CONSUMERS, st.block_q, dim),
-        lse_smem=plgpu.SMEM((NUM_CONSUMERS, st.block_q), jnp.float32),
-        delta_smem=plgpu.SMEM((NUM_CONSUMERS, st.block_q), jnp.float32),
-        k_smem=tiles(stages, st.block_kv, dim), v_smem=tiles(stages, st.block_kv, dim),
-        q_ready=plgpu.Barrier(num_barriers=per_consumer),
-        do_ready=plgpu.Barrier(num_barriers=per_consumer),
-        lse_ready=plgpu.Barrier(num_barriers=per_consumer),
-        delta_ready=plgpu.Barrier(num_barriers=per_consumer),
+        q_smem=_tiles(st, NUM_CONSUMERS, bq, d), do_smem=_tiles(st, NUM_CONSUMERS, bq, d),
+        lse_smem=plgpu.SMEM((NUM_CONSUMERS, bq), jnp.float32),
+        delta_smem=plgpu.SMEM((NUM_CONSUMERS, bq), jnp.float32),
+        k_smem=_tiles(st, stages, bkv, d), v_smem=_tiles(st, stages, bkv, d),
+        q_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+        do_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+        lse_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+        delta_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
         k_ready=plgpu.Barrier(num_barriers=stages), v_ready=plgpu.Barrier(num_barriers=stages),
         free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
     )
     if interpret:
-        scratch["a_smem"] = tiles(NUM_CONSUMERS, st.block_q, st.block_kv)
-    dq = plgpu.kernel(
+        scratch["a_smem"] = _tiles(st, NUM_CONSUMERS, bq, bkv)
+    return plgpu.kernel(
         functools.partial(_dq_kernel, st=st),
-        out_type=jax.ShapeDtypeStruct(q_p.shape, q.dtype),
+        out_type=jax.ShapeDtypeStruct(q_p.shape, q_p.dtype),
         scratch_types=scratch,
         grid=(heads, st.num_tiles, batch),
         grid_names=("heads", "q_tiles", "batch"),
-        **params,
-    )(q_p, k_p, v_p, do_p, lse2, delta)
-    return (dq[:, :seq_q, :, :head_dim], dk[:, :seq_kv, :, :head_dim],
-            dv[:, :seq_kv, :, :head_dim])
+        **_kernel_params(interpret),
+    )(*operands)

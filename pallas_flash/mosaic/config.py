@@ -40,11 +40,15 @@ class MosaicConfig:
       block_kv: keys per pipeline stage (B_c); a multiple of 64, at most 256 (wgmma N).
       num_stages: depth of the K/V shared-memory ring filled by the producer warpgroup;
         at least 2 so that the producer can load block j+1 while block j is in use.
+      overlap: FA3's intra-warpgroup pipelining (Sec. 3.2): issue S_j = Q·K_jᵀ together
+        with O += P_{j-1}·V_{j-1} and run the softmax of S_j while P·V is still on the
+        tensor cores. Costs the registers of a second S tile (P_{j-1} is held in flight).
     """
 
     block_q: int = 64
     block_kv: int = 128
     num_stages: int = 2
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.block_q not in (64, 128):
@@ -118,6 +122,10 @@ class MosaicBackwardConfig:
       dq_block_q: query rows per consumer warpgroup of the dQ kernel (wgmma M); 64.
       dq_block_kv: keys per step of the dQ kernel; 64 or 128.
       num_stages: depth of both kernels' SMEM rings, 2 to 4.
+      deterministic: compute dQ in the separate dQ kernel (every dQ tile written by one
+        CTA). Otherwise the dK/dV kernel also adds each step's dS·K_j into a float32 dQ in
+        GMEM with TMA reduce-adds (FA3): five GEMMs instead of seven, but the order of the
+        additions, hence the rounding, varies from run to run.
     """
 
     block_q: int = 64
@@ -125,6 +133,7 @@ class MosaicBackwardConfig:
     dq_block_q: int = 64
     dq_block_kv: int = 128
     num_stages: int = 2
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.block_q not in (64, 128):
@@ -145,7 +154,11 @@ class MosaicBackwardConfig:
         stats = 2 * _align(self.num_stages * self.block_q * 4)
         # K, V ready per consumer; Q, dO, lse, delta ready and one free per slot.
         barriers = 8 * (2 * NUM_CONSUMERS + 5 * self.num_stages)
-        return k_v + q_do + stats + barriers
+        fused_dq = 0
+        if not self.deterministic:  # per consumer: dSᵀ tile and the f32 dQ partial
+            fused_dq = (_align(NUM_CONSUMERS * self.block_kv * self.block_q * itemsize)
+                        + _align(NUM_CONSUMERS * self.block_q * head_dim * 4))
+        return k_v + q_do + stats + barriers + fused_dq
 
     def dq_smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
         """dQ kernel: resident Q/dO tiles, lse/delta, the K and V rings, barriers."""
@@ -158,8 +171,9 @@ class MosaicBackwardConfig:
 
     def check_fits(self, head_dim: int, itemsize: int = 2) -> None:
         """Raises ValueError when either kernel cannot run at ``head_dim`` on an sm90 CTA."""
-        need = max(self.dkdv_smem_bytes(head_dim, itemsize),
-                   self.dq_smem_bytes(head_dim, itemsize))
+        need = self.dkdv_smem_bytes(head_dim, itemsize)
+        if self.deterministic:
+            need = max(need, self.dq_smem_bytes(head_dim, itemsize))
         if need > SMEM_BUDGET:
             raise ValueError(
                 f"MosaicBackwardConfig {self} needs {need} bytes of shared memory at "
@@ -172,10 +186,11 @@ def default_backward_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicB
 
     The dK/dV consumers hold dK and dV for 64 keys each (``D`` f32 registers per thread for
     both at head_dim 128), so the S and dP tiles must stay small: 128 query rows per step
-    only at head_dim 64. Three stages keep the Q/dO ring ahead of two consumers.
+    only at head_dim 64. Two stages: the fused dQ's f32 staging tiles take the SMEM a
+    third would need.
     """
     del kv_shape, dtype, mask
     head_dim = padded_head_dim(q_shape[-1])
     if head_dim <= 64:
-        return MosaicBackwardConfig(block_q=128, dq_block_kv=128, num_stages=3)
+        return MosaicBackwardConfig(block_q=128, dq_block_kv=128, num_stages=2)
     return MosaicBackwardConfig(block_q=64, dq_block_kv=128, num_stages=2)
