@@ -13,10 +13,18 @@ Run on an H200/H100 from the repository root::
    ``jax.nn.dot_product_attention(implementation="cudnn")`` in the same process. t is the
    median over ``--repeats`` batches of ``--iters`` back-to-back calls after warm-up.
 3. ``--sweep``: the same timing for a few block configs per (head_dim, causal), at
-   ``--sweep-len``.
+   ``--sweep-len``. ``--configs 128=64x128x2,64x128x2o`` instead times exactly these
+   configs (``block_q x block_kv x num_stages``, ``o`` = ``overlap=True``) at every length,
+   and ``--check-configs`` runs the odd-shape correctness checks with them too.
 
-``--compile-only`` just compiles the default configs (head_dim 64/128/256, causal): run it
-with ``MOSAIC_GPU_DUMP_PTXAS=1`` to read ptxas' register and spill counts.
+Before a config is timed, its output at the benchmark shape is compared with cuDNN's
+(relative error < 1e-2, no NaN); a config that fails is not timed. ``--time-limit`` stops
+starting new benchmark points after that many seconds. The last lines printed are a table
+of TFLOP/s and ratios to cuDNN.
+
+``--compile-only`` just compiles (the default configs, or ``--configs``) for head_dim
+64/128/256, causal: run it with ``MOSAIC_GPU_DUMP_PTXAS=1`` (and ``MOSAIC_GPU_DUMP_TO=dir``)
+to read ptxas' register and spill counts.
 
 Every result is appended to the JSON file as soon as it is measured.
 """
@@ -38,6 +46,7 @@ import pallas_flash
 from pallas_flash import reference
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import MosaicConfig, default_config, forward
+from pallas_flash.mosaic.config import padded_head_dim
 
 RESULTS: list[dict] = []
 
@@ -110,6 +119,27 @@ def check_api(path):
     record(path, case)
 
 
+def parse_config(spec: str) -> MosaicConfig:
+    """``"64x128x2o"`` -> MosaicConfig(64, 128, 2, overlap=True)."""
+    overlap = spec.endswith("o")
+    block_q, block_kv, stages = (int(x) for x in spec.rstrip("o").split("x"))
+    return MosaicConfig(block_q, block_kv, stages, overlap=overlap)
+
+
+def parse_configs(items: list[str]) -> dict[int, list[MosaicConfig]]:
+    """``["128=64x128x2,64x128x2o", ...]`` -> {128: [config, config], ...}."""
+    configs = {}
+    for item in items:
+        dim, specs = item.split("=")
+        configs[int(dim)] = [parse_config(x) for x in specs.split(",")]
+    return configs
+
+
+def short(config: MosaicConfig) -> str:
+    return (f"{config.block_q}x{config.block_kv}x{config.num_stages}"
+            + ("o" if config.overlap else ""))
+
+
 def seconds_per_call(fn, args, iters: int, repeats: int) -> float:
     jax.block_until_ready(fn(*args))  # compile + warm-up
     jax.block_until_ready(fn(*args))
@@ -123,6 +153,11 @@ def seconds_per_call(fn, args, iters: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def rel_err(x, ref) -> float:
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
 def bench(path, seq_len, head_dim, causal, *, iters, repeats, configs=(None,), cudnn=True):
     batch, heads = 16384 // seq_len, 2048 // head_dim
     flops = 4 * batch * heads * seq_len**2 * head_dim / (2 if causal else 1)
@@ -130,21 +165,54 @@ def bench(path, seq_len, head_dim, causal, *, iters, repeats, configs=(None,), c
     mask = MaskSpec(seq_q=seq_len, seq_kv=seq_len, is_causal=causal)
     base = dict(kind="bench", seq_len=seq_len, head_dim=head_dim, causal=causal,
                 batch=batch, heads=heads)
-    timings = []
-    if cudnn:
-        timings.append(("cudnn", None, jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, is_causal=causal, implementation="cudnn"))))
+    cudnn_fn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation="cudnn"))
+    reference_out = cudnn_fn(q, k, v)
+    timings = [("cudnn", None, cudnn_fn)] if cudnn else []
     for config in configs:
         config = config or default_config(q.shape, k.shape, q.dtype, mask)
         timings.append(("mosaic", config, mosaic_fn(mask, head_dim ** -0.5, config)))
     for name, config, fn in timings:
-        entry = dict(base, impl=name, config=None if config is None else str(config))
+        entry = dict(base, impl=name, config=None if config is None else short(config))
         try:
+            if config is not None:  # correctness at the benchmark shape first
+                out = fn(q, k, v)[0]
+                entry["rel_err_vs_cudnn"] = rel_err(out, reference_out)
+                if not entry["rel_err_vs_cudnn"] < 1e-2:  # NaN fails too
+                    raise ValueError(f"wrong output: rel_err {entry['rel_err_vs_cudnn']}")
             t = seconds_per_call(fn, (q, k, v), iters, repeats)
             entry.update(ms=t * 1e3, tflops=flops / t / 1e12)
         except Exception as e:
             entry.update(error=f"{type(e).__name__}: {e}"[:1500])
         record(path, entry)
+
+
+def table() -> str:
+    """TFLOP/s per benchmark point: cuDNN, then each config with its ratio to cuDNN."""
+    lines = []
+    points: dict[tuple, dict[str, dict]] = {}
+    for e in RESULTS:
+        if e["kind"] == "bench":
+            key = (e["head_dim"], e["causal"], e["seq_len"])
+            points.setdefault(key, {})[e["config"] or "cudnn"] = e
+    for (d, causal, seq_len), row in sorted(points.items()):
+        cudnn = row.get("cudnn", {}).get("tflops")
+        cells = [f"d{d:<3} {'causal' if causal else 'dense ':6} L{seq_len:<5} cudnn "
+                 + (f"{cudnn:5.0f}" if cudnn else "  n/a")]
+        for name, e in row.items():
+            if name == "cudnn":
+                continue
+            if "tflops" in e:
+                ratio = f" {e['tflops'] / cudnn:.3f}x" if cudnn else ""
+                cells.append(f"{name} {e['tflops']:5.0f}{ratio}")
+            else:
+                cells.append(f"{name} FAILED")
+        lines.append(" | ".join(cells))
+    failed = [e for e in RESULTS if e["kind"].startswith("check") and not e.get("ok")]
+    lines.append(f"checks: {sum(e['kind'].startswith('check') for e in RESULTS)} run, "
+                 f"{len(failed)} failed"
+                 + "".join(f"\n  FAILED {e}" for e in failed))
+    return "\n".join(lines)
 
 
 SWEEP = {
@@ -161,17 +229,27 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--sweep", action="store_true", help="time several block configs")
     parser.add_argument("--sweep-len", type=int, default=4096, help="seq_len of the sweep")
+    parser.add_argument("--configs", action="append", default=[],
+                        help="HEAD_DIM=SPEC,SPEC,...: time these configs (e.g. 128=64x128x2o)")
+    parser.add_argument("--check-configs", action="store_true",
+                        help="also run the odd-shape checks with the --configs")
+    parser.add_argument("--head-dims", type=int, nargs="*", default=[128, 64, 256])
     parser.add_argument("--lengths", type=int, nargs="*", help="only these seq_len")
+    parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    parser.add_argument("--time-limit", type=float, default=float("inf"),
+                        help="seconds after which no new benchmark point is started")
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--compile-only", action="store_true")
     args = parser.parse_args(argv)
+    start = time.perf_counter()
+    chosen = parse_configs(args.configs)
     if args.compile_only:
-        for d in (64, 128, 256):
+        for d in args.head_dims:
             q, k, v = inputs(1, 1024, 1024, 2, 2, d, jnp.bfloat16)
             mask = MaskSpec(seq_q=1024, seq_kv=1024, is_causal=True)
-            config = default_config(q.shape, k.shape, q.dtype, mask)
-            print(f"head_dim={d} {config}", flush=True)
-            jax.block_until_ready(mosaic_fn(mask, d ** -0.5, config)(q, k, v))
+            for config in chosen.get(d, [default_config(q.shape, k.shape, q.dtype, mask)]):
+                print(f"head_dim={d} {config}", flush=True)
+                jax.block_until_ready(mosaic_fn(mask, d ** -0.5, config)(q, k, v))
         return 0
     device = jax.devices()[0]
     record(args.out, dict(kind="device", name=device.device_kind,
@@ -184,17 +262,40 @@ def main(argv=None) -> int:
             for causal in (False, True):
                 check(args.out, 2, 2048, 2048, 8, 8, d, bf16, causal=causal)
         check(args.out, 2, 2048, 2048, 8, 8, 128, f16, causal=True)
-        check(args.out, 1, 1000, 1500, 16, 4, 128, bf16, causal=True, alignment="bottom_right")
-        check(args.out, 3, 777, 777, 4, 1, 96, f16)
-        check(args.out, 1, 4096, 4096, 4, 2, 64, bf16, window=(512, 128))
+        odd = [
+            ((1, 1000, 1500, 16, 4, 128, bf16), dict(causal=True, alignment="bottom_right")),
+            ((3, 777, 777, 4, 1, 96, f16), {}),
+            ((1, 4096, 4096, 4, 2, 64, bf16), dict(window=(512, 128))),
+            ((1, 1024, 200, 2, 2, 128, bf16), dict(window=(16, 16))),  # rows that see nothing
+            ((1, 2048, 2048, 4, 4, 256, f16), dict(causal=True)),
+        ]
+        for shape, kwargs in odd:
+            check(args.out, *shape, **kwargs)
+            if args.check_configs:
+                for config in chosen.get(padded_head_dim(shape[5]), []):
+                    check(args.out, *shape, **kwargs, config=config)
         check_api(args.out)
 
-    for d, lengths in ((128, (1024, 4096, 16384)), (64, (4096, 16384)), (256, (4096, 16384))):
-        for causal in (False, True):
-            for seq_len in (x for x in lengths if not args.lengths or x in args.lengths):
-                sweep = args.sweep and seq_len == args.sweep_len
+    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    lengths = {128: (1024, 4096, 16384), 64: (4096, 16384), 256: (4096, 16384)}
+    for d in args.head_dims:
+        for causal in causals:
+            for seq_len in lengths.get(d, (4096, 16384)):
+                if args.lengths and seq_len not in args.lengths:
+                    continue
+                if time.perf_counter() - start > args.time_limit:
+                    print(f"time limit: skipping d{d} causal={causal} L{seq_len}", flush=True)
+                    continue
+                if d in chosen:
+                    configs = chosen[d]
+                else:
+                    sweep = args.sweep and seq_len == args.sweep_len
+                    configs = SWEEP[d] if sweep else (None,)
                 bench(args.out, seq_len, d, causal, iters=args.iters, repeats=args.repeats,
-                      configs=SWEEP[d] if sweep else (None,))
+                      configs=configs)
+    print(f"--- {device.device_kind}, jax {jax.__version__}, bf16, TFLOP/s "
+          f"({time.perf_counter() - start:.0f} s)")
+    print(table(), flush=True)
     return 0
 
 

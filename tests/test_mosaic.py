@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -29,6 +30,7 @@ from pallas_flash.reference import EMPTY_ROW_LSE, attention_float64
 BF16, F16 = jnp.bfloat16, jnp.float16
 # Small blocks so that the tiny test sequences still span several CTAs and K/V blocks.
 SMALL = MosaicConfig(block_q=64, block_kv=64, num_stages=2)
+OVERLAP = MosaicConfig(block_q=64, block_kv=64, num_stages=2, overlap=True)
 
 
 def _inputs(shape_q, shape_kv, dtype, seed):
@@ -68,6 +70,18 @@ CASES = {
     "head_dim_96_padded": (1, 130, 130, 2, 1, 96, BF16, dict(is_causal=True), SMALL),
     "head_dim_128_3_stages": (1, 128, 384, 2, 2, 128, BF16, {}, MosaicConfig(64, 128, 3)),
     "head_dim_256": (1, 128, 128, 1, 1, 256, F16, dict(is_causal=True), SMALL),
+    # The overlapped schedule: its head (first visible block) and tail (last P·V) around
+    # the loops, for rows that see every block, some blocks, or none.
+    "overlap_dense_gqa": (2, 128, 192, 2, 1, 64, BF16, {}, OVERLAP),
+    "overlap_causal_odd_gqa": (1, 200, 330, 4, 2, 64, F16, dict(is_causal=True), OVERLAP),
+    "overlap_causal_more_queries_than_keys": (
+        1, 300, 130, 2, 2, 64, BF16,
+        dict(is_causal=True, causal_alignment="bottom_right"), OVERLAP),
+    "overlap_window": (1, 256, 256, 2, 1, 64, BF16, dict(window=(50, 10)), OVERLAP),
+    "overlap_window_rows_past_keys": (1, 320, 60, 1, 1, 64, BF16, dict(window=(10, 10)),
+                                      OVERLAP),
+    "overlap_head_dim_128_3_stages": (1, 128, 384, 2, 2, 128, BF16, dict(is_causal=True),
+                                      MosaicConfig(64, 128, 3, overlap=True)),
 }
 
 
@@ -84,12 +98,13 @@ def test_interpret_matches_oracle(case):
     _assert_matches_oracle(q, k, v, out, lse, mask, scale)
 
 
-def test_interpret_no_races():
+@pytest.mark.parametrize("config", [SMALL, OVERLAP], ids=["serial", "overlap"])
+def test_interpret_no_races(config):
     """The producer/consumer protocol under the interpreter's vector-clock race detector."""
     q, k, v = _inputs((1, 128, 2, 64), (1, 192, 1, 64), BF16, seed=7)
     mask = MaskSpec(seq_q=128, seq_kv=192, is_causal=True, causal_alignment="bottom_right")
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
-        out, lse = mosaic.forward(q, k, v, None, mask=mask, scale=0.125, config=SMALL,
+        out, lse = mosaic.forward(q, k, v, None, mask=mask, scale=0.125, config=config,
                                   interpret=True)
         out.block_until_ready()
     assert not interpret_pallas_call.get_races().races_found
@@ -131,19 +146,23 @@ def _lower_for_cuda(shape_q, shape_kv, dtype, mask: MaskSpec, config: MosaicConf
 @pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
 @pytest.mark.parametrize("dtype", [BF16, F16])
 @pytest.mark.parametrize("causal", [False, True])
-def test_default_configs_lower_for_cuda(head_dim, dtype, causal):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_default_configs_lower_for_cuda(head_dim, dtype, causal, overlap):
     """Layout inference, wgmma operand checks and the 227 KiB SMEM budget, per shape class."""
     shape_q, shape_kv = (2, 1024, 8, head_dim), (2, 1024, 2, head_dim)
     mask = MaskSpec(seq_q=1024, seq_kv=1024, is_causal=causal)
     config = mosaic.default_config(shape_q, shape_kv, dtype, mask)
+    config = dataclasses.replace(config, overlap=overlap)
     assert config.smem_bytes(head_dim) <= mosaic_config.SMEM_BUDGET
     _lower_for_cuda(shape_q, shape_kv, dtype, mask, config)
 
 
-def test_masked_odd_shapes_lower_for_cuda():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_masked_odd_shapes_lower_for_cuda(overlap):
     mask = MaskSpec(seq_q=1000, seq_kv=900, is_causal=True, causal_alignment="bottom_right",
                     window=(100, 0))
-    _lower_for_cuda((1, 1000, 4, 80), (1, 900, 2, 80), F16, mask, MosaicConfig(64, 128, 2))
+    _lower_for_cuda((1, 1000, 4, 80), (1, 900, 2, 80), F16, mask,
+                    MosaicConfig(64, 128, 2, overlap=overlap))
 
 
 @pytest.mark.parametrize(("head_dim", "config"), [

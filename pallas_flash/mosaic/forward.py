@@ -11,8 +11,18 @@ one (batch, head) and runs three warpgroups (``lax.axis_index("wg")``):
   O, m and l in registers and runs, per K/V block j (Algorithm 1):
   S = Q·K_jᵀ (wgmma) → online softmax in base 2 with the scale folded into the exponent →
   O = diag(alpha)·O + P·V_j (wgmma).
-  A shared ``turn`` mbarrier makes the two consumers *ping-pong* (Sec. 3.1, Fig. 1): the
-  softmax of one warpgroup runs while the tensor cores execute the other's GEMMs.
+  ``turn`` mbarriers make the two consumers *ping-pong* (Sec. 3.1, Fig. 1): the softmax of
+  one warpgroup runs while the tensor cores execute the other's GEMMs.
+
+Two consumer schedules (``MosaicConfig.overlap``):
+
+* serial (:func:`_serial_loop`): S_j, wait, softmax, P·V_j, wait. The two consumers meet
+  twice per block at one 2-arrival ``turn`` barrier.
+* overlapped (:func:`_overlapped_loop`, FA3 Sec. 3.2 "intra-warpgroup pipelining"): step j
+  issues S_j and O += P_{j-1}·V_{j-1} back to back, waits for S_j only, and runs the
+  softmax of S_j while P·V is still on the tensor cores; O is rescaled after. Each
+  consumer has its own single-arrival ``turn`` barrier: it waits on it before issuing its
+  two GEMMs and arrives at the other's right after, so GEMM issue strictly alternates.
 
 Block skipping comes from :class:`~pallas_flash.masking.MaskSpec.kv_blocks`: K/V blocks
 outside the CTA's ``[first, last)`` are never loaded (causal: nothing above the diagonal),
@@ -76,6 +86,7 @@ class _Static:
     group: int  # query heads per K/V head (GQA)
     num_q_tiles: int  # CTAs along the sequence, each of NUM_CONSUMERS * block_q rows
     kv_padded: bool  # seq_kv was padded up to whole blocks
+    overlap: bool  # FA3's intra-warpgroup pipelining (MosaicConfig.overlap)
     pv_through_smem: bool  # the interpret-mode detour, see the module docstring
 
     @property
@@ -95,6 +106,10 @@ class _Static:
         # Causal/window rows end before the last key, and padded keys must be hidden;
         # otherwise every visited block is full and the trailing masked loop is empty.
         return self.mask.is_causal or self.mask.window is not None or self.kv_padded
+
+    @property
+    def has_mask(self) -> bool:
+        return self.has_lower_band or self.has_upper_mask
 
 
 def _smem_transforms(itemsize: int):
@@ -185,8 +200,62 @@ def _consumer_warpgroup(wg, st: _Static, q_ref, out_ref, lse_ref, q_tile, k_smem
     plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_tile, q_ready)
     # This warpgroup's block ranges, inside the CTA's (it must step through all of the
     # CTA's blocks to keep the ring and the ping-pong in lockstep with the other one).
-    first, full_first, full_last, last = (
-        jnp.clip(x, cta_first, cta_last) for x in st.mask.kv_blocks(q0, bq, bkv))
+    ranges = tuple(jnp.clip(x, cta_first, cta_last) for x in st.mask.kv_blocks(q0, bq, bkv))
+
+    def softmax(scores, m_i, j, *, masked: bool):
+        """Online softmax of S_j in base 2 (FA3 Alg. 1 lines 9-11).
+
+        m is kept in log2 units so that p = exp2(s * scale_log2 - m) is one FMA + ex2 per
+        element. Returns P_j in the input dtype, the new m and l, and alpha, the factor
+        that rescales O to the new m.
+        """
+        if masked:  # boundary block: hide pairs outside the band and keys >= seq_kv
+            rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
+            cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
+            visible = st.mask.visible(rows + q0, cols + j * bkv)
+            scores = jnp.where(visible, scores, -jnp.inf)
+        m_new = jnp.maximum(m_i, scores.max(axis=1) * st.scale_log2)
+        if masked:
+            # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead so
+            # that exp2(-inf - m) stays 0 rather than NaN (empty rows end with l = 0).
+            m_new_finite = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        else:
+            m_new_finite = m_new
+        p = jnp.exp2(scores * st.scale_log2 - _row(m_new_finite, scores.shape))
+        alpha = jnp.exp2(m_i - m_new_finite)
+        return p, m_new, alpha
+
+    carry = (
+        plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA),
+        plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+        plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+    )
+    plgpu.barrier_wait(q_ready)
+    loop = _overlapped_loop if st.overlap else _serial_loop
+    o, m_i, l_i = loop(
+        wg, st, carry, ranges, softmax, q_tile, k_smem, v_smem, k_ready, v_ready, k_free,
+        v_free, turn, p_tile, cta_first=cta_first, cta_last=cta_last, slot=slot)
+
+    # Epilogue (Alg. 1 lines 12-14): normalise once, O and LSE leave through SMEM + TMA.
+    empty = l_i == 0.0  # rows that saw no key: O = 0, lse = EMPTY_ROW_LSE
+    l_safe = jnp.where(empty, 1.0, l_i)
+    o = o * _row(1.0 / l_safe, o.shape)
+    lse = jnp.where(empty, EMPTY_ROW_LSE, (m_i + jnp.log2(l_safe)) * _LN2)
+    q_tile[...] = o.astype(st.dtype)  # Q is dead after the last Q·Kᵀ: reuse its tile
+    lse_tile[...] = lse
+    plgpu.commit_smem()  # register stores -> visible to the TMA engine
+    plgpu.copy_smem_to_gmem(q_tile, out_ref.at[q_rows])
+    plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[batch, head, pl.ds(q0, bq)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem, k_ready,
+                 v_ready, k_free, v_free, turn, p_tile, *, cta_first, cta_last, slot):
+    """Per block: S = Q·K_jᵀ, wait, softmax, O += P·V_j, wait (no intra-warpgroup overlap).
+
+    ``turn`` is one 2-arrival mbarrier at which the two consumers meet twice per block.
+    """
+    first, full_first, full_last, last = ranges
 
     def wait_k(j):
         """K_j must have landed before S = Q·K_jᵀ is issued."""
@@ -214,25 +283,9 @@ def _consumer_warpgroup(wg, st: _Static, q_ref, out_ref, lse_ref, q_tile, k_smem
             # while this GEMM runs, then its softmax overlaps our next GEMMs.
             _sync(turn)
             return s_acc[...]
-        scores = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+        scores = pl.run_scoped(qk, plgpu.ACC((st.block_q, st.block_kv), jnp.float32))
         plgpu.barrier_arrive(k_free.at[s])  # S is in registers: K_j may be overwritten
-
-        if masked:  # boundary block: hide pairs outside the band and keys >= seq_kv
-            rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
-            cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
-            visible = st.mask.visible(rows + q0, cols + j * bkv)
-            scores = jnp.where(visible, scores, -jnp.inf)
-        # Online softmax in base 2 (FA3 Alg. 1 lines 9-11): m is kept in log2 units so that
-        # p = exp2(s * scale_log2 - m) is one FMA + ex2 per element.
-        m_new = jnp.maximum(m_i, scores.max(axis=1) * st.scale_log2)
-        if masked:
-            # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead so
-            # that exp2(-inf - m) stays 0 rather than NaN (empty rows end with l = 0).
-            m_new_finite = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        else:
-            m_new_finite = m_new
-        p = jnp.exp2(scores * st.scale_log2 - _row(m_new_finite, scores.shape))
-        alpha = jnp.exp2(m_i - m_new_finite)
+        p, m_new, alpha = softmax(scores, m_i, j, masked=masked)
         o = o * _row(alpha, o.shape)
         p16 = p.astype(st.dtype)
 
@@ -241,7 +294,7 @@ def _consumer_warpgroup(wg, st: _Static, q_ref, out_ref, lse_ref, q_tile, k_smem
             plgpu.barrier_wait(v_ready.at[s])
             plgpu.barrier_wait(turn)  # Pong: our turn on the tensor cores again
 
-        if d <= 128:
+        if st.head_dim <= 128:
             # Row sum before handing over the turn, pinned there: JAX's reference kernel
             # (attention_mgpu) found this order faster at head_dim <= 128, and the other
             # one at larger head dims.
@@ -267,12 +320,6 @@ def _consumer_warpgroup(wg, st: _Static, q_ref, out_ref, lse_ref, q_tile, k_smem
         plgpu.barrier_arrive(v_free.at[s])
         return carry
 
-    carry = (
-        plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA),
-        plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-        plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-    )
-    plgpu.barrier_wait(q_ready)
     wait_k(cta_first)
     # Consumer 1 starts one turn late, so the two alternate on the tensor cores.
     pl.when(wg == 1)(functools.partial(_sync, turn))
@@ -284,20 +331,149 @@ def _consumer_warpgroup(wg, st: _Static, q_ref, out_ref, lse_ref, q_tile, k_smem
     carry = lax.fori_loop(full_first, full_last, unmasked_step, carry)  # the fast loop
     if st.has_upper_mask:
         carry = lax.fori_loop(full_last, last, masked_step, carry)
-    o, m_i, l_i = lax.fori_loop(last, cta_last, skip_step, carry)
+    carry = lax.fori_loop(last, cta_last, skip_step, carry)
     pl.when(wg == 0)(functools.partial(_sync, turn))  # ... and consumer 0 ends one late
+    return carry
 
-    # Epilogue (Alg. 1 lines 12-14): normalise once, O and LSE leave through SMEM + TMA.
-    empty = l_i == 0.0  # rows that saw no key: O = 0, lse = EMPTY_ROW_LSE
-    l_safe = jnp.where(empty, 1.0, l_i)
-    o = o * _row(1.0 / l_safe, o.shape)
-    lse = jnp.where(empty, EMPTY_ROW_LSE, (m_i + jnp.log2(l_safe)) * _LN2)
-    q_tile[...] = o.astype(st.dtype)  # Q is dead after the last Q·Kᵀ: reuse its tile
-    lse_tile[...] = lse
-    plgpu.commit_smem()  # register stores -> visible to the TMA engine
-    plgpu.copy_smem_to_gmem(q_tile, out_ref.at[q_rows])
-    plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[batch, head, pl.ds(q0, bq)])
-    plgpu.wait_smem_to_gmem(0)
+
+def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem,
+                     k_ready, v_ready, k_free, v_free, turn, p_tile, *, cta_first, cta_last,
+                     slot):
+    """FA3's intra-warpgroup pipelining (Sec. 3.2, Algorithm 2), inside the ping-pong.
+
+    Step j issues S_j = Q·K_jᵀ and then O += P_{j-1}·V_{j-1}, waits for S_j only, and
+    runs the softmax of S_j while the P·V GEMM is still on the tensor cores; O is
+    rescaled by alpha_j after that GEMM is done. The first visible block has no P·V yet
+    (``head``) and the last P·V has no S after it (``tail``).
+
+    ``turn`` holds one single-arrival mbarrier per consumer: a consumer waits on its own
+    before issuing its GEMMs and arrives at the other's right after, so the two issue
+    their GEMMs in strict alternation and each one's softmax overlaps the other's GEMMs.
+    """
+    first, full_first, full_last, last = ranges
+    bq, bkv = st.block_q, st.block_kv
+
+    def take_turn():
+        plgpu.barrier_wait(turn.at[wg])
+
+    def pass_turn():
+        plgpu.barrier_arrive(turn.at[1 - wg])
+
+    def pv_operand(p16):
+        """P as wgmma's A operand: from registers (FA3); through SMEM when interpreting."""
+        if not st.pv_through_smem:
+            return p16
+        p_tile[...] = p16
+        plgpu.commit_smem()
+        return p_tile
+
+    def head(carry):
+        """The first visible block: S, softmax, no P·V yet (O is still 0)."""
+        o, m_i, _, _ = carry
+        s = slot(first)
+        plgpu.barrier_wait(k_ready.at[s])
+        take_turn()
+
+        def qk(s_acc):
+            plgpu.wgmma(s_acc, q_tile, k_smem.at[s].T)
+            pass_turn()
+            return s_acc[...]
+        scores = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[s])
+        p, m_new, _ = softmax(scores, m_i, first, masked=st.has_mask)
+        return o, m_new, p.sum(axis=1), p.astype(st.dtype)
+
+    def step(j, carry, *, masked: bool):
+        """Block j > first: S_j and P_{j-1}·V_{j-1} in flight together, softmax under P·V."""
+        o, m_i, l_i, p_prev = carry
+        s, s_prev = slot(j), slot(j - 1)
+        plgpu.barrier_wait(k_ready.at[s])
+        take_turn()
+
+        def gemms(s_acc, pv_acc):
+            plgpu.wgmma(s_acc, q_tile, k_smem.at[s].T)
+            plgpu.barrier_wait(v_ready.at[s_prev])
+            plgpu.wgmma(pv_acc, pv_operand(p_prev), v_smem.at[s_prev])
+            pass_turn()  # the other warpgroup's GEMMs queue behind ours
+            return plgpu.wgmma_accumulator_load(s_acc, wait_n=1)  # S_j; P·V still runs
+
+        def softmax_of(scores):
+            plgpu.barrier_arrive(k_free.at[s])  # S_j is in registers: K_j may be overwritten
+            p, m_new, alpha = softmax(scores, m_i, j, masked=masked)
+            return p.astype(st.dtype), m_new, l_i * alpha + p.sum(axis=1), alpha
+
+        if st.pv_through_smem:  # interpret mode: P·V into a fresh accumulator, then added
+            scores, pv = pl.run_scoped(
+                lambda s_acc, pv_acc: (gemms(s_acc, pv_acc), pv_acc[...]),
+                plgpu.ACC((bq, bkv), jnp.float32), plgpu.ACC(o.shape, jnp.float32))
+            o = o + pv
+            p16, m_new, l_new, alpha = softmax_of(scores)
+        else:
+            def body(refs):
+                o_acc, s_acc, results = refs
+                for ref, x in zip(results, softmax_of(gemms(s_acc, o_acc)), strict=True):
+                    ref[...] = x
+            # Leaving run_state waits for the P·V GEMM (wgmma.wait_group 0).
+            o, _, (p16, m_new, l_new, alpha) = pl.run_state(body)((
+                plgpu.ACC.init(o),
+                plgpu.ACC.init(plgpu.layout_cast(
+                    jnp.zeros((bq, bkv), jnp.float32), plgpu.Layout.WGMMA)),
+                (p_prev, m_i, l_i, m_i)))
+        plgpu.barrier_arrive(v_free.at[s_prev])  # V_{j-1} is read
+        return o * _row(alpha, o.shape), m_new, l_new, p16
+
+    def tail(o, p_last):
+        """O += P·V of the last visible block."""
+        s = slot(last - 1)
+        take_turn()
+        plgpu.barrier_wait(v_ready.at[s])
+        if st.pv_through_smem:
+            o = _pv_through_smem(o, p_last, p_tile, v_smem.at[s], pass_turn)
+        else:
+            def gemm(o_acc):
+                plgpu.wgmma(o_acc, p_last, v_smem.at[s])
+                pass_turn()
+            o = pl.run_state(gemm)(plgpu.ACC.init(o))
+        plgpu.barrier_arrive(v_free.at[s])
+        return o
+
+    def skip_step(j, carry):
+        """A block only the other consumer needs: the same barriers and turn, no math."""
+        s = slot(j)
+        plgpu.barrier_wait(k_ready.at[s])
+        take_turn()
+        pass_turn()
+        plgpu.barrier_arrive(k_free.at[s])
+        plgpu.barrier_wait(v_ready.at[s])
+        plgpu.barrier_arrive(v_free.at[s])
+        return carry
+
+    # P of the previous block rides in the carry; a placeholder until the head's.
+    p_none = plgpu.layout_cast(jnp.zeros((bq, bkv), st.dtype), plgpu.Layout.WGMMA)
+    carry = (*carry, p_none)
+    # Consumer 0 issues first: consumer 1 hands it the first turn.
+    pl.when(wg == 1)(pass_turn)
+    masked_step = functools.partial(step, masked=True)
+    unmasked_step = functools.partial(step, masked=False)
+    carry = lax.fori_loop(cta_first, first, skip_step, carry)
+    nonempty = first < last
+    carry = lax.cond(nonempty, head, lambda carry: carry, carry)
+    after_head = first + 1
+    if st.has_lower_band:
+        carry = lax.fori_loop(after_head, full_first, masked_step, carry)
+    carry = lax.fori_loop(jnp.maximum(after_head, full_first), full_last, unmasked_step, carry)
+    if st.has_upper_mask:
+        carry = lax.fori_loop(jnp.maximum(after_head, full_last), last, masked_step, carry)
+    o, m_i, l_i, p_last = carry
+
+    def no_tail(o, p_last):
+        take_turn()  # one turn per consumer either way, so that the turns stay paired
+        pass_turn()
+        return o
+    o = lax.cond(nonempty, tail, no_tail, o, p_last)
+    carry = lax.fori_loop(last, cta_last, skip_step, (o, m_i, l_i))
+    pl.when(wg == 0)(take_turn)  # the turn consumer 1 handed over at its last step
+    return carry
 
 
 def _pv_through_smem(o, p16, p_tile, v_tile, wait_next_k):
@@ -373,7 +549,7 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         block_kv=config.block_kv, num_stages=config.num_stages, head_dim=dim,
         dtype=jnp.dtype(q.dtype), group=heads // kv_heads,
         num_q_tiles=seq_q_pad // rows_per_cta, kv_padded=seq_kv_pad != seq_kv,
-        pv_through_smem=interpret)
+        overlap=config.overlap, pv_through_smem=interpret)
 
     transforms = _smem_transforms(itemsize)
     scratch = dict(
@@ -386,7 +562,9 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         v_ready=plgpu.Barrier(num_barriers=st.num_stages),
         k_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=st.num_stages),
         v_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=st.num_stages),
-        turn=plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+        # Serial schedule: one barrier both consumers meet at; overlapped: one per consumer.
+        turn=(plgpu.Barrier(num_barriers=NUM_CONSUMERS) if st.overlap
+              else plgpu.Barrier(num_arrivals=NUM_CONSUMERS)),
     )
     if st.pv_through_smem:
         scratch["p_smem"] = plgpu.SMEM(

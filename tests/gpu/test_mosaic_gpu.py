@@ -63,7 +63,9 @@ def test_shape_classes(head_dim, causal, dtype):
 
 
 @pytest.mark.parametrize("config", [MosaicConfig(64, 128, 2), MosaicConfig(64, 64, 3),
-                                    MosaicConfig(64, 256, 2), MosaicConfig(128, 128, 2)])
+                                    MosaicConfig(64, 256, 2), MosaicConfig(128, 128, 2),
+                                    MosaicConfig(64, 128, 2, overlap=True),
+                                    MosaicConfig(64, 64, 3, overlap=True)])
 def test_configs(config):
     _check(1, 1024, 1024, 8, 8, 64, BF16, config=config, is_causal=True)
 
