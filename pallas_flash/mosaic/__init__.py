@@ -6,9 +6,15 @@ Exposes the backend interface of :mod:`pallas_flash.api`: ``KERNELS``,
 
 from pallas_flash.autodiff import Kernels
 from pallas_flash.mosaic.backward import backward
-from pallas_flash.mosaic.config import MosaicConfig, default_config
+from pallas_flash.mosaic.config import (
+    MosaicBackwardConfig,
+    MosaicConfig,
+    default_backward_config,
+    default_config,
+)
 from pallas_flash.mosaic.forward import forward, unsupported
 
 KERNELS = Kernels(name="mosaic", forward=forward, backward=backward)
 
-__all__ = ["KERNELS", "MosaicConfig", "default_config", "forward", "unsupported"]
+__all__ = ["KERNELS", "MosaicBackwardConfig", "MosaicConfig", "default_backward_config",
+           "default_config", "forward", "unsupported"]

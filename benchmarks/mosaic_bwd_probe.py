@@ -1,0 +1,149 @@
+"""GPU probe of the Mosaic GPU backward: speed against cuDNN and the Triton backward.
+
+Run on an H200/H100 from the repository root::
+
+    PYTHONPATH=. python3 benchmarks/mosaic_bwd_probe.py --out bwd.json
+
+The FlashAttention papers' setup: bf16, batch · seq_len = 16384 tokens, heads · head_dim =
+2048; backward FLOPs 2.5 · 4·B·H·L²·D (halved when causal), as ``benchmarks.flops``.
+Implementations, all on the same inputs and residuals (out, lse from the Mosaic forward):
+
+* ``mosaic``: :func:`pallas_flash.mosaic.backward.backward` with the default backward
+  config (dQ fused into the dK/dV kernel with TMA reduce-adds);
+* ``mosaic_det``: the same with ``deterministic=True`` (separate dQ kernel);
+* ``triton``: the Triton backward with its default config;
+* ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``; its backward time
+  is the time of forward + backward (``jax.vjp``) minus the time of its forward.
+
+The Pallas backwards are timed as ``delta = rowsum(dO ∘ O)`` plus the kernels, as
+:mod:`pallas_flash.autodiff` runs them. For each point the gradients of every
+implementation are also compared with cuDNN's (relative error, bf16 against bf16). Every
+result is written to the JSON file as soon as it is measured; a table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.flops import attention_flops, problem_shape, tflops_per_s
+from benchmarks.timing import time_fn
+from pallas_flash import triton as triton_backend
+from pallas_flash.masking import MaskSpec
+from pallas_flash.mosaic import default_backward_config, default_config, forward
+
+mosaic_backward = importlib.import_module("pallas_flash.mosaic.backward")
+IMPLS = ("mosaic", "mosaic_det", "triton", "cudnn")
+
+
+def _pallas_backward(name: str, q, k, mask: MaskSpec, scale: float):
+    """A jitted (q, k, v, out, lse, dO) -> (dq, dk, dv) for one Pallas backward."""
+    if name == "triton":
+        fn = triton_backend.KERNELS.backward
+        config = triton_backend.default_config(q.shape, k.shape, q.dtype, mask)
+    else:
+        fn = mosaic_backward.backward
+        config = default_backward_config(q.shape, k.shape, q.dtype, mask)
+        config = dataclasses.replace(config, deterministic=name == "mosaic_det")
+
+    def run(q, k, v, out, lse, d_out):
+        delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32),
+                           d_out.astype(jnp.float32))
+        return fn(q, k, v, None, out, lse, d_out, delta, mask=mask, scale=scale,
+                  config=config, interpret=False)
+    return jax.jit(run)
+
+
+def bench_point(head_dim: int, seq_len: int, causal: bool, impls, max_seconds: float):
+    """One (head_dim, L, causal) point: backward TFLOP/s per implementation."""
+    batch, heads = problem_shape(head_dim, seq_len)
+    flops = attention_flops(batch, heads, seq_len, head_dim, causal=causal, pass_="bwd")
+    mask = MaskSpec(seq_q=seq_len, seq_kv=seq_len, is_causal=causal)
+    scale = head_dim ** -0.5
+    keys = jax.random.split(jax.random.key(seq_len + head_dim + causal), 4)
+    shape = (batch, seq_len, heads, head_dim)
+    q, k, v, d_out = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
+    fwd_config = default_config(q.shape, k.shape, q.dtype, mask)
+    out, lse = jax.jit(lambda q, k, v: forward(q, k, v, None, mask=mask, scale=scale,
+                                               config=fwd_config, interpret=False))(q, k, v)
+    timing = dict(max_seconds=max_seconds, iters=10)
+
+    def cudnn(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                            implementation="cudnn")
+    cudnn_grads = jax.jit(lambda q, k, v, d: jax.vjp(cudnn, q, k, v)[1](d))
+    reference = cudnn_grads(q, k, v, d_out)
+    results = {}
+    for name in impls:
+        entry = dict(head_dim=head_dim, seq_len=seq_len, causal=causal, impl=name,
+                     batch=batch, heads=heads)
+        try:
+            if name == "cudnn":
+                fwd_ms = time_fn(jax.jit(cudnn), [(q, k, v)], **timing).median_ms
+                both_ms = time_fn(cudnn_grads, [(q, k, v, d_out)], **timing).median_ms
+                ms, grads = both_ms - fwd_ms, reference
+            else:
+                fn = _pallas_backward(name, q, k, mask, scale)
+                args = (q, k, v, out, lse, d_out)
+                ms = time_fn(fn, [args], **timing).median_ms
+                grads = fn(*args)
+            entry.update(ms=ms, tflops=tflops_per_s(flops, ms), rel_err_vs_cudnn=[
+                float(np.linalg.norm(np.asarray(g, np.float32) - np.asarray(r, np.float32))
+                      / np.linalg.norm(np.asarray(r, np.float32)))
+                for g, r in zip(grads, reference, strict=True)])
+        except Exception as e:  # keep probing the other implementations
+            entry["error"] = f"{type(e).__name__}: {e}"[:2000]
+            traceback.print_exc()
+        print(json.dumps(entry), flush=True)
+        results[name] = entry
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="mosaic_bwd_probe.json")
+    parser.add_argument("--head-dims", default="64,128,256")
+    parser.add_argument("--seq-lens", default="4096,16384")
+    parser.add_argument("--causal", default="both", choices=("both", "yes", "no"))
+    parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--max-seconds", type=float, default=1.0,
+                        help="sampling time per timed function")
+    args = parser.parse_args(argv)
+    causal_modes = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    impls = args.impls.split(",")
+    rows = []
+    for head_dim in map(int, args.head_dims.split(",")):
+        for seq_len in map(int, args.seq_lens.split(",")):
+            for causal in causal_modes:
+                rows.append(bench_point(head_dim, seq_len, causal, impls, args.max_seconds))
+                with open(args.out, "w") as f:
+                    json.dump(rows, f, indent=1)
+
+    print("\nbackward TFLOP/s (bf16, 16k tokens, hidden 2048); x = / cuDNN")
+    print(f"{'D':>4} {'L':>6} {'causal':>6} " + " ".join(f"{n:>16}" for n in impls))
+    for row in rows:
+        first = next(iter(row.values()))
+        cudnn = row.get("cudnn", {}).get("tflops")
+        cells = []
+        for name in impls:
+            tflops = row[name].get("tflops")
+            if tflops is None:
+                cells.append(f"{'error':>16}")
+            elif cudnn:
+                cells.append(f"{tflops:9.0f} ({tflops / cudnn:.2f}x)")
+            else:
+                cells.append(f"{tflops:16.0f}")
+        print(f"{first['head_dim']:>4} {first['seq_len']:>6} {first['causal']!s:>6} "
+              + " ".join(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
