@@ -14,8 +14,9 @@ Run on an H200/H100 from the repository root::
    median over ``--repeats`` batches of ``--iters`` back-to-back calls after warm-up.
 3. ``--sweep``: the same timing for a few block configs per (head_dim, causal), at
    ``--sweep-len``. ``--configs 128=64x128x2,64x128x2o`` instead times exactly these
-   configs (``block_q x block_kv x num_stages``, ``o`` = ``overlap=True``) at every length,
-   and ``--check-configs`` runs the odd-shape correctness checks with them too.
+   configs (``block_q x block_kv x num_stages``, ``o`` = ``overlap=True``) at every length.
+   ``--check-with 128=64x128x2o`` replaces step 1 by the odd-shape checks (masks, GQA,
+   padding, empty rows) run with the given configs.
 
 Before a config is timed, its output at the benchmark shape is compared with cuDNN's
 (relative error < 1e-2, no NaN); a config that fails is not timed. ``--time-limit`` stops
@@ -89,7 +90,7 @@ def check(path, batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype, *, causa
         ref_out, ref_lse, lse = (np.asarray(x, np.float64) for x in (ref_out, ref_lse, lse))
         seen = ref_lse > reference.EMPTY_ROW_LSE / 2
         case.update(
-            config=str(config),
+            config=short(config),
             rel_err=float(np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out)),
             lse_max_err=float(np.abs(lse - ref_lse)[seen].max(initial=0.0)),
             empty_rows_ok=bool(np.all(lse[~seen] == reference.EMPTY_ROW_LSE)
@@ -231,8 +232,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep-len", type=int, default=4096, help="seq_len of the sweep")
     parser.add_argument("--configs", action="append", default=[],
                         help="HEAD_DIM=SPEC,SPEC,...: time these configs (e.g. 128=64x128x2o)")
-    parser.add_argument("--check-configs", action="store_true",
-                        help="also run the odd-shape checks with the --configs")
+    parser.add_argument("--check-with", action="append", default=[],
+                        help="HEAD_DIM=SPEC,...: run only the odd-shape checks, with these")
     parser.add_argument("--head-dims", type=int, nargs="*", default=[128, 64, 256])
     parser.add_argument("--lengths", type=int, nargs="*", help="only these seq_len")
     parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
@@ -256,24 +257,27 @@ def main(argv=None) -> int:
                           compute_capability=getattr(device, "compute_capability", None),
                           jax=jax.__version__))
 
-    if not args.skip_checks:
-        bf16, f16 = jnp.bfloat16, jnp.float16
+    bf16, f16 = jnp.bfloat16, jnp.float16
+    odd = [
+        ((1, 1000, 1500, 16, 4, 128, bf16), dict(causal=True, alignment="bottom_right")),
+        ((3, 777, 777, 4, 1, 96, f16), {}),
+        ((1, 4096, 4096, 4, 2, 64, bf16), dict(window=(512, 128))),
+        ((1, 1024, 200, 2, 2, 128, bf16), dict(window=(16, 16))),  # rows that see nothing
+        ((1, 2048, 2048, 4, 4, 256, f16), dict(causal=True)),
+        ((2, 2048, 2048, 8, 8, 128, bf16), dict(causal=True)),
+    ]
+    if args.check_with:
+        check_with = parse_configs(args.check_with)
+        for shape, kwargs in odd:
+            for config in check_with.get(padded_head_dim(shape[5]), []):
+                check(args.out, *shape, **kwargs, config=config)
+    elif not args.skip_checks:
         for d in (64, 128, 256):
             for causal in (False, True):
                 check(args.out, 2, 2048, 2048, 8, 8, d, bf16, causal=causal)
         check(args.out, 2, 2048, 2048, 8, 8, 128, f16, causal=True)
-        odd = [
-            ((1, 1000, 1500, 16, 4, 128, bf16), dict(causal=True, alignment="bottom_right")),
-            ((3, 777, 777, 4, 1, 96, f16), {}),
-            ((1, 4096, 4096, 4, 2, 64, bf16), dict(window=(512, 128))),
-            ((1, 1024, 200, 2, 2, 128, bf16), dict(window=(16, 16))),  # rows that see nothing
-            ((1, 2048, 2048, 4, 4, 256, f16), dict(causal=True)),
-        ]
         for shape, kwargs in odd:
             check(args.out, *shape, **kwargs)
-            if args.check_configs:
-                for config in chosen.get(padded_head_dim(shape[5]), []):
-                    check(args.out, *shape, **kwargs, config=config)
         check_api(args.out)
 
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
