@@ -19,6 +19,9 @@ The Pallas backwards are timed as ``delta = rowsum(dO ∘ O)`` plus the kernels,
 :mod:`pallas_flash.autodiff` runs them. For each point the gradients of every
 implementation are also compared with cuDNN's (relative error, bf16 against bf16). Every
 result is written to the JSON file as soon as it is measured; a table is printed last.
+
+``--compile-only`` just compiles the Mosaic backwards at ``--head-dims`` (causal, L 4096):
+run it with ``MOSAIC_GPU_DUMP_PTXAS=1`` to read ptxas' register and spill counts.
 """
 
 from __future__ import annotations
@@ -115,7 +118,18 @@ def main(argv=None) -> int:
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--max-seconds", type=float, default=1.0,
                         help="sampling time per timed function")
+    parser.add_argument("--compile-only", action="store_true")
     args = parser.parse_args(argv)
+    if args.compile_only:
+        for head_dim in map(int, args.head_dims.split(",")):
+            batch, heads = problem_shape(head_dim, 4096)
+            q = jax.ShapeDtypeStruct((batch, 4096, heads, head_dim), jnp.bfloat16)
+            stats = jax.ShapeDtypeStruct((batch, heads, 4096), jnp.float32)
+            mask = MaskSpec(seq_q=4096, seq_kv=4096, is_causal=True)
+            for name in ("mosaic", "mosaic_det"):
+                fn = _pallas_backward(name, q, q, mask, head_dim ** -0.5)
+                fn.lower(q, q, q, q, stats, q).compile()
+        return 0
     causal_modes = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     impls = args.impls.split(",")
     rows = []
