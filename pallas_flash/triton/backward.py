@@ -27,7 +27,7 @@ from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import next_power_of_2, pad_axis, round_up
 from pallas_flash.triton.config import TritonConfig
 from pallas_flash.triton.forward import LOG2_E, dot_precision, log2_logits
-from pallas_flash.triton.tiles import segment_operands, skip_disjoint_tiles, walk_tiles
+from pallas_flash.triton.tiles import segment_operands, walk_tiles
 
 
 def _visible(mask: MaskSpec, q_start, block_q, k_start, block_kv, q_seg, kv_seg):
@@ -58,8 +58,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, mask: M
                  scale: float, softcap: float | None, block_q: int, block_kv: int,
                  num_q_blocks: int, group: int, has_segments: bool):
     if has_segments:
-        q_seg_ref, kv_seg_ref, q_range_ref, kv_range_ref, dk_ref, dv_ref = rest
+        q_seg_ref, kv_seg_ref, span_ref, dk_ref, dv_ref = rest
     else:
+        span_ref = None
         dk_ref, dv_ref = rest
     kv_block = pl.program_id(0)
     k_start = kv_block * block_kv
@@ -85,12 +86,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, mask: M
         return dk, dv
 
     ranges = mask.q_blocks(k_start, block_kv, block_q, num_q_blocks)
-    guard = (skip_disjoint_tiles(q_range_ref, kv_range_ref, kv_block, kv_is_loop_index=False)
-             if has_segments else None)
 
     def head_step(head, carry):  # the GQA group's query heads, summed in registers
         return walk_tiles(functools.partial(q_step, head=head), ranges, carry,
-                          has_segments=has_segments, guard=guard)
+                          span_ref=span_ref, own_tile=kv_block)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, group, head_step, (zeros, zeros))
@@ -102,8 +101,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, mask: Mas
                scale: float, softcap: float | None, block_q: int, block_kv: int,
                has_segments: bool):
     if has_segments:
-        q_seg_ref, kv_seg_ref, q_range_ref, kv_range_ref, dq_ref = rest
+        q_seg_ref, kv_seg_ref, span_ref, dq_ref = rest
     else:
+        span_ref = None
         (dq_ref,) = rest
     q_block = pl.program_id(0)
     q_start = q_block * block_q
@@ -125,10 +125,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, mask: Mas
         ds = _score_gradient(p, dp, delta, slope)
         return dq + plgpu.dot(ds.astype(k.dtype), k, precision=precision)
 
-    guard = (skip_disjoint_tiles(q_range_ref, kv_range_ref, q_block, kv_is_loop_index=True)
-             if has_segments else None)
     dq = walk_tiles(kv_step, mask.kv_blocks(q_start, block_q, block_kv),
-                    jnp.zeros(q.shape, jnp.float32), has_segments=has_segments, guard=guard)
+                    jnp.zeros(q.shape, jnp.float32), span_ref=span_ref, own_tile=q_block)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
@@ -150,10 +148,12 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
     lse2 = pad_axis(lse * LOG2_E, 2, padded_q, jnp.inf)
     delta = pad_axis(delta, 2, padded_q)
     has_segments = segment_ids is not None
-    segment_inputs, seg_specs = [], []
+    # Per kernel: (operands, block specs) of the segment ids and the walked tiles' spans.
+    dkdv_segments, dq_segments = ([], []), ([], [])
     if has_segments:
-        segment_inputs, seg_specs = segment_operands(segment_ids, padded_q, padded_kv, block_q,
-                                                     block_kv)
+        dkdv_segments, dq_segments = (
+            segment_operands(segment_ids, padded_q, padded_kv, block_q, block_kv,
+                             walk_kv=walk_kv) for walk_kv in (False, True))
     params = plgpu.CompilerParams(num_warps=config.bwd_num_warps,
                                   num_stages=config.bwd_num_stages)
     static = dict(mask=mask, scale=scale, softcap=softcap, block_q=block_q,
@@ -181,14 +181,14 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
             pl.BlockSpec((None, padded_q, None, group, padded_d), group_rows),
             pl.BlockSpec((None, None, group, padded_q), group_stats),
             pl.BlockSpec((None, None, group, padded_q), group_stats),
-            *seg_specs,
+            *dkdv_segments[1],
         ],
         out_specs=[pl.BlockSpec((None, block_kv, None, padded_d), kv_tile)] * 2,
         out_shape=[jax.ShapeDtypeStruct(k_p.shape, k.dtype)] * 2,
         compiler_params=params,
         interpret=interpret,
         name="pallas_flash_backward_dkdv",
-    )(grouped(q_p), k_p, v_p, grouped(do_p), stats(lse2), stats(delta), *segment_inputs)
+    )(grouped(q_p), k_p, v_p, grouped(do_p), stats(lse2), stats(delta), *dkdv_segments[0])
 
     def q_tile(i, b, h):
         return (b, i, h, 0)
@@ -209,13 +209,13 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
             pl.BlockSpec((None, block_q, None, padded_d), q_tile),
             pl.BlockSpec((None, None, block_q), row_stats),
             pl.BlockSpec((None, None, block_q), row_stats),
-            *seg_specs,
+            *dq_segments[1],
         ],
         out_specs=pl.BlockSpec((None, block_q, None, padded_d), q_tile),
         out_shape=jax.ShapeDtypeStruct(q_p.shape, q.dtype),
         compiler_params=params,
         interpret=interpret,
         name="pallas_flash_backward_dq",
-    )(q_p, k_p, v_p, do_p, lse2, delta, *segment_inputs)
+    )(q_p, k_p, v_p, do_p, lse2, delta, *dq_segments[0])
     return (dq[:, :seq_q, :, :head_dim], dk[:, :seq_kv, :, :head_dim],
             dv[:, :seq_kv, :, :head_dim])

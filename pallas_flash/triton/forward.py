@@ -21,7 +21,7 @@ from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import next_power_of_2, pad_axis, round_up
 from pallas_flash.reference import EMPTY_ROW_LSE
 from pallas_flash.triton.config import TritonConfig
-from pallas_flash.triton.tiles import segment_operands, skip_disjoint_tiles, walk_tiles
+from pallas_flash.triton.tiles import segment_operands, walk_tiles
 
 LOG2_E = math.log2(math.e)
 # Initial running max: finite, so exp2(m_old - m_new) is 0 rather than NaN when a row has
@@ -56,8 +56,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, *rest, mask: MaskSpec, scale: float,
                     softcap: float | None, block_q: int, block_kv: int, num_q_blocks: int,
                     has_segments: bool):
     if has_segments:
-        q_seg_ref, kv_seg_ref, q_range_ref, kv_range_ref, o_ref, lse_ref = rest
+        q_seg_ref, kv_seg_ref, span_ref, o_ref, lse_ref = rest
     else:
+        span_ref = None
         o_ref, lse_ref = rest
     q_block = query_block_order(pl.program_id(0), num_q_blocks, mask)
     q_start = q_block * block_q
@@ -90,10 +91,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *rest, mask: MaskSpec, scale: float,
     carry = (jnp.zeros((block_q, head_dim), jnp.float32),
              jnp.full((block_q,), _M_INIT, jnp.float32),
              jnp.zeros((block_q,), jnp.float32))
-    guard = (skip_disjoint_tiles(q_range_ref, kv_range_ref, q_block, kv_is_loop_index=True)
-             if has_segments else None)
     acc, m_i, l_i = walk_tiles(kv_step, mask.kv_blocks(q_start, block_q, block_kv), carry,
-                               has_segments=has_segments, guard=guard)
+                               span_ref=span_ref, own_tile=q_block)
 
     # Normalise once at the end (FA2, Algorithm 1 line 12); rows that saw nothing give 0.
     empty = l_i == 0.0
@@ -133,7 +132,8 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: Trito
     ]
     inputs = [q_p, k_p, v_p]
     if has_segments:
-        arrays, specs = segment_operands(segment_ids, padded_q, padded_kv, block_q, block_kv)
+        arrays, specs = segment_operands(segment_ids, padded_q, padded_kv, block_q, block_kv,
+                                         walk_kv=True)
         inputs += arrays
         in_specs += specs
 
