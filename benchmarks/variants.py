@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=16384)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--impls", default="cudnn,pallas_flash",
+    parser.add_argument("--impls", default="cudnn,pallas_flash,pallas_flash_triton",
                         help="comma list of cudnn, pallas_flash (API's choice), "
                              "pallas_flash_triton, xla (pallas-flash's XLA path)")
     parser.add_argument("--out", default="")
