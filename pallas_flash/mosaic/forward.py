@@ -400,27 +400,30 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_
         def softmax_of(scores):
             plgpu.barrier_arrive(k_free.at[s])  # S_j is in registers: K_j may be overwritten
             p, m_new, alpha = softmax(scores, m_i, j, masked=masked)
-            return p.astype(st.dtype), m_new, l_i * alpha + p.sum(axis=1), alpha
+            return p, m_new, l_i * alpha + p.sum(axis=1), alpha
 
         if st.pv_through_smem:  # interpret mode: P·V into a fresh accumulator, then added
             scores, pv = pl.run_scoped(
                 lambda s_acc, pv_acc: (gemms(s_acc, pv_acc), pv_acc[...]),
                 plgpu.ACC((bq, bkv), jnp.float32), plgpu.ACC(o.shape, jnp.float32))
             o = o + pv
-            p16, m_new, l_new, alpha = softmax_of(scores)
+            p, m_new, l_new, alpha = softmax_of(scores)
         else:
             def body(refs):
                 o_acc, s_acc, results = refs
                 for ref, x in zip(results, softmax_of(gemms(s_acc, o_acc)), strict=True):
                     ref[...] = x
+            zeros = plgpu.layout_cast(jnp.zeros((bq, bkv), jnp.float32), plgpu.Layout.WGMMA)
             # Leaving run_state waits for the P·V GEMM (wgmma.wait_group 0).
-            o, _, (p16, m_new, l_new, alpha) = pl.run_state(body)((
-                plgpu.ACC.init(o),
-                plgpu.ACC.init(plgpu.layout_cast(
-                    jnp.zeros((bq, bkv), jnp.float32), plgpu.Layout.WGMMA)),
-                (p_prev, m_i, l_i, m_i)))
+            o, _, (p, m_new, l_new, alpha) = pl.run_state(body)((
+                plgpu.ACC.init(o), plgpu.ACC.init(zeros), (zeros, m_i, l_i, m_i)))
+            # P_j must not be cast to 16 bits before that wait: LLVM gives P_j the registers
+            # of P_{j-1} (the loop carry), which the P·V GEMM is still reading, and ptxas
+            # then serialises every wgmma of the kernel (warning C7513). The barrier pins
+            # the cast after the wait.
+            p = lax.optimization_barrier(p)
         plgpu.barrier_arrive(v_free.at[s_prev])  # V_{j-1} is read
-        return o * _row(alpha, o.shape), m_new, l_new, p16
+        return o * _row(alpha, o.shape), m_new, l_new, p.astype(st.dtype)
 
     def tail(o, p_last):
         """O += P·V of the last visible block."""
