@@ -42,7 +42,9 @@ class MosaicConfig:
         at least 2 so that the producer can load block j+1 while block j is in use.
       overlap: FA3's intra-warpgroup pipelining (Sec. 3.2): issue S_j = Q·K_jᵀ together
         with O += P_{j-1}·V_{j-1} and run the softmax of S_j while P·V is still on the
-        tensor cores. Costs the registers of a second S tile (P_{j-1} is held in flight).
+        tensor cores. Costs the registers of P_{j-1}, held while its GEMM runs. Off by
+        default: its first version ran 0.55-0.74x the serial schedule on the H200 because
+        ptxas serialised every wgmma (C7513); the fix is not timed on the card yet.
     """
 
     block_q: int = 64
@@ -87,15 +89,17 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def default_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicConfig:
-    """Heuristic per (head_dim, causal), from H200 timings (bf16, L 4096, batch 4, hidden 2048).
+    """Heuristic per (head_dim, causal), from H200 timings (bf16, hidden 2048).
 
-    Two stages beat three in every comparison (1-9 %): with two consumers already
-    overlapping softmax and GEMMs, a deeper ring only takes shared memory. block_q = 128
-    per warpgroup was slower in every comparison (2-28 %; its S tile alone is 128
-    registers per thread). block_kv = 256 amortises the per-step barriers for head_dim 64
-    without a mask (+3 %); with a causal mask 128 wins (narrower diagonal blocks). At
-    head_dim 192/256 a 2-stage ring of 128-key blocks exceeds 227 KiB, so block_kv = 64
-    (tokamax's H100 tuning picks the same 64/64/2).
+    Two stages beat three in every comparison (1-9 %, L 4096, batch 4): with two
+    consumers already overlapping softmax and GEMMs, a deeper ring only takes shared
+    memory. block_q = 128 per warpgroup was slower in every comparison (2-28 %; its S tile
+    alone is 128 registers per thread). At head_dim 64, block_kv 256 vs 128 (2026-11-29,
+    ``benchmarks/mosaic_probe.py``, TFLOP/s at L 4096 / 16384): dense 433 / 458 vs
+    433 / 449, causal 373 / 446 vs 397 / 455, so 256 without a mask and 128 with one
+    (narrower diagonal blocks). At head_dim 192/256 a 2-stage ring of 128-key blocks
+    exceeds 227 KiB, so block_kv = 64 (tokamax's H100 tuning picks the same 64/64/2).
+    The serial schedule (``overlap=False``) throughout: see :class:`MosaicConfig`.
     """
     del kv_shape, dtype
     head_dim = padded_head_dim(q_shape[-1])
