@@ -16,13 +16,15 @@ one (batch, head) and runs three warpgroups (``lax.axis_index("wg")``):
 
 Two consumer schedules (``MosaicConfig.overlap``):
 
-* serial (:func:`_serial_loop`): S_j, wait, softmax, P·V_j, wait. The two consumers meet
-  twice per block at one 2-arrival ``turn`` barrier.
+* serial (:func:`_serial_loop`, the default): S_j, wait, softmax, P·V_j, wait. The two
+  consumers meet twice per block at one 2-arrival ``turn`` barrier.
 * overlapped (:func:`_overlapped_loop`, FA3 Sec. 3.2 "intra-warpgroup pipelining"): step j
   issues S_j and O += P_{j-1}·V_{j-1} back to back, waits for S_j only, and runs the
-  softmax of S_j while P·V is still on the tensor cores; O is rescaled after. Each
-  consumer has its own single-arrival ``turn`` barrier: it waits on it before issuing its
-  two GEMMs and arrives at the other's right after, so GEMM issue strictly alternates.
+  softmax of S_j while P·V is still on the tensor cores; O is rescaled, and P_j cast to
+  16 bits, after. Each consumer has its own single-arrival ``turn`` barrier: it waits on
+  it before issuing its two GEMMs and arrives at the other's right after, so GEMM issue
+  strictly alternates. Correct on the H200 at every size probed; its speed there is not
+  measured yet without ptxas' wgmma serialisation (see :class:`MosaicConfig`).
 
 Block skipping comes from :class:`~pallas_flash.masking.MaskSpec.kv_blocks`: K/V blocks
 outside the CTA's ``[first, last)`` are never loaded (causal: nothing above the diagonal),
