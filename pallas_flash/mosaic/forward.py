@@ -23,8 +23,9 @@ Two consumer schedules (``MosaicConfig.overlap``):
   softmax of S_j while P·V is still on the tensor cores; O is rescaled, and P_j cast to
   16 bits, after. Each consumer has its own single-arrival ``turn`` barrier: it waits on
   it before issuing its two GEMMs and arrives at the other's right after, so GEMM issue
-  strictly alternates. Correct on the H200 at every size probed; its speed there is not
-  measured yet without ptxas' wgmma serialisation (see :class:`MosaicConfig`).
+  strictly alternates. Its first version (P_j cast before the wait) was correct on the
+  H200 at every size probed but slow, as ptxas serialised its wgmmas; the current one is
+  checked in interpret mode and by lowering, not yet on the card (see :class:`MosaicConfig`).
 
 Block skipping comes from :class:`~pallas_flash.masking.MaskSpec.kv_blocks`: K/V blocks
 outside the CTA's ``[first, last)`` are never loaded (causal: nothing above the diagonal),
