@@ -9,8 +9,9 @@ The FlashAttention papers' setup: bf16, batch Â· seq_len = 16384 tokens, heads Â
 Implementations, all on the same inputs and residuals (out, lse from the Mosaic forward):
 
 * ``mosaic``: :func:`pallas_flash.mosaic.backward.backward` with the default backward
-  config (dQ fused into the dK/dV kernel with TMA reduce-adds);
-* ``mosaic_det``: the same with ``deterministic=True`` (separate dQ kernel);
+  config (``deterministic=True``: the separate dQ kernel);
+* ``mosaic_fused``: the same with ``deterministic=False`` (dQ fused into the dK/dV kernel
+  with TMA reduce-adds);
 * ``triton``: the Triton backward with its default config;
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``; its backward time
   is the time of forward + backward (``jax.vjp``) minus the time of its forward.
@@ -43,7 +44,7 @@ from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import default_backward_config, default_config, forward
 
 mosaic_backward = importlib.import_module("pallas_flash.mosaic.backward")
-IMPLS = ("mosaic", "mosaic_det", "triton", "cudnn")
+IMPLS = ("mosaic", "mosaic_fused", "triton", "cudnn")
 
 
 def _pallas_backward(name: str, q, k, mask: MaskSpec, scale: float):
@@ -54,7 +55,7 @@ def _pallas_backward(name: str, q, k, mask: MaskSpec, scale: float):
     else:
         fn = mosaic_backward.backward
         config = default_backward_config(q.shape, k.shape, q.dtype, mask)
-        config = dataclasses.replace(config, deterministic=name == "mosaic_det")
+        config = dataclasses.replace(config, deterministic=name != "mosaic_fused")
 
     def run(q, k, v, out, lse, d_out):
         delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32),
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
             q = jax.ShapeDtypeStruct((batch, 4096, heads, head_dim), jnp.bfloat16)
             stats = jax.ShapeDtypeStruct((batch, heads, 4096), jnp.float32)
             mask = MaskSpec(seq_q=4096, seq_kv=4096, is_causal=True)
-            for name in ("mosaic", "mosaic_det"):
+            for name in ("mosaic", "mosaic_fused"):
                 fn = _pallas_backward(name, q, q, mask, head_dim ** -0.5)
                 fn.lower(q, q, q, q, stats, q).compile()
         return 0

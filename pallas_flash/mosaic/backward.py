@@ -21,16 +21,23 @@ keep their accumulators in registers.
       dPᵀ = V_j·dO_iᵀ        dSᵀ = Pᵀ ∘ (dPᵀ − delta_i)               dK_j += dSᵀ·Q_i
 
   (Pᵀ and dSᵀ are the A operands, from registers; ``dK_j`` is scaled once at the end.)
-* :func:`_dq_kernel` — one CTA per ``2·dq_block_q`` query rows of one head; each consumer
-  owns ``dq_block_q`` rows and the producer streams (K_j, V_j)::
+
+**dQ, two modes** (``MosaicBackwardConfig.deterministic``):
+
+* deterministic (the default) — :func:`_dq_kernel`, one CTA per ``2·dq_block_q`` query rows
+  of one head; each consumer owns ``dq_block_q`` rows and the producer streams (K_j, V_j)::
 
       S = Q_i·K_jᵀ   P = exp2(S·scale·log2e − lse_i)   dP = dO_i·V_jᵀ
       dS = P ∘ (dP − delta_i)                           dQ_i += dS·K_j
 
-**Why a separate dQ kernel** (FA2/FA3 accumulate dQ from the dK/dV kernel with fp32 atomic
-adds): every dQ tile is written by exactly one CTA, so the result is deterministic, and the
-dK/dV consumers keep their registers for dK and dV. The price is recomputing S and dP
-(seven GEMMs instead of five).
+  Every dQ tile is written by exactly one CTA, so the result is bitwise reproducible. The
+  price is recomputing S and dP: seven GEMMs instead of five.
+* fused (FA3) — the dK/dV consumer also computes ``dS·K_j`` for the streamed query block
+  (dSᵀ through SMEM, read transposed) and adds it into a zeroed float32 dQ in GMEM with a
+  TMA reduce-add (:func:`_reduce_dq`); the order of the additions varies between runs. On
+  the H200 it was slower than the deterministic mode at every point measured (its
+  consumers spill, and each of them issues its own reduce-add per step), so it is opt-in.
+  Interpret mode has no TMA reduce-add and always uses the dQ kernel.
 
 **Block skipping** comes from :class:`~pallas_flash.masking.MaskSpec`: ``q_blocks`` (dK/dV)
 and ``kv_blocks`` (dQ) give ``(first, full_first, full_last, last)``; blocks outside the

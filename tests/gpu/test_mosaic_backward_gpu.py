@@ -71,15 +71,18 @@ def test_shape_classes(head_dim, causal, dtype):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_deterministic_mode(head_dim, causal):
-    config = MosaicBackwardConfig(block_q=64, deterministic=True)
-    _check(1, 512, 512, 4, 2, head_dim, BF16, config=config, is_causal=causal)
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_fused_dq_mode(head_dim, causal, dtype):
+    """dQ by TMA reduce-adds from the dK/dV kernel (``deterministic=False``)."""
+    config = MosaicBackwardConfig(block_q=64, deterministic=False)
+    _check(1, 512, 512, 4, 2, head_dim, dtype, config=config, is_causal=causal)
 
 
-def test_deterministic_mode_is_bitwise_reproducible():
+def test_default_mode_is_bitwise_reproducible():
     mask = MaskSpec(seq_q=512, seq_kv=512, is_causal=True)
     q, k, v, d_out = random_qkv(1, 512, 512, 4, 1, 128, BF16)
-    config = MosaicBackwardConfig(deterministic=True)
+    config = MosaicBackwardConfig()
+    assert config.deterministic
     first = _gradients(q, k, v, d_out, mask, 0.1, config)
     second = _gradients(q, k, v, d_out, mask, 0.1, config)
     for a, b in zip(first, second, strict=True):
