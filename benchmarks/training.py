@@ -78,7 +78,7 @@ def markdown(result: dict[str, Any]) -> str:
     first = next((run for run in runs.values() if "error" not in run), None)
     for impl, run in runs.items():
         if "error" in run:
-            lines.append(f"| {impl} | failed: {run['error']} | | | | |")
+            lines.append(f"| {impl} | failed: `{run['error']}` | | | | |")
             continue
         ratio = f"{run['tokens_per_s'] / cudnn:.2f}×" if cudnn else "–"
         early, worst = loss_gaps(run["history"], first["history"])

@@ -39,7 +39,7 @@ def test_markdown_reports_ratios_and_failures():
                               "command": "python -m benchmarks.training", "preset": "tiny",
                               "steps": 30, "seed": 0, "tokens_per_step": 64, "runs": runs})
     assert "| ours | 300 | 1.50× |" in text
-    assert "| xla_dense | failed: JaxRuntimeError: RESOURCE_EXHAUSTED |" in text
+    assert "| xla_dense | failed: `JaxRuntimeError: RESOURCE_EXHAUSTED` |" in text
 
 
 @pytest.mark.parametrize("argv, message", [
