@@ -4,15 +4,11 @@ Every kernel loops over the tiles of one row (or column) of S = Q·Kᵀ that
 ``MaskSpec.kv_blocks`` / ``q_blocks`` name: tiles outside ``[first, last)`` are never
 visited, tiles inside ``[full_first, full_last)`` run without mask arithmetic.
 
-With packed sequences, a tile of S = Q·Kᵀ can hold a visible pair only if the id ranges of
-its query rows and key columns overlap. The wrapper works out, in XLA and once per call,
-each tile's *span*: the first and one-past-last tile on the other axis whose ids can meet
-it. The kernels intersect their band with that span, so the loop never visits (never loads)
-a tile outside it, and stays a plain counted loop that Triton software-pipelines. (An
-earlier version tested every tile with a branch inside the loop; the branch stopped the
-pipelining and 8 packed documents cost 0.48 of one long one instead of about an eighth.)
-With documents packed in order the span is exact; with ids in any other order it is a
-superset, and the segment mask inside the tile keeps the result exact.
+With packed sequences the band is intersected with each tile's span
+(:mod:`pallas_flash.segments`), so the loop stays a plain counted loop that Triton
+software-pipelines. (An earlier version tested every tile with a branch inside the loop;
+the branch stopped the pipelining and 8 packed documents cost 0.48 of one long one instead
+of about an eighth.)
 """
 
 from __future__ import annotations
@@ -24,10 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_flash.padding import pad_axis
-
-# Ids of padded rows/columns: they differ from each other, so padding never meets padding.
-_PAD_Q, _PAD_KV = -1, -2
+from pallas_flash.segments import pad_segment_ids, tile_spans
 
 
 def segment_operands(segment_ids, padded_q: int, padded_kv: int, block_q: int,
@@ -41,31 +34,9 @@ def segment_operands(segment_ids, padded_q: int, padded_kv: int, block_q: int,
     ``walk_kv``) and ``spans[b, :, i]`` is the ``(lo, hi)`` range of walked tiles whose ids
     can meet tile ``i``.
     """
-    q_ids, kv_ids = segment_ids
-    q_ids, kv_ids = pad_axis(q_ids, 1, padded_q, _PAD_Q), pad_axis(kv_ids, 1, padded_kv, _PAD_KV)
-    q_lo, q_hi = _tile_id_range(q_ids, block_q)
-    kv_lo, kv_hi = _tile_id_range(kv_ids, block_kv)
-    # meet[b, i, j]: query tile i and key tile j hold ids that could be equal.
-    meet = (q_hi[:, :, None] >= kv_lo[:, None, :]) & (kv_hi[:, None, :] >= q_lo[:, :, None])
-    arrays = [q_ids, kv_ids, _spans(meet if walk_kv else jnp.swapaxes(meet, 1, 2))]
+    q_ids, kv_ids = pad_segment_ids(segment_ids, padded_q, padded_kv)
+    arrays = [q_ids, kv_ids, tile_spans(q_ids, kv_ids, block_q, block_kv, walk_kv=walk_kv)]
     return arrays, [_batch_row(x) for x in arrays]
-
-
-def _tile_id_range(ids: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
-    """ids [B, L] (L a multiple of block) -> per tile (min, max), each [B, L / block]."""
-    tiles = ids.reshape(ids.shape[0], -1, block)
-    return tiles.min(axis=-1), tiles.max(axis=-1)
-
-
-def _spans(meet: jax.Array) -> jax.Array:
-    """meet [B, own, walked] -> [B, 2, own] int32: first and one-past-last walked tile that
-    meets each own tile; (0, 0) when none does."""
-    walked = meet.shape[-1]
-    lo = jnp.argmax(meet, axis=-1)
-    hi = walked - jnp.argmax(meet[..., ::-1], axis=-1)
-    empty = ~jnp.any(meet, axis=-1)
-    spans = jnp.stack([jnp.where(empty, 0, lo), jnp.where(empty, 0, hi)], axis=1)
-    return spans.astype(jnp.int32)
 
 
 def _batch_row(x: jax.Array) -> pl.BlockSpec:
