@@ -47,6 +47,13 @@ mosaic_backward = importlib.import_module("pallas_flash.mosaic.backward")
 IMPLS = ("mosaic", "mosaic_fused", "triton", "cudnn")
 
 
+def _overrides(name: str) -> dict[str, int]:
+    """``mosaic:block_q=64,num_stages=3`` -> fields of MosaicBackwardConfig to change."""
+    _, _, spec = name.partition(":")
+    return {key: int(value) for key, value in (item.split("=") for item in spec.split(",")
+                                               if item)}
+
+
 def _pallas_backward(name: str, q, k, mask: MaskSpec, scale: float):
     """A jitted (q, k, v, out, lse, dO) -> (dq, dk, dv) for one Pallas backward."""
     if name == "triton":
@@ -55,7 +62,8 @@ def _pallas_backward(name: str, q, k, mask: MaskSpec, scale: float):
     else:
         fn = mosaic_backward.backward
         config = default_backward_config(q.shape, k.shape, q.dtype, mask)
-        config = dataclasses.replace(config, deterministic=name != "mosaic_fused")
+        config = dataclasses.replace(config, deterministic=name != "mosaic_fused",
+                                     **_overrides(name))
 
     def run(q, k, v, out, lse, d_out):
         delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32),
@@ -118,7 +126,9 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dims", default="64,128,256")
     parser.add_argument("--seq-lens", default="4096,16384")
     parser.add_argument("--causal", default="both", choices=("both", "yes", "no"))
-    parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--impls", default=";".join(IMPLS),
+                        help=f"';'-separated, from {IMPLS}; 'mosaic:block_q=64,num_stages=3' "
+                             "times the Mosaic backward with those config fields changed")
     parser.add_argument("--max-seconds", type=float, default=1.0,
                         help="sampling time per timed function")
     parser.add_argument("--compile-only", action="store_true")
@@ -134,7 +144,7 @@ def main(argv=None) -> int:
                 fn.lower(q, q, q, q, stats, q).compile()
         return 0
     causal_modes = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
-    impls = args.impls.split(",")
+    impls = args.impls.split(";")
     rows = []
     for head_dim in map(int, args.head_dims.split(",")):
         for seq_len in map(int, args.seq_lens.split(",")):
