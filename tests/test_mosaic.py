@@ -40,8 +40,10 @@ def _inputs(shape_q, shape_kv, dtype, seed):
             jnp.asarray(rng.standard_normal(shape_kv), dtype))
 
 
-def _assert_matches_oracle(q, k, v, out, lse, mask: MaskSpec, scale: float):
-    ref_out, ref_lse = attention_float64(q, k, v, scale=scale, mask=mask)
+def _assert_matches_oracle(q, k, v, out, lse, mask: MaskSpec, scale: float, *,
+                           segment_ids=None, softcap=None):
+    ref_out, ref_lse = attention_float64(q, k, v, scale=scale, mask=mask,
+                                         segment_ids=segment_ids, softcap=softcap)
     out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
     assert out.shape == q.shape and lse.shape == ref_lse.shape
     assert not np.isnan(out).any() and not np.isnan(lse).any()
@@ -111,6 +113,128 @@ def test_interpret_no_races(config):
     _assert_matches_oracle(q, k, v, out, lse, mask, 0.125)
 
 
+# --- segment ids and soft-capping -------------------------------------------------------
+
+
+def _doc_ids(batch: int, seq: int, starts) -> jax.Array:
+    """[batch, seq] int32 ids of packed documents: the id goes up by one at each start."""
+    ids = np.searchsorted(np.asarray(starts), np.arange(seq), side="right")
+    return jnp.asarray(np.broadcast_to(ids, (batch, seq)), jnp.int32)
+
+
+def _shuffled_ids(seq: int, seed: int) -> jax.Array:
+    """[1, seq] ids in no order: every tile's id range meets most others (wide spans)."""
+    return jnp.asarray(np.random.default_rng(seed).integers(0, 3, (1, seq)), jnp.int32)
+
+
+# (batch, seq_q, seq_kv, heads, kv_heads, dtype, mask kwargs, softcap, config)
+VARIANT_CASES = {
+    # Three documents, boundaries off the 64-row tiles; GQA.
+    "segments_gqa": (1, 256, 256, 2, 1, BF16, {}, None, SMALL),
+    "segments_causal_softcap_overlap": (1, 256, 256, 2, 1, F16, dict(is_causal=True), 20.0,
+                                        OVERLAP),
+    # Window + soft-cap + segments, padded keys (230 -> 256), queries of a document that
+    # has no keys (rows 150..199: empty), and a second batch row with unordered ids.
+    "segments_softcap_window_padded": (2, 200, 230, 2, 2, BF16, dict(window=(40, 10)), 20.0,
+                                       SMALL),
+    "softcap_dense": (1, 128, 192, 2, 1, BF16, {}, 20.0, SMALL),
+}
+
+
+def _variant_ids(case, batch, seq_q, seq_kv):
+    if case == "softcap_dense":
+        return None
+    if case == "segments_softcap_window_padded":
+        q_ids = _doc_ids(batch, seq_q, [60, 150]) * 2  # 0, 2, 4: 4 has no keys
+        kv_ids = _doc_ids(batch, seq_kv, [50, 140])  # 0, 1, 2
+        return (q_ids.at[1].set(_shuffled_ids(seq_q, 1)[0]),
+                kv_ids.at[1].set(_shuffled_ids(seq_kv, 2)[0]))
+    return _doc_ids(batch, seq_q, [70, 150]), _doc_ids(batch, seq_kv, [70, 150])
+
+
+@pytest.mark.parametrize("case", sorted(VARIANT_CASES))
+def test_interpret_variants_match_oracle(case):
+    batch, seq_q, seq_kv, heads, kv_heads, dtype, mask_kwargs, softcap, config = (
+        VARIANT_CASES[case])
+    head_dim = 64
+    q, k, v = _inputs((batch, seq_q, heads, head_dim), (batch, seq_kv, kv_heads, head_dim),
+                      dtype, seed=len(case))
+    if softcap is not None:  # logits of several softcaps, where tanh bends them
+        q = q * 8
+    mask = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, **mask_kwargs)
+    segment_ids = _variant_ids(case, batch, seq_q, seq_kv)
+    scale = head_dim ** -0.5
+    out, lse = mosaic.forward(q, k, v, segment_ids, mask=mask, scale=scale, config=config,
+                              interpret=True, softcap=softcap)
+    _assert_matches_oracle(q, k, v, out, lse, mask, scale, segment_ids=segment_ids,
+                           softcap=softcap)
+    if case == "segments_softcap_window_padded":
+        assert np.all(np.asarray(out[0, 150:]) == 0)  # the document without keys
+
+
+@pytest.mark.parametrize("config", [SMALL, OVERLAP], ids=["serial", "overlap"])
+def test_segment_tiles_outside_the_span_are_never_read(config):
+    """K/V of a document no query belongs to are NaN: a kernel that loaded them into a
+    softmax would give NaN (0 · NaN); skipped tiles leave no trace. Also: a consumer whose
+    rows meet no key tile while the other consumer's do (rows 64..127 of CTA 0)."""
+    seq = 256
+    q, k, v = _inputs((1, seq, 2, 64), (1, seq, 1, 64), BF16, seed=11)
+    q_ids = _doc_ids(1, seq, [64, 128])                     # 0 | 1 | 2, 2
+    kv_ids = _doc_ids(1, seq, [64, 128]) * 3                # 0 | 3 (no query) | 6, 6
+    kv_ids = kv_ids.at[:, 128:].set(2)
+    k, v = k.at[:, 64:128].set(jnp.nan), v.at[:, 64:128].set(jnp.nan)
+    mask = MaskSpec(seq_q=seq, seq_kv=seq)
+    out, lse = mosaic.forward(q, k, v, (q_ids, kv_ids), mask=mask, scale=0.125,
+                              config=config, interpret=True)
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+    assert np.all(np.asarray(out[:, 64:128]) == 0)          # document 1: no keys
+    assert np.all(np.asarray(lse[:, :, 64:128]) == np.float32(EMPTY_ROW_LSE))
+    _assert_matches_oracle(q, k.at[:, 64:128].set(0), v.at[:, 64:128].set(0), out, lse,
+                           mask, 0.125, segment_ids=(q_ids, kv_ids))
+
+
+@pytest.mark.parametrize("config", [SMALL, OVERLAP], ids=["serial", "overlap"])
+def test_interpret_segments_no_races(config):
+    """The key ids' SMEM ring (on K's barrier, read before K's slot is freed, fenced before
+    the producer refills it) under the race detector."""
+    q, k, v = _inputs((1, 128, 1, 64), (1, 192, 1, 64), BF16, seed=5)
+    ids = (_doc_ids(1, 128, [40, 100]), _doc_ids(1, 192, [40, 100]))
+    mask = MaskSpec(seq_q=128, seq_kv=192)
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
+        out, lse = mosaic.forward(q, k, v, ids, mask=mask, scale=0.125, config=config,
+                                  interpret=True)
+        out.block_until_ready()
+    assert not interpret_pallas_call.get_races().races_found
+    _assert_matches_oracle(q, k, v, out, lse, mask, 0.125, segment_ids=ids)
+
+
+def test_api_segments_softcap_gradients_interpret():
+    """pallas_flash.attention(implementation="mosaic") with segment ids, key padding
+    lengths and soft-capping: our forward, then the Triton backward on its (out, lse)."""
+    pytest.importorskip("pallas_flash.triton")
+    q, k, v = _inputs((1, 128, 2, 64), (1, 128, 1, 64), F16, seed=9)
+    q = q * 4
+    d_out = np.random.default_rng(10).standard_normal(q.shape)
+    ids = _doc_ids(1, 128, [50])
+    lengths = jnp.asarray([110], jnp.int32)
+
+    def f(q, k, v):
+        return pallas_flash.attention(
+            q, k, v, is_causal=True, q_segment_ids=ids, key_value_seq_lengths=lengths,
+            logits_soft_cap=20.0, implementation="mosaic", interpret=True, config=SMALL)
+
+    out, vjp = jax.vjp(f, q, k, v)
+    grads = vjp(jnp.asarray(d_out, F16))
+    kv_ids = jnp.where(jnp.arange(128) < 110, ids, -1)  # padded keys meet no query
+    ref_out, _, ref_grads = attention_float64(
+        q, k, v, mask=MaskSpec(seq_q=128, seq_kv=128, is_causal=True),
+        segment_ids=(ids, kv_ids), softcap=20.0, d_out=d_out)
+    for got, want in zip((out, *grads), (ref_out, *ref_grads), strict=True):
+        got = np.asarray(got, np.float64)
+        assert not np.isnan(got).any()
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+
+
 def test_api_forward_and_gradients_interpret():
     """pallas_flash.attention(implementation="mosaic"): our forward, Triton's backward."""
     pytest.importorskip("pallas_flash.triton")
@@ -134,12 +258,15 @@ def test_api_forward_and_gradients_interpret():
 # --- the GPU kernel, lowered for CUDA on the CPU ----------------------------------------
 
 
-def _lower_for_cuda(shape_q, shape_kv, dtype, mask: MaskSpec, config: MosaicConfig):
-    def f(q, k, v):
-        return mosaic.forward(q, k, v, None, mask=mask, scale=0.1, config=config,
-                              interpret=False)
+def _lower_for_cuda(shape_q, shape_kv, dtype, mask: MaskSpec, config: MosaicConfig, *,
+                    segments: bool = False, softcap: float | None = None):
+    def f(q, k, v, q_ids, kv_ids):
+        return mosaic.forward(q, k, v, (q_ids, kv_ids) if segments else None, mask=mask,
+                              scale=0.1, config=config, interpret=False, softcap=softcap)
     args = (jax.ShapeDtypeStruct(shape_q, dtype), jax.ShapeDtypeStruct(shape_kv, dtype),
-            jax.ShapeDtypeStruct(shape_kv, dtype))
+            jax.ShapeDtypeStruct(shape_kv, dtype),
+            jax.ShapeDtypeStruct(shape_q[:2], jnp.int32),
+            jax.ShapeDtypeStruct(shape_kv[:2], jnp.int32))
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
 
 
@@ -165,24 +292,40 @@ def test_masked_odd_shapes_lower_for_cuda(overlap):
                     MosaicConfig(64, 128, 2, overlap=overlap))
 
 
-@pytest.mark.parametrize(("head_dim", "config"), [
-    (128, MosaicConfig(64, 128, 3)),   # fits, 1.9 KiB to spare
-    (128, MosaicConfig(64, 128, 4)),   # does not fit
-    (256, MosaicConfig(64, 128, 2)),   # does not fit: why head_dim 256 needs block_kv 64
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_variants_lower_for_cuda(head_dim, overlap):
+    """Segment ids (ids ring on K's barrier, GMEM span loads) with soft-capping (tanh),
+    causal and not, at each head-dim class's default config."""
+    causal = head_dim != 128
+    shape_q, shape_kv = (2, 1000, 8, head_dim), (2, 900, 2, head_dim)
+    mask = MaskSpec(seq_q=1000, seq_kv=900, is_causal=causal)
+    config = mosaic.default_config(shape_q, shape_kv, BF16, mask)
+    config = dataclasses.replace(config, overlap=overlap)
+    _lower_for_cuda(shape_q, shape_kv, BF16, mask, config, segments=True, softcap=30.0)
+    _lower_for_cuda(shape_q, shape_kv, F16, mask, config, softcap=30.0)
+
+
+@pytest.mark.parametrize(("head_dim", "config", "segments"), [
+    (128, MosaicConfig(64, 128, 3), False),   # fits, 1.9 KiB to spare
+    (128, MosaicConfig(64, 128, 3), True),    # fits: the key ids' ring takes 1 KiB
+    (128, MosaicConfig(64, 128, 4), False),   # does not fit
+    (256, MosaicConfig(64, 128, 2), False),   # does not fit: why head_dim 256 needs block_kv 64
+    (256, MosaicConfig(64, 128, 2), True),
 ])
-def test_smem_accounting_matches_lowering(head_dim, config, monkeypatch):
+def test_smem_accounting_matches_lowering(head_dim, config, segments, monkeypatch):
     """config.smem_bytes is exactly what Mosaic GPU allocates (its error message says)."""
     mask = MaskSpec(seq_q=1024, seq_kv=1024)
     shape = (1, 1024, 2, head_dim)
-    need = config.smem_bytes(head_dim)
+    need = config.smem_bytes(head_dim, segments=segments)
     if need <= mosaic_config.SMEM_BUDGET:
-        _lower_for_cuda(shape, shape, BF16, mask, config)
+        _lower_for_cuda(shape, shape, BF16, mask, config, segments=segments)
         return
     with pytest.raises(ValueError, match="shared memory"):
-        _lower_for_cuda(shape, shape, BF16, mask, config)
-    monkeypatch.setattr(MosaicConfig, "check_fits", lambda *_: None)
+        _lower_for_cuda(shape, shape, BF16, mask, config, segments=segments)
+    monkeypatch.setattr(MosaicConfig, "check_fits", lambda *_, **__: None)
     with pytest.raises(ValueError, match="exceeds available shared memory") as error:
-        _lower_for_cuda(shape, shape, BF16, mask, config)
+        _lower_for_cuda(shape, shape, BF16, mask, config, segments=segments)
     assert int(re.search(r"smem_bytes=(\d+)", str(error.value)).group(1)) == need
 
 
@@ -221,8 +364,10 @@ def test_unsupported_reasons():
     shape = (1, 128, 2, 64)
     assert mosaic.unsupported(shape, shape, BF16, mask, False) is None
     assert mosaic.unsupported(shape, shape, F16, mask, False) is None
-    assert "segment" in mosaic.unsupported(shape, shape, BF16, mask, True)
+    assert mosaic.unsupported(shape, shape, BF16, mask, True, softcap=30.0) is None
     assert "float32" in mosaic.unsupported(shape, shape, jnp.float32, mask, False)
+    assert "float32" in mosaic.unsupported(shape, shape, jnp.float32, mask, True, softcap=5.0)
+    assert "head_dim" in mosaic.unsupported((1, 128, 2, 320), shape, BF16, mask, False)
     assert mosaic.KERNELS.name == "mosaic"
 
 

@@ -61,21 +61,23 @@ class MosaicConfig:
         if not 2 <= self.num_stages <= 4:
             raise ValueError(f"num_stages must be in [2, 4], got {self.num_stages}")
 
-    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        """Shared memory of the GPU kernel: Q/O tiles, the K and V rings, LSE, barriers.
+    def smem_bytes(self, head_dim: int, itemsize: int = 2, *, segments: bool = False) -> int:
+        """Shared memory of the GPU kernel: Q/O tiles, the K and V rings, LSE, barriers,
+        and with ``segments`` the ring of the keys' segment ids (int32, next to K's).
 
         Matches what Mosaic GPU's lowering counts (checked by tests/test_mosaic.py).
         """
         q_o = _align(NUM_CONSUMERS * self.block_q * head_dim * itemsize)
         kv = 2 * _align(self.num_stages * self.block_kv * head_dim * itemsize)
         lse = _align(NUM_CONSUMERS * self.block_q * 4)
+        kv_ids = _align(self.num_stages * self.block_kv * 4) if segments else 0
         # 8-byte mbarriers: Q ready per consumer; K/V ready and K/V free per slot; turn.
         barriers = 8 * (NUM_CONSUMERS + 4 * self.num_stages + 1)
-        return q_o + kv + lse + barriers
+        return q_o + kv + lse + kv_ids + barriers
 
-    def check_fits(self, head_dim: int, itemsize: int = 2) -> None:
+    def check_fits(self, head_dim: int, itemsize: int = 2, *, segments: bool = False) -> None:
         """Raises ValueError when this config cannot run at ``head_dim`` on an sm90 CTA."""
-        need = self.smem_bytes(head_dim, itemsize)
+        need = self.smem_bytes(head_dim, itemsize, segments=segments)
         if need > SMEM_BUDGET:
             raise ValueError(
                 f"MosaicConfig {self} needs {need} bytes of shared memory at "

@@ -61,6 +61,7 @@ from pallas_flash.mosaic.config import (
 )
 from pallas_flash.padding import pad_axis, round_up
 from pallas_flash.reference import EMPTY_ROW_LSE
+from pallas_flash.segments import pad_segment_ids, tile_spans
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -91,6 +92,8 @@ class _Static:
     kv_padded: bool  # seq_kv was padded up to whole blocks
     overlap: bool  # FA3's intra-warpgroup pipelining (MosaicConfig.overlap)
     pv_through_smem: bool  # the interpret-mode detour, see the module docstring
+    softcap: float | None = None  # logits become softcap * tanh(scale * s / softcap)
+    segmented: bool = False  # segment ids: a pair is visible only if its ids are equal
 
     @property
     def reverse_q_tiles(self) -> bool:
@@ -100,15 +103,22 @@ class _Static:
 
     @property
     def has_lower_band(self) -> bool:
-        # Only a window hides keys *before* a query; otherwise every row starts at key 0
-        # and the leading skip/masked loops are statically empty.
-        return self.mask.window is not None
+        # Only a window or segment ids hide keys *before* a query; otherwise every row
+        # starts at key 0 and the leading skip/masked loops are statically empty.
+        return self.mask.window is not None or self.segmented
+
+    @property
+    def has_unmasked_blocks(self) -> bool:
+        # With segment ids every visited block compares ids: a consumer's ranges are
+        # (first, last, last, last) and its leading masked loop runs all of its blocks.
+        return not self.segmented
 
     @property
     def has_upper_mask(self) -> bool:
         # Causal/window rows end before the last key, and padded keys must be hidden;
         # otherwise every visited block is full and the trailing masked loop is empty.
-        return self.mask.is_causal or self.mask.window is not None or self.kv_padded
+        band = self.mask.is_causal or self.mask.window is not None or self.kv_padded
+        return band and self.has_unmasked_blocks
 
     @property
     def has_mask(self) -> bool:
@@ -130,10 +140,57 @@ def _sync(barrier) -> None:
     plgpu.barrier_wait(barrier)
 
 
-def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, st: _Static, q_smem, k_smem, v_smem,
-            lse_smem, q_ready, k_ready, v_ready, k_free, v_free, turn, p_smem=None):
+def _consumer_ranges(st: _Static, spans_ref, batch, q_block):
+    """KV blocks of query block ``q_block`` (``block_q`` rows), as ``MaskSpec.kv_blocks``.
+
+    With segment ids the band is cut to the span of KV blocks whose ids can meet the
+    block's (``spans_ref``: [B, 2, num_q_blocks] from :func:`segments.tile_spans`), and
+    every block of it needs the mask: ``(first, last, last, last)``.
+    """
+    ranges = st.mask.kv_blocks(q_block * st.block_q, st.block_q, st.block_kv)
+    if not st.segmented:
+        return ranges
+    first = jnp.maximum(ranges[0], spans_ref[batch, 0, q_block])
+    last = jnp.maximum(first, jnp.minimum(ranges[3], spans_ref[batch, 1, q_block]))
+    return first, last, last, last
+
+
+def _hull(a, b):
+    """The smallest block range ``[first, last)`` holding ranges ``a`` and ``b``; an empty
+    range (first == last) adds nothing, wherever it sits."""
+    (a_first, a_last), (b_first, b_last) = a, b
+    a_empty, b_empty = a_first == a_last, b_first == b_last
+    first = jnp.where(a_empty, b_first, jnp.where(b_empty, a_first, jnp.minimum(a_first, b_first)))
+    last = jnp.where(a_empty, b_last, jnp.where(b_empty, a_last, jnp.maximum(a_last, b_last)))
+    return first, last
+
+
+def _release_k(k_free, kv_ids_smem, s):
+    """S_j is in registers: K_j's ring slot may be refilled.
+
+    Returns the slot's key segment ids ([block_kv] int32, laid out as the columns of S),
+    read before the slot is released, or None without segment ids.
+    """
+    kv_ids = None
+    if kv_ids_smem is not None:
+        kv_ids = plgpu.load(kv_ids_smem.at[s], layout=plgpu.Layout.WGMMA.reduce(0))
+    plgpu.barrier_arrive(k_free.at[s])
+    return kv_ids
+
+
+def _kernel(q_ref, k_ref, v_ref, *refs, st: _Static, q_smem, k_smem, v_smem, lse_smem,
+            q_ready, k_ready, v_ready, k_free, v_free, turn, kv_ids_smem=None, p_smem=None):
     """One CTA. Refs: q/out [B, Tq, N, D], k/v [B, Tk, K, D], lse [B, N, Tq] (GMEM);
-    q_smem [2, block_q, D], k_smem/v_smem [num_stages, block_kv, D], lse_smem [2, block_q]."""
+    q_smem [2, block_q, D], k_smem/v_smem [num_stages, block_kv, D], lse_smem [2, block_q].
+
+    With segment ids ``refs`` starts with q_ids [B, Tq], kv_ids [B, Tk] and spans
+    [B, 2, Tq / block_q] (GMEM), and kv_ids_smem [num_stages, block_kv] rides along K's
+    ring (one more TMA arrival on ``k_ready``).
+    """
+    if st.segmented:
+        q_ids_ref, kv_ids_ref, spans_ref, out_ref, lse_ref = refs
+    else:
+        (out_ref, lse_ref), q_ids_ref, kv_ids_ref, spans_ref = refs, None, None, None
     bq, bkv = st.block_q, st.block_kv
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
     q_tile = lax.axis_index("q_tiles")
@@ -141,7 +198,13 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, st: _Static, q_smem, k_sme
         q_tile = st.num_q_tiles - 1 - q_tile
     cta_q0 = q_tile * (NUM_CONSUMERS * bq)
     # The K/V blocks any row of this CTA sees; the producer loads exactly these, once.
-    cta_first, _, _, cta_last = st.mask.kv_blocks(cta_q0, NUM_CONSUMERS * bq, bkv)
+    if st.segmented:  # each consumer's span may differ: load their union
+        first_block = q_tile * NUM_CONSUMERS
+        cta_first, cta_last = functools.reduce(_hull, (
+            _consumer_ranges(st, spans_ref, batch, first_block + c)[::3]
+            for c in range(NUM_CONSUMERS)))
+    else:
+        cta_first, _, _, cta_last = st.mask.kv_blocks(cta_q0, NUM_CONSUMERS * bq, bkv)
 
     def slot(j):
         """Ring slot of K/V block j (blocks are numbered from the CTA's first)."""
@@ -152,11 +215,21 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, st: _Static, q_smem, k_sme
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+        # This warpgroup's block ranges, inside the CTA's (it must step through all of the
+        # CTA's blocks to keep the ring and the ping-pong in lockstep with the other one).
+        ranges = tuple(jnp.clip(x, cta_first, cta_last) for x in _consumer_ranges(
+            st, spans_ref, batch, q_tile * NUM_CONSUMERS + wg))
+        q0 = cta_q0 + wg * bq
+        q_ids = None
+        if st.segmented:  # this warpgroup's query ids, laid out as the rows of S, once
+            # (plain loads from GMEM: Mosaic GPU vectorises ("optimizes") SMEM loads only)
+            q_ids = plgpu.load(q_ids_ref.at[batch, pl.ds(q0, bq)],
+                               layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
         _consumer_warpgroup(
             wg, st, q_ref, out_ref, lse_ref, q_smem.at[wg], k_smem, v_smem, lse_smem.at[wg],
             q_ready.at[wg], k_ready, v_ready, k_free, v_free, turn,
-            None if p_smem is None else p_smem.at[wg],
-            batch=batch, head=head, q0=cta_q0 + wg * bq,
+            None if p_smem is None else p_smem.at[wg], kv_ids_smem,
+            batch=batch, head=head, q0=q0, q_ids=q_ids, ranges=ranges,
             cta_first=cta_first, cta_last=cta_last, slot=slot)
 
     @pl.when(wg == _PRODUCER)
@@ -167,7 +240,12 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, st: _Static, q_smem, k_sme
         def load(ref, smem, ready, j):
             rows = (batch, pl.ds(j * bkv, bkv), kv_head)
             plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot(j)], ready.at[slot(j)])
-        load_k = functools.partial(load, k_ref, k_smem, k_ready)
+
+        def load_k(j):
+            load(k_ref, k_smem, k_ready, j)
+            if st.segmented:  # the keys' ids, 4 * block_kv bytes, on K's barrier
+                plgpu.copy_gmem_to_smem(kv_ids_ref.at[batch, pl.ds(j * bkv, bkv)],
+                                        kv_ids_smem.at[slot(j)], k_ready.at[slot(j)])
         load_v = functools.partial(load, v_ref, v_smem, v_ready)
 
         # Prologue: fill the ring.
@@ -182,6 +260,10 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, st: _Static, q_smem, k_sme
         @pl.loop(cta_first + st.num_stages, cta_last)
         def _refill(j):
             plgpu.barrier_wait(k_free.at[slot(j)])
+            if st.segmented:
+                # The consumers read the slot's key ids through the generic proxy; the
+                # proxy fence orders those reads before the TMA (async proxy) overwrites.
+                plgpu.commit_smem()
             load_k(j)
             plgpu.barrier_wait(v_free.at[slot(j)])
             load_v(j)
@@ -195,36 +277,48 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, st: _Static, q_smem, k_sme
 
 
 def _consumer_warpgroup(wg, st: _Static, q_ref, out_ref, lse_ref, q_tile, k_smem, v_smem,
-                        lse_tile, q_ready, k_ready, v_ready, k_free, v_free, turn, p_tile, *,
-                        batch, head, q0, cta_first, cta_last, slot):
-    """Rows [q0, q0 + block_q) of one head: Algorithm 1 of FA3 for one consumer warpgroup."""
+                        lse_tile, q_ready, k_ready, v_ready, k_free, v_free, turn, p_tile,
+                        kv_ids_smem, *, batch, head, q0, q_ids, ranges, cta_first, cta_last,
+                        slot):
+    """Rows [q0, q0 + block_q) of one head: Algorithm 1 of FA3 for one consumer warpgroup.
+
+    ``ranges``: this warpgroup's (first, full_first, full_last, last) KV blocks, inside the
+    CTA's [cta_first, cta_last); ``q_ids``: its rows' segment ids ([block_q] int32) or None.
+    """
     bq, bkv, d = st.block_q, st.block_kv, st.head_dim
     q_rows = (batch, pl.ds(q0, bq), head)
     plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_tile, q_ready)
-    # This warpgroup's block ranges, inside the CTA's (it must step through all of the
-    # CTA's blocks to keep the ring and the ping-pong in lockstep with the other one).
-    ranges = tuple(jnp.clip(x, cta_first, cta_last) for x in st.mask.kv_blocks(q0, bq, bkv))
+    shape = (bq, bkv)
 
-    def softmax(scores, m_i, j, *, masked: bool):
+    def softmax(scores, m_i, j, kv_ids, *, masked: bool):
         """Online softmax of S_j in base 2 (FA3 Alg. 1 lines 9-11).
 
         m is kept in log2 units so that p = exp2(s * scale_log2 - m) is one FMA + ex2 per
-        element. Returns P_j in the input dtype, the new m and l, and alpha, the factor
-        that rescales O to the new m.
+        element. ``kv_ids``: the segment ids of block j's keys (from :func:`_release_k`).
+        Returns P_j in the input dtype, the new m and alpha, the factor that rescales O
+        (and l) to the new m.
         """
+        def to_log2(x):  # scale * log2(e), applied in exp2's FMA rather than to the tile
+            return x if st.softcap is not None else x * st.scale_log2
+
+        if st.softcap is not None:  # soft-capping: c * tanh(scale * s / c), in base 2
+            scale = st.scale_log2 / _LOG2E
+            scores = jnp.tanh(scores * (scale / st.softcap)) * (st.softcap * _LOG2E)
         if masked:  # boundary block: hide pairs outside the band and keys >= seq_kv
-            rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
-            cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
+            rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+            cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
             visible = st.mask.visible(rows + q0, cols + j * bkv)
+            if st.segmented:  # ... and pairs of different documents
+                visible &= _row(q_ids, shape) == lax.broadcast_in_dim(kv_ids, shape, [1])
             scores = jnp.where(visible, scores, -jnp.inf)
-        m_new = jnp.maximum(m_i, scores.max(axis=1) * st.scale_log2)
+        m_new = jnp.maximum(m_i, to_log2(scores.max(axis=1)))
         if masked:
             # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead so
             # that exp2(-inf - m) stays 0 rather than NaN (empty rows end with l = 0).
             m_new_finite = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         else:
             m_new_finite = m_new
-        p = jnp.exp2(scores * st.scale_log2 - _row(m_new_finite, scores.shape))
+        p = jnp.exp2(to_log2(scores) - _row(m_new_finite, shape))
         alpha = jnp.exp2(m_i - m_new_finite)
         return p, m_new, alpha
 
@@ -237,7 +331,7 @@ def _consumer_warpgroup(wg, st: _Static, q_ref, out_ref, lse_ref, q_tile, k_smem
     loop = _overlapped_loop if st.overlap else _serial_loop
     o, m_i, l_i = loop(
         wg, st, carry, ranges, softmax, q_tile, k_smem, v_smem, k_ready, v_ready, k_free,
-        v_free, turn, p_tile, cta_first=cta_first, cta_last=cta_last, slot=slot)
+        v_free, turn, p_tile, kv_ids_smem, cta_first=cta_first, cta_last=cta_last, slot=slot)
 
     # Epilogue (Alg. 1 lines 12-14): normalise once, O and LSE leave through SMEM + TMA.
     empty = l_i == 0.0  # rows that saw no key: O = 0, lse = EMPTY_ROW_LSE
@@ -253,7 +347,8 @@ def _consumer_warpgroup(wg, st: _Static, q_ref, out_ref, lse_ref, q_tile, k_smem
 
 
 def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem, k_ready,
-                 v_ready, k_free, v_free, turn, p_tile, *, cta_first, cta_last, slot):
+                 v_ready, k_free, v_free, turn, p_tile, kv_ids_smem, *, cta_first, cta_last,
+                 slot):
     """Per block: S = Q·K_jᵀ, wait, softmax, O += P·V_j, wait (no intra-warpgroup overlap).
 
     ``turn`` is one 2-arrival mbarrier at which the two consumers meet twice per block.
@@ -287,8 +382,8 @@ def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem
             _sync(turn)
             return s_acc[...]
         scores = pl.run_scoped(qk, plgpu.ACC((st.block_q, st.block_kv), jnp.float32))
-        plgpu.barrier_arrive(k_free.at[s])  # S is in registers: K_j may be overwritten
-        p, m_new, alpha = softmax(scores, m_i, j, masked=masked)
+        kv_ids = _release_k(k_free, kv_ids_smem, s)
+        p, m_new, alpha = softmax(scores, m_i, j, kv_ids, masked=masked)
         o = o * _row(alpha, o.shape)
         p16 = p.astype(st.dtype)
 
@@ -331,7 +426,8 @@ def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem
     if st.has_lower_band:
         carry = lax.fori_loop(cta_first, first, skip_step, carry)
         carry = lax.fori_loop(first, full_first, masked_step, carry)
-    carry = lax.fori_loop(full_first, full_last, unmasked_step, carry)  # the fast loop
+    if st.has_unmasked_blocks:
+        carry = lax.fori_loop(full_first, full_last, unmasked_step, carry)  # the fast loop
     if st.has_upper_mask:
         carry = lax.fori_loop(full_last, last, masked_step, carry)
     carry = lax.fori_loop(last, cta_last, skip_step, carry)
@@ -340,8 +436,8 @@ def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem
 
 
 def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem,
-                     k_ready, v_ready, k_free, v_free, turn, p_tile, *, cta_first, cta_last,
-                     slot):
+                     k_ready, v_ready, k_free, v_free, turn, p_tile, kv_ids_smem, *, cta_first,
+                     cta_last, slot):
     """FA3's intra-warpgroup pipelining (Sec. 3.2, Algorithm 2), inside the ping-pong.
 
     Step j issues S_j = Q·K_jᵀ and then O += P_{j-1}·V_{j-1}, waits for S_j only, and
@@ -382,8 +478,8 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_
             pass_turn()
             return s_acc[...]
         scores = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
-        plgpu.barrier_arrive(k_free.at[s])
-        p, m_new, _ = softmax(scores, m_i, first, masked=st.has_mask)
+        kv_ids = _release_k(k_free, kv_ids_smem, s)
+        p, m_new, _ = softmax(scores, m_i, first, kv_ids, masked=st.has_mask)
         return o, m_new, p.sum(axis=1), p.astype(st.dtype)
 
     def step(j, carry, *, masked: bool):
@@ -401,8 +497,8 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_
             return plgpu.wgmma_accumulator_load(s_acc, wait_n=1)  # S_j; P·V still runs
 
         def softmax_of(scores):
-            plgpu.barrier_arrive(k_free.at[s])  # S_j is in registers: K_j may be overwritten
-            p, m_new, alpha = softmax(scores, m_i, j, masked=masked)
+            kv_ids = _release_k(k_free, kv_ids_smem, s)
+            p, m_new, alpha = softmax(scores, m_i, j, kv_ids, masked=masked)
             return p, m_new, l_i * alpha + p.sum(axis=1), alpha
 
         if st.pv_through_smem:  # interpret mode: P·V into a fresh accumulator, then added
@@ -467,7 +563,9 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_
     after_head = first + 1
     if st.has_lower_band:
         carry = lax.fori_loop(after_head, full_first, masked_step, carry)
-    carry = lax.fori_loop(jnp.maximum(after_head, full_first), full_last, unmasked_step, carry)
+    if st.has_unmasked_blocks:
+        carry = lax.fori_loop(jnp.maximum(after_head, full_first), full_last, unmasked_step,
+                              carry)
     if st.has_upper_mask:
         carry = lax.fori_loop(jnp.maximum(after_head, full_last), last, masked_step, carry)
     o, m_i, l_i, p_last = carry
@@ -505,12 +603,12 @@ def _pad(x: jax.Array, seq: int, head_dim: int) -> jax.Array:
 
 def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
                 softcap: float | None = None) -> str | None:
-    """Why the Mosaic GPU forward cannot run this call, or None if it can."""
-    del kv_shape, mask
-    if has_segments:
-        return "segment ids are not supported by the Mosaic GPU kernel yet"
-    if softcap is not None:
-        return "logit soft-capping is not supported by the Mosaic GPU kernel yet"
+    """Why the Mosaic GPU forward cannot run this call, or None if it can.
+
+    Every mask, segment ids (hence padding lengths) and soft-capping are supported; the
+    backward of segment ids / soft-capping is Triton's (see :mod:`.backward`).
+    """
+    del kv_shape, mask, has_segments, softcap
     if jnp.dtype(dtype) not in _DTYPES:
         return f"the Mosaic GPU kernel takes bfloat16 or float16 inputs, got {jnp.dtype(dtype)}"
     if q_shape[-1] > MAX_HEAD_DIM:
@@ -519,34 +617,39 @@ def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
 
 
 def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: MaskSpec,
-            scale: float, config: MosaicConfig, interpret: bool
+            scale: float, config: MosaicConfig, interpret: bool, softcap: float | None = None
             ) -> tuple[jax.Array, jax.Array]:
     """Attention forward on Hopper.
 
     Args:
       q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_kv, kv_heads, head_dim],
         bfloat16 or float16, ``heads % kv_heads == 0``.
-      segment_ids: must be None (see :func:`unsupported`).
+      segment_ids: None or ``(q_ids [batch, seq_q], kv_ids [batch, seq_kv])`` int32: a pair
+        is visible only if its ids are equal (and ``mask`` shows it). Each consumer only
+        visits the KV blocks whose id range can meet its rows' (:mod:`pallas_flash.segments`).
       mask: visibility; its ``seq_q``/``seq_kv`` are the real lengths.
       scale: logit scale.
       config: block sizes; ``config.check_fits`` must pass at the padded head dim.
       interpret: run in Mosaic GPU interpret mode on the CPU.
+      softcap: ``c``: logits become ``c * tanh(scale * q·k / c)`` before the softmax.
 
     Returns:
-      ``out`` like ``q`` and ``lse: [batch, heads, seq_q]`` float32 (natural log).
+      ``out`` like ``q`` and ``lse: [batch, heads, seq_q]`` float32 (natural log); rows
+      that see no key give out 0 and lse ``EMPTY_ROW_LSE``.
 
     Any lengths work: the wrapper zero-pads the sequences to whole blocks (padded keys
     are hidden by ``mask.seq_kv``, padded query rows are cut off) and the head dim to a
     multiple of 64 (zero columns change neither Q·Kᵀ nor the kept columns of P·V).
     """
-    reason = unsupported(q.shape, k.shape, q.dtype, mask, segment_ids is not None)
+    segmented = segment_ids is not None
+    reason = unsupported(q.shape, k.shape, q.dtype, mask, segmented, softcap)
     if reason is not None:
         raise ValueError(reason)
     batch, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     dim = padded_head_dim(head_dim)
     itemsize = jnp.dtype(q.dtype).itemsize
-    config.check_fits(dim, itemsize)
+    config.check_fits(dim, itemsize, segments=segmented)
     rows_per_cta = NUM_CONSUMERS * config.block_q
     seq_q_pad = round_up(seq_q, rows_per_cta)
     seq_kv_pad = round_up(seq_kv, config.block_kv)
@@ -555,7 +658,8 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         block_kv=config.block_kv, num_stages=config.num_stages, head_dim=dim,
         dtype=jnp.dtype(q.dtype), group=heads // kv_heads,
         num_q_tiles=seq_q_pad // rows_per_cta, kv_padded=seq_kv_pad != seq_kv,
-        overlap=config.overlap, pv_through_smem=interpret)
+        overlap=config.overlap, pv_through_smem=interpret, softcap=softcap,
+        segmented=segmented)
 
     transforms = _smem_transforms(itemsize)
     scratch = dict(
@@ -564,7 +668,8 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         v_smem=plgpu.SMEM((st.num_stages, st.block_kv, dim), q.dtype, transforms=transforms),
         lse_smem=plgpu.SMEM((NUM_CONSUMERS, st.block_q), jnp.float32),
         q_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
-        k_ready=plgpu.Barrier(num_barriers=st.num_stages),
+        # One TMA arrival per copy: K, and with segment ids the keys' ids.
+        k_ready=plgpu.Barrier(num_arrivals=1 + segmented, num_barriers=st.num_stages),
         v_ready=plgpu.Barrier(num_barriers=st.num_stages),
         k_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=st.num_stages),
         v_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=st.num_stages),
@@ -572,6 +677,12 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         turn=(plgpu.Barrier(num_barriers=NUM_CONSUMERS) if st.overlap
               else plgpu.Barrier(num_arrivals=NUM_CONSUMERS)),
     )
+    operands = [_pad(q, seq_q_pad, dim), _pad(k, seq_kv_pad, dim), _pad(v, seq_kv_pad, dim)]
+    if segmented:
+        q_ids, kv_ids = pad_segment_ids(segment_ids, seq_q_pad, seq_kv_pad)
+        operands += [q_ids, kv_ids,
+                     tile_spans(q_ids, kv_ids, st.block_q, st.block_kv, walk_kv=True)]
+        scratch["kv_ids_smem"] = plgpu.SMEM((st.num_stages, st.block_kv), jnp.int32)
     if st.pv_through_smem:
         scratch["p_smem"] = plgpu.SMEM(
             (NUM_CONSUMERS, st.block_q, st.block_kv), q.dtype, transforms=transforms)
@@ -590,5 +701,5 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    out, lse = call(_pad(q, seq_q_pad, dim), _pad(k, seq_kv_pad, dim), _pad(v, seq_kv_pad, dim))
+    out, lse = call(*operands)
     return out[:, :seq_q, :, :head_dim], lse[:, :, :seq_q]
