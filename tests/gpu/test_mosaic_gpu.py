@@ -1,7 +1,9 @@
 """The Mosaic GPU forward on a real Hopper GPU, at real sizes for each shape class.
 
 Skipped unless the default device is a GPU of compute capability 9.0. The reference is
-``reference.standard_attention`` on float32 copies of the inputs (on the same GPU).
+``reference.standard_attention`` on float32 copies of the inputs (on the same GPU); the
+segment-id and soft-capping variants are compared with the float64 oracle
+``reference.attention_float64`` (on the CPU, so their sizes stay moderate).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 
 import pallas_flash
 from pallas_flash import reference
+from pallas_flash.api import PADDED_KEY_ID
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import MosaicConfig, default_config, forward
 
@@ -98,3 +101,98 @@ def test_api_dispatch_and_gradients():
     for g, r in zip(grads, ref_grads, strict=True):
         g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
         assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-2
+
+
+# --- segment ids and soft-capping (vs the float64 oracle) ------------------------------
+
+
+def _doc_ids(seq: int, starts) -> np.ndarray:
+    """[seq] int32 ids of packed documents: the id goes up by one at each start."""
+    return np.searchsorted(np.asarray(starts), np.arange(seq), side="right").astype(np.int32)
+
+
+def _check_variant(q, k, v, segment_ids, *, softcap=None, **mask_kwargs):
+    """The default config's kernel vs ``attention_float64``; rows that see no key must give
+    out 0 and lse EMPTY_ROW_LSE exactly. NaN in K/V (keys no query may see) is 0 for the
+    oracle, which would otherwise compute 0 · NaN.
+
+    Soft-capping runs ``tanh.approx.f32`` (as FA3), whose error reaches ``c · 2^-11`` in a
+    logit, hence the wider lse tolerance with a cap.
+    """
+    mask = MaskSpec(seq_q=q.shape[1], seq_kv=k.shape[1], **mask_kwargs)
+    config = default_config(q.shape, k.shape, q.dtype, mask)
+    scale = q.shape[-1] ** -0.5
+    out, lse = jax.jit(lambda q, k, v, ids: forward(
+        q, k, v, ids, mask=mask, scale=scale, config=config, interpret=False,
+        softcap=softcap))(q, k, v, segment_ids)
+    ref_out, ref_lse = reference.attention_float64(
+        q, *(np.nan_to_num(np.asarray(x, np.float64)) for x in (k, v)), scale=scale,
+        mask=mask, segment_ids=segment_ids, softcap=softcap)
+    out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse))
+    assert np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out) < 1e-2
+    seen = ref_lse > reference.EMPTY_ROW_LSE / 2
+    atol = 1e-2 if softcap is None else 2e-2
+    np.testing.assert_allclose(lse[seen], ref_lse[seen], rtol=1e-5, atol=atol)
+    assert np.all(lse[~seen] == np.float32(reference.EMPTY_ROW_LSE))
+    assert np.all(out.transpose(0, 2, 1, 3)[~seen] == 0)
+
+
+def test_segments_causal_gqa_d64_skips_foreign_tiles():
+    """Eight documents, most boundaries off the tiles. The keys of document 4 (1024..1279,
+    two whole 128-key tiles) are NaN and carry an id no query has: only span skipping keeps
+    them out of P·V, and document 4's queries see nothing (empty rows, whole empty CTAs)."""
+    seq = 2048
+    q, k, v = _inputs((1, seq, 2, 64), (1, seq, 1, 64), BF16, seed=21)
+    ids = _doc_ids(seq, [100, 333, 700, 1024, 1280, 1500, 1999])
+    kv_ids = ids.copy()
+    kv_ids[1024:1280] = 99
+    k, v = k.at[:, 1024:1280].set(jnp.nan), v.at[:, 1024:1280].set(jnp.nan)
+    _check_variant(q, k, v, (jnp.asarray(ids[None]), jnp.asarray(kv_ids[None])),
+                   is_causal=True)
+
+
+def test_segments_key_padding_softcap_d128():
+    """Two sequences: different documents, key padding (as the API folds
+    ``key_value_seq_lengths``: PADDED_KEY_ID), queries of a document with no keys (empty
+    rows), seq_q != seq_kv, soft-capping with logits well past the cap."""
+    seq_q, seq_kv = 1900, 2048
+    q, k, v = _inputs((2, seq_q, 2, 128), (2, seq_kv, 1, 128), BF16, seed=22)
+    q = q * 4  # logits of a few tens: tanh bends them
+    q_ids = np.stack([_doc_ids(seq_q, [500, 1200]), _doc_ids(seq_q, [64, 900]) * 2])
+    kv_ids = np.stack([_doc_ids(seq_kv, [480, 1300]), _doc_ids(seq_kv, [64, 900])])
+    kv_ids[1, 1500:] = PADDED_KEY_ID  # sequence 1 has 1500 real keys
+    # Sequence 1: query documents 0, 2, 4; key documents 0, 1, 2: document 4 sees nothing.
+    _check_variant(q, k, v, (jnp.asarray(q_ids), jnp.asarray(kv_ids)), softcap=30.0)
+
+
+def test_segments_softcap_window_d256():
+    seq = 2048
+    q, k, v = _inputs((1, seq, 2, 256), (1, seq, 2, 256), F16, seed=23)
+    ids = jnp.asarray(_doc_ids(seq, [77, 500, 1234, 1300])[None])
+    _check_variant(q * 4, k, v, (ids, ids), softcap=20.0, is_causal=True, window=(300, 0))
+
+
+def test_api_packed_documents_gradients():
+    """pallas_flash.attention(implementation="mosaic") with segment ids, key lengths and a
+    soft-cap: the Mosaic forward's (out, lse) feed the Triton backward (its fallback)."""
+    q, k, v = _inputs((2, 512, 4, 128), (2, 512, 2, 128), BF16, seed=24)
+    ids = jnp.asarray(np.stack([_doc_ids(512, [100, 300]), _doc_ids(512, [250])]))
+    lengths = jnp.asarray([512, 400], jnp.int32)
+    d_out = np.asarray(jax.random.normal(jax.random.key(25), q.shape), np.float64)
+
+    def f(q, k, v):
+        return pallas_flash.attention(q, k, v, is_causal=True, q_segment_ids=ids,
+                                      key_value_seq_lengths=lengths, logits_soft_cap=30.0,
+                                      implementation="mosaic")
+
+    out, vjp = jax.vjp(f, q, k, v)
+    grads = vjp(jnp.asarray(d_out, BF16))
+    kv_ids = jnp.where(jnp.arange(512)[None] < lengths[:, None], ids, PADDED_KEY_ID)
+    ref_out, _, ref_grads = reference.attention_float64(
+        q, k, v, mask=MaskSpec(seq_q=512, seq_kv=512, is_causal=True),
+        segment_ids=(ids, kv_ids), softcap=30.0, d_out=d_out)
+    for got, want in zip((out, *grads), (ref_out, *ref_grads), strict=True):
+        got = np.asarray(got, np.float64)
+        assert np.all(np.isfinite(got))
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
