@@ -33,6 +33,15 @@ blocks inside a consumer's ``[full_first, full_last)`` run the unmasked fast loo
 only the boundary blocks build the mask tile. The epilogue normalises O once, writes it
 through SMEM with a TMA store, and writes the log-sum-exp (natural log) the same way.
 
+Variants. **Segment ids** (packed documents; padding lengths arrive as ids too): each
+consumer's band is cut to the span of K/V blocks whose id ranges can meet its rows'
+(:func:`pallas_flash.segments.tile_spans`, computed in XLA once per call); the producer
+loads the hull of the two consumers' ranges, and every block a consumer visits is masked,
+comparing its rows' ids (loaded once) with the block's key ids (a ``num_stages`` ring of
+``block_kv`` int32 in SMEM, filled by TMA next to K on K's ready barrier, read before K's
+slot is freed). **Soft-capping**: logits become ``c·tanh(scale·s/c)`` (``tanh.approx``, as
+FA3) before the mask and the base-2 softmax.
+
 CPU testing: Mosaic GPU interpret mode cannot run ``pl.run_state`` nor a wgmma whose A
 operand is in registers, which is how FA3 feeds P to the P·V GEMM. With
 ``interpret=True`` the kernel takes one documented detour (:func:`_pv_through_smem`):
