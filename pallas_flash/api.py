@@ -9,6 +9,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
+from pallas_flash import bias as bias_lib
 from pallas_flash.autodiff import StaticArgs, attention_with_lse
 from pallas_flash.masking import CausalAlignment, MaskSpec
 
@@ -16,7 +17,8 @@ Implementation = Literal["mosaic", "triton", "xla"]
 
 # Each module exposes KERNELS (autodiff.Kernels), default_config(q_shape, kv_shape, dtype,
 # mask) -> its frozen config dataclass, and unsupported(q_shape, kv_shape, dtype, mask,
-# has_segments, softcap=None) -> None, or a sentence saying why it cannot run this call.
+# has_segments, softcap=None, has_bias=False, has_mask=False) -> None, or a sentence saying
+# why it cannot run this call.
 _BACKEND_MODULES = {
     "xla": "pallas_flash.xla",
     "triton": "pallas_flash.triton",
@@ -41,17 +43,16 @@ def default_implementation() -> str:
     return available_implementations()[0]
 
 
-def _unsupported(name: str, query, key, mask: MaskSpec, has_segments: bool,
-                 softcap: float | None) -> str | None:
-    return _backend(name).unsupported(query.shape, key.shape, query.dtype, mask,
-                                      has_segments, softcap=softcap)
+def _unsupported(name: str, query, key, spec: MaskSpec, features: dict) -> str | None:
+    """``features``: the keywords has_segments, softcap, has_bias, has_mask of this call."""
+    return _backend(name).unsupported(query.shape, key.shape, query.dtype, spec, **features)
 
 
-def _choose(query, key, mask, has_segments, softcap, interpret) -> str:
+def _choose(query, key, spec, features, interpret) -> str:
     """The first implementation, fastest first, that supports this call."""
     candidates = ("triton", "xla") if interpret else available_implementations()
     for name in candidates:
-        if _unsupported(name, query, key, mask, has_segments, softcap) is None:
+        if _unsupported(name, query, key, spec, features) is None:
             return name
     return "xla"
 
@@ -77,6 +78,8 @@ def attention(
     query: jax.Array,
     key: jax.Array,
     value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
     *,
     scale: float | None = None,
     is_causal: bool = False,
@@ -102,6 +105,16 @@ def attention(
       key: ``[batch, seq_kv, kv_heads, head_dim]``; ``heads`` must be a multiple of
         ``kv_heads`` (grouped-query / multi-query attention; K and V are never repeated).
       value: ``[batch, seq_kv, kv_heads, head_dim]``.
+      bias: floating array broadcastable to ``[batch, heads, seq_q, seq_kv]`` (rank <= 4,
+        leading dims added as in ``jax.nn``), added to the scaled logits (after the
+        soft-cap, if any); differentiable. Broadcast (size-1) dims are never expanded in
+        the forward. Its gradient is computed only when one is requested; for a bias that
+        broadcasts over batch or heads, it costs a float32 partial of up to
+        ``[batch, heads, seq_q, seq_kv]`` (see ``docs/api.md``).
+      mask: boolean array broadcastable to ``[batch, heads, seq_q, seq_kv]``; ``False``
+        hides the pair. Combined (and) with ``is_causal``, the window, segment ids and
+        lengths. Unlike ``jax.nn`` (which spreads a fully masked row evenly over every key),
+        a row with no visible key outputs 0.
       scale: logit scale; default ``1 / sqrt(head_dim)``.
       is_causal: hide keys after the query position.
       causal_alignment: ``"top_left"`` (default, as ``jax.nn``: query ``i`` sees keys
@@ -146,29 +159,33 @@ def attention(
     if causal_alignment not in ("top_left", "bottom_right"):
         raise ValueError(
             f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
-    mask = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, is_causal=is_causal,
+    spec = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, is_causal=is_causal,
                     causal_alignment=causal_alignment, window=window)
     segment_ids = _canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv)
     segment_ids = _fold_lengths(segment_ids, query_seq_lengths, key_value_seq_lengths,
                                 batch, seq_q, seq_kv)
     softcap = _check_soft_cap(logits_soft_cap)
     sinks = _check_sinks(sinks, query.shape[2])
+    logits_shape = (batch, query.shape[2], seq_q, seq_kv)
+    bias, mask = _check_bias(bias, logits_shape), _check_mask(mask, logits_shape)
+    features = dict(has_segments=segment_ids is not None, softcap=softcap,
+                    has_bias=bias is not None, has_mask=mask is not None)
 
     if implementation is None:
-        implementation = _choose(query, key, mask, segment_ids is not None, softcap, interpret)
+        implementation = _choose(query, key, spec, features, interpret)
     if implementation not in _BACKEND_MODULES:
         raise ValueError(
             f"implementation must be one of {sorted(_BACKEND_MODULES)} or None, "
             f"got {implementation!r}")
     backend = _backend(implementation)
-    reason = _unsupported(implementation, query, key, mask, segment_ids is not None, softcap)
+    reason = _unsupported(implementation, query, key, spec, features)
     if reason is not None:
         raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
     if config is None:
-        config = backend.default_config(query.shape, key.shape, query.dtype, mask)
-    static = StaticArgs(kernels=backend.KERNELS, mask=mask, scale=float(scale),
+        config = backend.default_config(query.shape, key.shape, query.dtype, spec)
+    static = StaticArgs(kernels=backend.KERNELS, mask=spec, scale=float(scale),
                         config=config, interpret=bool(interpret), softcap=softcap)
-    out, lse = attention_with_lse(query, key, value, segment_ids, sinks, static)
+    out, lse = attention_with_lse(query, key, value, segment_ids, sinks, bias, mask, static)
     if return_residual:
         return out, jnp.transpose(lse, (0, 2, 1))
     return out
@@ -275,6 +292,25 @@ def _check_sinks(sinks, heads: int):
     if not jnp.issubdtype(sinks.dtype, jnp.floating):
         raise ValueError(f"sinks must have a floating dtype, got {sinks.dtype}")
     return sinks
+
+
+def _check_bias(bias, logits_shape):
+    if bias is None:
+        return None
+    dtype = getattr(bias, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"bias must be an array with a floating dtype, got {dtype}")
+    return bias_lib.canonical(bias, "bias", logits_shape)
+
+
+def _check_mask(mask, logits_shape):
+    if mask is None:
+        return None
+    if getattr(mask, "dtype", None) != jnp.bool_:
+        raise ValueError(
+            "mask must be a boolean array (True = visible; pass an additive mask as bias), "
+            f"got dtype {getattr(mask, 'dtype', None)}")
+    return bias_lib.canonical(mask, "mask", logits_shape)
 
 
 def _check_scale(scale) -> None:

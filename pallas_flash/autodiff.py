@@ -6,6 +6,10 @@ Each implementation supplies a ``forward`` and a ``backward`` with the signature
 :class:`Kernels`; this module wires them into one ``jax.custom_vjp`` so that they all
 share the same residuals and the same ``delta = rowsum(dO ∘ O)``.
 
+The VJP is defined with ``symbolic_zeros=True``: the forward rule then learns which inputs
+are differentiated (``CustomVJPPrimal.perturbed``), and the backward computes the bias
+gradient only when the caller asks for it (a bias used as an additive mask never is).
+
 The cotangent of lse folds into delta: ``∂lse_i/∂s_ij = P_ij``, so
 ``dS = P ∘ (dP - delta) + P ∘ dlse = P ∘ (dP - (delta - dlse))``. Every backend gets
 gradients through ``lse`` for free by receiving ``delta - dlse``.
@@ -20,18 +24,24 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from pallas_flash.masking import MaskSpec
 
-# forward(q, k, v, segment_ids, *, mask, scale, config, interpret) -> (out, lse)
+# forward(q, k, v, segment_ids, *, mask, scale, config, interpret, [softcap, bias, attn_mask])
+#   -> (out, lse)
 #   q: [batch, seq_q, heads, head_dim], k/v: [batch, seq_kv, kv_heads, head_dim]
 #   segment_ids: None or (q_segment_ids [batch, seq_q], kv_segment_ids [batch, seq_kv]) int32;
 #     a pair is visible only if its segment ids are equal (and the MaskSpec allows it).
+#   bias (float) / attn_mask (bool): canonical [B', N', T', S'], each dim 1 or full (see
+#     pallas_flash.bias); only passed when set.
 #   out: like q, lse: [batch, heads, seq_q] float32, natural log.
 ForwardFn = Callable[..., tuple[jax.Array, jax.Array]]
-# backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask, scale, config, interpret)
-#   -> (dq, dk, dv); delta: [batch, heads, seq_q] float32 (already minus the lse cotangent).
-BackwardFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+# backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask, scale, config, interpret,
+#          [softcap, bias, attn_mask, bias_grad]) -> (dq, dk, dv), and dbias (shaped like
+#   bias) appended when bias_grad=True; delta: [batch, heads, seq_q] float32 (already minus
+#   the lse cotangent).
+BackwardFn = Callable[..., tuple[jax.Array, ...]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,18 +68,26 @@ class StaticArgs:
     interpret: bool
     softcap: float | None = None
 
-    def kernel_kwargs(self) -> dict:
+    def kernel_kwargs(self, bias=None, attn_mask=None) -> dict:
+        """The kernels' keyword arguments; the optional ones only when set."""
         kwargs = dict(mask=self.mask, scale=self.scale, config=self.config,
                       interpret=self.interpret)
         if self.softcap is not None:
             kwargs["softcap"] = self.softcap
+        if bias is not None:
+            kwargs["bias"] = bias
+        if attn_mask is not None:
+            kwargs["attn_mask"] = attn_mask
         return kwargs
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, sinks,
-                       static: StaticArgs):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, sinks, bias,
+                       attn_mask, static: StaticArgs):
     """Returns ``(out [B, T, N, D], lse [B, N, T] float32)`` computed by ``static.kernels``.
+
+    ``bias`` (floating, differentiable) and ``attn_mask`` (bool): None or canonical
+    ``[B', N', T', S']`` arrays (:func:`pallas_flash.bias.canonical`).
 
     ``sinks``: None or ``[heads]`` float32 logits that join every row's softmax denominator
     without contributing a value (attention sinks). They need no kernel support: with
@@ -77,11 +95,12 @@ def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, si
     and ``out = out0 · exp(lse0 - lse)``; the backward recomputes P = exp(S - lse) with the
     full lse, which is exactly the sink-normalised softmax.
     """
-    return _forward(q, k, v, segment_ids, sinks, static)
+    return _forward(q, k, v, segment_ids, sinks, bias, attn_mask, static)
 
 
-def _forward(q, k, v, segment_ids, sinks, static: StaticArgs):
-    out, lse = static.kernels.forward(q, k, v, segment_ids, **static.kernel_kwargs())
+def _forward(q, k, v, segment_ids, sinks, bias, attn_mask, static: StaticArgs):
+    out, lse = static.kernels.forward(q, k, v, segment_ids,
+                                      **static.kernel_kwargs(bias, attn_mask))
     if sinks is None:
         return out, lse
     full_lse = jnp.logaddexp(lse, sinks.astype(jnp.float32)[None, :, None])
@@ -90,30 +109,48 @@ def _forward(q, k, v, segment_ids, sinks, static: StaticArgs):
     return out, full_lse
 
 
-def _fwd_rule(q, k, v, segment_ids, sinks, static: StaticArgs):
-    out, lse = _forward(q, k, v, segment_ids, sinks, static)
-    return (out, lse), (q, k, v, segment_ids, sinks, out, lse)
+def _fwd_rule(*primals):
+    # symbolic_zeros=True wraps every array leaf in CustomVJPPrimal(value, perturbed).
+    *arrays, static = primals
+    bias = arrays[5]
+    bias_grad = bias is not None and bias.perturbed
+    arrays = jax.tree.map(lambda x: x.value, arrays,
+                          is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
+    out, lse = _forward(*arrays, static)
+    return (out, lse), (*arrays, out, lse, bias_grad)
+
+
+def _dense(cotangent, like: jax.Array) -> jax.Array:
+    """A cotangent as an array (symbolic_zeros=True may hand over a SymbolicZero)."""
+    if isinstance(cotangent, SymbolicZero):
+        return jnp.zeros(like.shape, like.dtype)
+    return cotangent
 
 
 def _bwd_rule(static: StaticArgs, residuals, cotangents):
-    q, k, v, segment_ids, sinks, out, lse = residuals
+    q, k, v, segment_ids, sinks, bias, attn_mask, out, lse, bias_grad = residuals
     d_out, d_lse = cotangents
+    d_out = _dense(d_out, out)
     # delta_i = sum_d dO_id · O_id (FlashAttention-2, Alg. 2 line 4), in float32.
     delta = jnp.einsum(
         "btnd,btnd->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32)
     )
-    delta = delta - d_lse.astype(jnp.float32)
-    dq, dk, dv = static.kernels.backward(
-        q, k, v, segment_ids, out, lse, d_out.astype(q.dtype), delta,
-        **static.kernel_kwargs(),
-    )
+    if not isinstance(d_lse, SymbolicZero):
+        delta = delta - d_lse.astype(jnp.float32)
+    kwargs = static.kernel_kwargs(bias, attn_mask)
+    if bias_grad:
+        kwargs["bias_grad"] = True
+    dq, dk, dv, *d_bias = static.kernels.backward(
+        q, k, v, segment_ids, out, lse, d_out.astype(q.dtype), delta, **kwargs)
+    d_bias = d_bias[0].astype(bias.dtype) if bias_grad else None
     d_sinks = None
     if sinks is not None:
         # A sink is one more logit with a zero value: dS_sink = P_sink · (0 - delta).
         p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
         d_sinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
-    # Segment ids are integers: no cotangent.
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, d_sinks
+    # Segment ids are integers and the mask is boolean: no cotangent.
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, d_sinks,
+            d_bias, None)
 
 
-attention_with_lse.defvjp(_fwd_rule, _bwd_rule)
+attention_with_lse.defvjp(_fwd_rule, _bwd_rule, symbolic_zeros=True)

@@ -13,9 +13,11 @@
   float64 NumPy, forward and gradients derived directly from softmax.
 
 All take ``q: [batch, seq_q, heads, head_dim]`` and ``k, v: [batch, seq_kv, kv_heads,
-head_dim]`` (GQA: ``heads`` a multiple of ``kv_heads``) and return ``out`` shaped like
-``q`` and ``lse: [batch, heads, seq_q]`` (natural log, float32; rows that see no key get
-out 0 and lse :data:`EMPTY_ROW_LSE`).
+head_dim]`` (GQA: ``heads`` a multiple of ``kv_heads``), optionally a ``bias`` added to the
+scaled logits and a boolean ``attn_mask`` (``False`` hides a pair), both broadcastable to
+``[batch, heads, seq_q, seq_kv]`` (see :mod:`pallas_flash.bias`), and return ``out`` shaped
+like ``q`` and ``lse: [batch, heads, seq_q]`` (natural log, float32; rows that see no key
+get out 0 and lse :data:`EMPTY_ROW_LSE`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_flash.bias import canonical, sum_to_shape
 from pallas_flash.masking import MaskSpec, segments_visible
 
 #: lse reported for a row that sees no key: finite, and exp(lse) == 0 in float32.
@@ -48,10 +51,24 @@ def _scale(q, scale):
     return 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else scale
 
 
+def _logit_arrays(q, k, bias, attn_mask):
+    """bias, attn_mask in canonical rank-4 form (or None), for the logits [B, N, T, S]."""
+    shape = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    return (None if bias is None else canonical(bias, "bias", shape),
+            None if attn_mask is None else canonical(attn_mask, "attn_mask", shape))
+
+
+def _logit_tile(x, q_start: int, block_q: int, k_start: int, block_kv: int):
+    """The [.., block_q, block_kv] tile of a canonical bias/mask (broadcast dims kept 1)."""
+    rows = slice(q_start, q_start + block_q) if x.shape[2] > 1 else slice(None)
+    cols = slice(k_start, k_start + block_kv) if x.shape[3] > 1 else slice(None)
+    return x[:, :, rows, cols]
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "mask"))
 def standard_attention(q, k, v, *, scale: float | None = None, mask: MaskSpec | None = None,
-                       segment_ids=None):
-    """O = softmax(Q·Kᵀ·scale)·V with S and P materialised. Returns ``(out, lse)``.
+                       segment_ids=None, bias=None, attn_mask=None):
+    """O = softmax(Q·Kᵀ·scale + bias)·V with S and P materialised. Returns ``(out, lse)``.
 
     ``segment_ids``: None or ``(q_segment_ids [B, Tq], kv_segment_ids [B, Tk])``.
     """
@@ -60,9 +77,14 @@ def standard_attention(q, k, v, *, scale: float | None = None, mask: MaskSpec | 
     k, v = _expand_kv(k, heads), _expand_kv(v, heads)
     s = jnp.einsum("bqnd,bknd->bnqk", q, k, preferred_element_type=jnp.float32)
     s = s * _scale(q, scale)
+    bias, attn_mask = _logit_arrays(q, k, bias, attn_mask)
+    if bias is not None:
+        s = s + bias.astype(jnp.float32)
     visible = mask.block_visible(0, q.shape[1], 0, k.shape[1])
     if segment_ids is not None:
         visible = visible & segments_visible(*segment_ids)[:, None]
+    if attn_mask is not None:
+        visible = visible & attn_mask
     s = jnp.where(visible, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -73,21 +95,30 @@ def standard_attention(q, k, v, *, scale: float | None = None, mask: MaskSpec | 
     return out.astype(q.dtype), lse
 
 
-def _tile_scores(q_i, k_j, scale, mask: MaskSpec, q_start, k_start):
-    """S_ij = Q_i·K_jᵀ·scale for one tile, hidden pairs set to _MASKED. q_i: [B, Br, N, D]."""
+def _tile_scores(q_i, k_j, scale, mask: MaskSpec, q_start, k_start, bias, attn_mask):
+    """S_ij = Q_i·K_jᵀ·scale (+ bias) for one tile, hidden pairs set to _MASKED.
+
+    q_i: [B, Br, N, D]; bias, attn_mask: None or canonical [B', N', T', S'] arrays.
+    """
+    block_q, block_kv = q_i.shape[1], k_j.shape[1]
     s = jnp.einsum("bqnd,bknd->bnqk", q_i, k_j, preferred_element_type=jnp.float32) * scale
-    visible = mask.block_visible(q_start, q_i.shape[1], k_start, k_j.shape[1])
+    if bias is not None:
+        s = s + _logit_tile(bias, q_start, block_q, k_start, block_kv).astype(jnp.float32)
+    visible = mask.block_visible(q_start, block_q, k_start, block_kv)
+    if attn_mask is not None:
+        visible = visible & _logit_tile(attn_mask, q_start, block_q, k_start, block_kv)
     return jnp.where(visible, s, _MASKED), visible
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "mask", "block_q", "block_kv"))
 def flash_attention_v1(q, k, v, *, scale: float | None = None, mask: MaskSpec | None = None,
-                       block_q: int = 32, block_kv: int = 32):
+                       block_q: int = 32, block_kv: int = 32, bias=None, attn_mask=None):
     """FlashAttention (Algorithm 1): K/V blocks outer, Q blocks inner. Returns ``(out, lse)``.
 
     Sequence lengths must be multiples of the block sizes (this is a teaching reference).
     """
     mask, scale = _default_mask(q, k, mask), _scale(q, scale)
+    bias, attn_mask = _logit_arrays(q, k, bias, attn_mask)
     batch, seq_q, heads, head_dim = q.shape
     k, v = _expand_kv(k, heads), _expand_kv(v, heads)
     # Line 2: O = 0, l = 0, m = -inf in HBM (here: full-size arrays).
@@ -99,7 +130,8 @@ def flash_attention_v1(q, k, v, *, scale: float | None = None, mask: MaskSpec | 
         v_j = v[:, k_start:k_start + block_kv].astype(jnp.float32)
         for q_start in range(0, seq_q, block_q):            # line 7: inner loop over Q_i
             rows = slice(q_start, q_start + block_q)
-            s_ij, visible = _tile_scores(q[:, rows], k_j, scale, mask, q_start, k_start)
+            s_ij, visible = _tile_scores(q[:, rows], k_j, scale, mask, q_start, k_start,
+                                         bias, attn_mask)
             # Line 10: tile statistics m~_ij, P~_ij, l~_ij.
             m_tile = jnp.max(s_ij, axis=-1)
             p_tile = jnp.where(visible, jnp.exp(s_ij - m_tile[..., None]), 0.0)
@@ -123,12 +155,13 @@ def flash_attention_v1(q, k, v, *, scale: float | None = None, mask: MaskSpec | 
 
 @functools.partial(jax.jit, static_argnames=("scale", "mask", "block_q", "block_kv"))
 def flash_attention_v2(q, k, v, *, scale: float | None = None, mask: MaskSpec | None = None,
-                       block_q: int = 32, block_kv: int = 32):
+                       block_q: int = 32, block_kv: int = 32, bias=None, attn_mask=None):
     """FlashAttention-2 (Algorithm 1): Q blocks outer, K/V blocks inner. Returns ``(out, lse)``.
 
     Sequence lengths must be multiples of the block sizes (this is a teaching reference).
     """
     mask, scale = _default_mask(q, k, mask), _scale(q, scale)
+    bias, attn_mask = _logit_arrays(q, k, bias, attn_mask)
     batch, seq_q, heads, head_dim = q.shape
     k, v = _expand_kv(k, heads), _expand_kv(v, heads)
     outs, lses = [], []
@@ -147,9 +180,15 @@ def flash_attention_v2(q, k, v, *, scale: float | None = None, mask: MaskSpec | 
             v_j = v[:, k_start:k_start + block_kv].astype(jnp.float32)
             s_ij = jnp.einsum("bqnd,bknd->bnqk", q_i, k_j,
                               preferred_element_type=jnp.float32) * scale
-            needs_mask = not full_first <= j < full_last
+            if bias is not None:
+                s_ij = s_ij + _logit_tile(bias, q_start, block_q, k_start, block_kv)
+            # A mask array can hide pairs in any tile, not only at the band's edges.
+            needs_mask = attn_mask is not None or not full_first <= j < full_last
             if needs_mask:
                 visible = mask.block_visible(q_start, block_q, k_start, block_kv)
+                if attn_mask is not None:
+                    visible = visible & _logit_tile(attn_mask, q_start, block_q, k_start,
+                                                    block_kv)
                 s_ij = jnp.where(visible, s_ij, _MASKED)
             # Line 9: m_new = max(m_old, rowmax(S_ij)), P~ = exp(S_ij - m_new).
             m_new = jnp.maximum(m_i, jnp.max(s_ij, axis=-1))
@@ -170,15 +209,20 @@ def flash_attention_v2(q, k, v, *, scale: float | None = None, mask: MaskSpec | 
 
 
 def attention_float64(q, k, v, *, scale: float | None = None, mask: MaskSpec | None = None,
-                      segment_ids=None, softcap: float | None = None, sinks=None, d_out=None):
-    """Float64 NumPy oracle. Returns ``(out, lse)``, or ``(out, lse, (dq, dk, dv))`` when
-    ``d_out`` (shaped like ``out``) is given.
+                      segment_ids=None, softcap: float | None = None, sinks=None, bias=None,
+                      attn_mask=None, d_out=None):
+    """Float64 NumPy oracle. Returns ``(out, lse)``, or ``(out, lse, grads)`` when ``d_out``
+    (shaped like ``out``) is given.
 
     Gradients come straight from the softmax Jacobian, not from the FlashAttention
     backward's delta identity, so the two derivations check each other. ``softcap``: logits
-    become ``softcap · tanh(logits / softcap)``; ``sinks`` ([heads]): one extra logit per
-    head with a zero value; with both, the gradients are ``(dq, dk, dv, d_sinks)``.
+    become ``softcap · tanh(logits / softcap)``; ``bias`` is added after that; ``sinks``
+    ([heads]): one extra logit per head with a zero value. ``grads`` is ``(dq, dk, dv)``,
+    followed by ``d_sinks`` when ``sinks`` is given and ``d_bias`` (shaped like ``bias``)
+    when ``bias`` is given.
     """
+    bias_shape = np.shape(bias)
+    bias, attn_mask = _logit_arrays(q, k, bias, attn_mask)
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     mask, scale = _default_mask(q, k, mask), _scale(q, scale)
     heads, kv_heads = q.shape[2], k.shape[2]
@@ -188,11 +232,15 @@ def attention_float64(q, k, v, *, scale: float | None = None, mask: MaskSpec | N
     if segment_ids is not None:
         q_seg, kv_seg = (np.asarray(x) for x in segment_ids)
         visible = visible & segments_visible(q_seg, kv_seg)[:, None]
+    if attn_mask is not None:
+        visible = visible & np.asarray(attn_mask)
     s = np.einsum("bqnd,bknd->bnqk", q, k_rep) * scale
     slope = 1.0
     if softcap is not None:
         t = np.tanh(s / softcap)
         s, slope = softcap * t, 1.0 - t * t
+    if bias is not None:
+        s = s + np.asarray(bias, np.float64)
     s = np.where(visible, s, -np.inf)
     if sinks is not None:  # the sink is one more column with logit sinks[head]
         sink_col = np.broadcast_to(np.asarray(sinks, np.float64)[None, :, None, None],
@@ -214,15 +262,19 @@ def attention_float64(q, k, v, *, scale: float | None = None, mask: MaskSpec | N
     d_out = np.asarray(d_out, np.float64)
     dv_rep = np.einsum("bnqk,bqnd->bknd", p, d_out)
     dp = np.einsum("bqnd,bknd->bnqk", d_out, v_rep)
-    # Softmax Jacobian: dS_ij = P_ij (dP_ij - sum_l P_il dP_il) (the sink's dP is 0).
+    # Softmax Jacobian: dS_ij = P_ij (dP_ij - sum_l P_il dP_il) (the sink's dP is 0). It is
+    # the gradient of the biased logits, so of the bias; the soft-cap's slope follows.
     row = np.sum(p * dp, axis=-1, keepdims=True)
-    ds = p * (dp - row) * slope
+    d_logits = p * (dp - row)
+    ds = d_logits * slope
     dq = np.einsum("bnqk,bknd->bqnd", ds, k_rep) * scale
     dk_rep = np.einsum("bnqk,bqnd->bknd", ds, q) * scale
     b, s_kv, _, d = k.shape
     dk = dk_rep.reshape(b, s_kv, kv_heads, group, d).sum(axis=3)
     dv = dv_rep.reshape(b, s_kv, kv_heads, group, d).sum(axis=3)
-    if sinks is None:
-        return out, lse, (dq, dk, dv)
-    d_sinks = np.sum(p_sink * (0.0 - row), axis=(0, 2, 3))
-    return out, lse, (dq, dk, dv, d_sinks)
+    grads = (dq, dk, dv)
+    if sinks is not None:
+        grads += (np.sum(p_sink * (0.0 - row), axis=(0, 2, 3)),)
+    if bias is not None:
+        grads += (sum_to_shape(d_logits, bias.shape).reshape(bias_shape),)
+    return out, lse, grads

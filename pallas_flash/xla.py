@@ -174,9 +174,10 @@ KERNELS = Kernels(name="xla", forward=forward, backward=backward)
 
 
 def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
-                softcap: float | None = None) -> str | None:
+                softcap: float | None = None, has_bias: bool = False,
+                has_mask: bool = False) -> str | None:
     """The XLA path runs every call the API accepts."""
-    del q_shape, kv_shape, dtype, mask, has_segments, softcap
+    del q_shape, kv_shape, dtype, mask, has_segments, softcap, has_bias, has_mask
     return None
 
 

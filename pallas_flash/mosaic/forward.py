@@ -611,13 +611,16 @@ def _pad(x: jax.Array, seq: int, head_dim: int) -> jax.Array:
 
 
 def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
-                softcap: float | None = None) -> str | None:
+                softcap: float | None = None, has_bias: bool = False,
+                has_mask: bool = False) -> str | None:
     """Why the Mosaic GPU forward cannot run this call, or None if it can.
 
     Every mask, segment ids (hence padding lengths) and soft-capping are supported; the
     backward of segment ids / soft-capping is Triton's (see :mod:`.backward`).
     """
     del kv_shape, mask, has_segments, softcap
+    if has_bias or has_mask:
+        return "bias and mask arrays are not supported by the Mosaic GPU kernel yet"
     if jnp.dtype(dtype) not in _DTYPES:
         return f"the Mosaic GPU kernel takes bfloat16 or float16 inputs, got {jnp.dtype(dtype)}"
     if q_shape[-1] > MAX_HEAD_DIM:

@@ -10,9 +10,10 @@ from pallas_flash.triton.forward import forward
 
 
 def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
-                softcap: float | None = None) -> str | None:
+                softcap: float | None = None, has_bias: bool = False,
+                has_mask: bool = False) -> str | None:
     """Every call the API accepts runs here (head dims are padded to powers of two)."""
-    del q_shape, kv_shape, dtype, mask, has_segments, softcap
+    del q_shape, kv_shape, dtype, mask, has_segments, softcap, has_bias, has_mask
     return None
 
 
