@@ -4,7 +4,9 @@ The default off-GPU. Memory is O(seq_q · block_kv) per head instead of O(seq_q 
 a ``lax.scan`` walks the K/V chunks, carrying the unnormalised output and the running
 row max ``m`` and sum ``l`` (FlashAttention-2's loop, with all query rows processed at
 once). The backward recomputes P chunk by chunk from ``lse``. XLA cannot skip chunks
-(the scan length is static), so the mask is applied everywhere.
+(the scan length is static), so the mask is applied everywhere. A ``bias`` / ``attn_mask``
+is sliced per chunk with its broadcast dims kept at size 1; the bias gradient is reduced to
+the bias's shape chunk by chunk, so it never takes more memory than the bias itself.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_flash.autodiff import Kernels
+from pallas_flash.bias import grouped, sum_to_shape
 from pallas_flash.masking import MaskSpec, segments_visible
+from pallas_flash.padding import pad_axis
 from pallas_flash.reference import EMPTY_ROW_LSE
 
 _MASKED = -1e30
@@ -52,10 +56,12 @@ def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
     return q.reshape(b, t, kv_heads, n // kv_heads, d)
 
 
-def _scores(q_g, k_j, scale, softcap, mask: MaskSpec, k_start, block_kv, segments):
+def _scores(q_g, k_j, scale, softcap, mask: MaskSpec, k_start, block_kv, segments, bias_j,
+            mask_j):
     """Logits of all queries against one chunk, masked: [B, K, G, T, block_kv].
 
     segments: None or (q_segment_ids [B, T], kv_segment_ids of the chunk [B, block_kv]).
+    bias_j, mask_j: None or the chunk of the bias / mask, [B', K', G', T', block_kv or 1].
     Returns (masked logits, visible, d logits / d raw logits) — the last is
     ``1 - tanh²`` under soft-capping and None without it.
     """
@@ -65,10 +71,30 @@ def _scores(q_g, k_j, scale, softcap, mask: MaskSpec, k_start, block_kv, segment
     if softcap is not None:
         t = jnp.tanh(s / softcap)
         s, slope = softcap * t, 1.0 - t * t
+    if bias_j is not None:
+        s = s + bias_j.astype(jnp.float32)
     visible = mask.block_visible(0, q_g.shape[1], k_start, block_kv)
     if segments is not None:
         visible = visible & segments_visible(*segments)[:, None, None]
+    if mask_j is not None:
+        visible = visible & mask_j
     return jnp.where(visible, s, _MASKED), visible, slope
+
+
+def _padded_keys(x, num_chunks: int, block: int):
+    """A canonical bias/mask padded along keys to whole chunks (None and size 1 pass)."""
+    if x is None or x.shape[3] == 1:
+        return x
+    return pad_axis(x, 3, num_chunks * block)
+
+
+def _chunk(x, index, block: int, kv_heads: int):
+    """Chunk ``index`` of a padded canonical bias/mask: [B', K', G', T', block or 1]."""
+    if x is None:
+        return None
+    if x.shape[3] > 1:
+        x = lax.dynamic_slice_in_dim(x, index * block, block, axis=3)
+    return grouped(x, kv_heads)
 
 
 def _segment_chunks(segment_ids, block: int):
@@ -82,7 +108,7 @@ def _segment_chunks(segment_ids, block: int):
 
 
 def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaConfig,
-            interpret: bool, softcap: float | None = None):
+            interpret: bool, softcap: float | None = None, bias=None, attn_mask=None):
     """q: [B, T, N, D], k/v: [B, S, K, D] -> (out [B, T, N, D], lse [B, N, T] float32)."""
     del interpret
     batch, seq_q, heads, head_dim = q.shape
@@ -93,12 +119,15 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaCo
     group = heads // kv_heads
 
     q_seg, kv_seg_chunks = _segment_chunks(segment_ids, block)
+    bias, attn_mask = (_padded_keys(x, k_chunks.shape[0], block) for x in (bias, attn_mask))
 
     def step(carry, xs):
         o, m, l = carry
         index, k_j, v_j, kv_seg = xs
         segments = None if q_seg is None else (q_seg, kv_seg)
-        s, visible, _ = _scores(q_g, k_j, scale, softcap, mask, index * block, block, segments)
+        s, visible, _ = _scores(q_g, k_j, scale, softcap, mask, index * block, block, segments,
+                                _chunk(bias, index, block, kv_heads),
+                                _chunk(attn_mask, index, block, kv_heads))
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
@@ -122,8 +151,12 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaCo
 
 
 def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, scale: float,
-             config: XlaConfig, interpret: bool, softcap: float | None = None):
-    """Gradients by recomputing P per K/V chunk (FlashAttention-2, Algorithm 2)."""
+             config: XlaConfig, interpret: bool, softcap: float | None = None, bias=None,
+             attn_mask=None, bias_grad: bool = False):
+    """Gradients by recomputing P per K/V chunk (FlashAttention-2, Algorithm 2).
+
+    Returns (dq, dk, dv), and dbias (float32, shaped like ``bias``) when ``bias_grad``.
+    """
     del out, interpret
     batch, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
@@ -135,19 +168,26 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
     prec = _precision(q.dtype)
 
     q_seg, kv_seg_chunks = _segment_chunks(segment_ids, block)
+    k_chunks, v_chunks = _chunks(k, block), _chunks(v, block)
+    num_chunks = k_chunks.shape[0]
+    bias_shape = None if bias is None else bias.shape
+    bias, attn_mask = (_padded_keys(x, num_chunks, block) for x in (bias, attn_mask))
 
     def step(dq, xs):
         index, k_j, v_j, kv_seg = xs
         segments = None if q_seg is None else (q_seg, kv_seg)
+        bias_j = _chunk(bias, index, block, kv_heads)
         s, visible, slope = _scores(q_g, k_j, scale, softcap, mask, index * block, block,
-                                    segments)
+                                    segments, bias_j, _chunk(attn_mask, index, block, kv_heads))
         p = jnp.where(visible, jnp.exp(s - lse_g[..., None]), 0.0)
         # dV_j = Pᵀ dO, dP = dO V_jᵀ, dS = P ∘ (dP - delta), dQ += dS K_j, dK_j = dSᵀ Q.
         dv_j = jnp.einsum("bkgts,btkgd->bskd", p.astype(q.dtype), do_g,
                           preferred_element_type=jnp.float32, precision=prec)
         dp = jnp.einsum("btkgd,bskd->bkgts", do_g, v_j,
                         preferred_element_type=jnp.float32, precision=prec)
-        ds = p * (dp - delta_g[..., None])
+        ds = p * (dp - delta_g[..., None])  # the gradient of the (biased) logits
+        # The bias gradient, summed over the bias's broadcast dims now: bias-sized chunks.
+        d_bias_j = sum_to_shape(ds, bias_j.shape) if bias_grad else None
         if slope is not None:  # chain rule through c·tanh(x/c)
             ds = ds * slope
         ds = ds.astype(q.dtype)
@@ -155,19 +195,25 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
                              preferred_element_type=jnp.float32, precision=prec)
         dk_j = jnp.einsum("bkgts,btkgd->bskd", ds, q_g,
                           preferred_element_type=jnp.float32, precision=prec)
-        return dq, (dk_j * scale, dv_j)
+        return dq, (dk_j * scale, dv_j, d_bias_j)
 
-    k_chunks, v_chunks = _chunks(k, block), _chunks(v, block)
-    indices = jnp.arange(k_chunks.shape[0])
+    indices = jnp.arange(num_chunks)
     dq0 = jnp.zeros((batch, seq_q, kv_heads, group, head_dim), jnp.float32)
-    dq, (dk, dv) = lax.scan(step, dq0, (indices, k_chunks, v_chunks, kv_seg_chunks))
+    dq, (dk, dv, d_bias) = lax.scan(step, dq0, (indices, k_chunks, v_chunks, kv_seg_chunks))
 
     def unchunk(x):  # [S/block, B, block, K, D] -> [B, S, K, D]
         x = jnp.moveaxis(x, 0, 1)
         return x.reshape(batch, -1, kv_heads, head_dim)[:, :seq_kv]
 
     dq = (dq * scale).reshape(batch, seq_q, heads, head_dim)
-    return dq, unchunk(dk), unchunk(dv)
+    if not bias_grad:
+        return dq, unchunk(dk), unchunk(dv)
+    # d_bias: [chunks, B', K', G', T', block or 1] -> the bias's [B', N', T', S'].
+    if bias_shape[3] == 1:
+        d_bias = jnp.sum(d_bias, axis=0)
+    else:
+        d_bias = jnp.moveaxis(d_bias, 0, 4).reshape(*d_bias.shape[1:5], -1)[..., :seq_kv]
+    return dq, unchunk(dk), unchunk(dv), d_bias.reshape(bias_shape)
 
 
 KERNELS = Kernels(name="xla", forward=forward, backward=backward)
