@@ -11,6 +11,20 @@ Both kernels recompute P = exp(S - lse) tile by tile from the forward's lse
   dQ_i += dS·K.
 
 Each output tile is written by exactly one program, so the result is deterministic.
+
+Bias gradient (``bias_grad``): dbias = dS of the biased logits, summed over the bias's
+broadcast dims. The dK/dV kernel computes it, because its loops already run over two of
+those dims: over the query tiles (a bias broadcast over queries, e.g. ``[B, 1, 1, S]``,
+sums them in registers) and over the GQA group's heads (a bias broadcast over heads sums
+them in registers too when it is also broadcast over queries). Every other broadcast dim
+is summed outside the kernel from a float32 partial ``[B, K, G', T', S']`` whose dims are:
+batch and KV heads always (a grid axis each); ``G' = G`` unless summed in registers;
+``T' = seq_q`` unless summed; ``S' = seq_kv``, or one column per key tile for a bias
+broadcast over keys. So a full-size bias costs one ``[B, N, T, S]`` float32 partial, a
+``[T, S]`` bias shared by batch and heads also ``[B, N, T, S]`` (B·N times the bias), and
+a padding-style ``[B, 1, 1, S]`` bias only ``[B, K, 1, S]``. Tiles a program never visits
+must read 0, so when the partial has a query dim it starts as zeros
+(``input_output_aliases``).
 """
 
 from __future__ import annotations
@@ -23,53 +37,69 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_flash.bias import sum_to_shape
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import next_power_of_2, pad_axis, round_up
 from pallas_flash.triton.config import TritonConfig
 from pallas_flash.triton.forward import LOG2_E, dot_precision, log2_logits
-from pallas_flash.triton.tiles import segment_operands, walk_tiles
+from pallas_flash.triton.tiles import (
+    column_block_operand,
+    read_tile,
+    row_block_operand,
+    segment_operands,
+    tile_visible,
+    walk_tiles,
+)
 
 
-def _visible(mask: MaskSpec, q_start, block_q, k_start, block_kv, q_seg, kv_seg):
-    visible = mask.block_visible(q_start, block_q, k_start, block_kv)
-    if q_seg is not None:
-        visible = visible & (q_seg[:, None] == kv_seg[None, :])
-    return visible
-
-
-def _probabilities(q, k, lse2, scale, softcap, precision, visible):
+def _probabilities(q, k, lse2, scale, softcap, precision, visible, bias_tile):
     """P = exp2(S·log2 e - lse·log2 e): the forward's softmax, recomputed.
 
     Returns ``(p, slope)``, slope as in :func:`log2_logits`.
     """
     qk = plgpu.dot(q, k, trans_b=True, precision=precision)
-    s, slope = log2_logits(qk, scale, softcap)
+    s, slope = log2_logits(qk, scale, softcap, bias_tile)
     p = jnp.exp2(s - lse2[:, None])
     return (p if visible is None else jnp.where(visible, p, 0.0)), slope
 
 
-def _score_gradient(p, dp, delta, slope):
-    """dS = P ∘ (dP - delta) (FA2, Alg. 2), then through the soft-cap's tanh if any."""
-    ds = p * (dp - delta[:, None])
+def _score_gradient(p, dp, delta):
+    """dS = P ∘ (dP - delta) (FA2, Alg. 2): the gradient of the (biased) logits."""
+    return p * (dp - delta[:, None])
+
+
+def _raw_score_gradient(ds, slope):
+    """dS through the soft-cap's tanh, if any: the gradient of scale·Q·Kᵀ."""
     return ds if slope is None else ds * slope
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, mask: MaskSpec,
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_refs, bias_ref,
+                 mask_ref, d_bias_init_ref, dk_ref, dv_ref, d_bias_ref, *, mask: MaskSpec,
                  scale: float, softcap: float | None, block_q: int, block_kv: int,
-                 num_q_blocks: int, group: int, has_segments: bool):
-    if has_segments:
-        q_seg_ref, kv_seg_ref, span_ref, dk_ref, dv_ref = rest
-    else:
-        span_ref = None
-        dk_ref, dv_ref = rest
+                 num_q_blocks: int, group: int):
+    """One key tile of one (batch, KV head). bias_ref, mask_ref: None or
+    ``[G or 1, padded_q or 1, block_kv or 1]`` (tiles.column_block_operand); d_bias_ref: None
+    or this program's block of the partial (module docstring), ``d_bias_init_ref`` its
+    aliased zeros."""
+    del d_bias_init_ref  # the same buffer as d_bias_ref
+    has_segments = seg_refs is not None
+    q_seg_ref, kv_seg_ref, span_ref = seg_refs if has_segments else (None,) * 3
     kv_block = pl.program_id(0)
     k_start = kv_block * block_kv
     precision = dot_precision(k_ref.dtype)
     k, v = k_ref[...], v_ref[...]
     kv_seg = kv_seg_ref[pl.ds(k_start, block_kv)] if has_segments else None
+    # Which of the bias's dims the partial keeps (static): see the module docstring.
+    if d_bias_ref is not None:
+        partial_heads, partial_rows, partial_cols = d_bias_ref.shape
+        key_broadcast = partial_cols == 1
+
+    def d_bias_tile(ds):
+        """dS summed over the tile's keys when the bias is broadcast over keys."""
+        return jnp.sum(ds, axis=1, keepdims=True) if key_broadcast else ds
 
     def q_step(i, carry, *, head, masked: bool):
-        dk, dv = carry
+        dk, dv, d_bias_rows = carry
         q_start = i * block_q
         rows = pl.ds(q_start, block_q)
         q, do = q_ref[rows, head, :], do_ref[rows, head, :]
@@ -77,34 +107,52 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, mask: M
         visible = None
         if masked:
             q_seg = q_seg_ref[rows] if has_segments else None
-            visible = _visible(mask, q_start, block_q, k_start, block_kv, q_seg, kv_seg)
-        p, slope = _probabilities(q, k, lse2, scale, softcap, precision, visible)
+            visible = tile_visible(mask, q_start, block_q, k_start, block_kv, q_seg, kv_seg,
+                                   read_tile(mask_ref, head=head, rows=rows))
+        p, slope = _probabilities(q, k, lse2, scale, softcap, precision, visible,
+                                  read_tile(bias_ref, head=head, rows=rows))
         dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
         dp = plgpu.dot(do, v, trans_b=True, precision=precision)
-        ds = _score_gradient(p, dp, delta, slope)
+        ds = _score_gradient(p, dp, delta)
+        if d_bias_ref is not None:
+            if partial_rows == 1:  # bias broadcast over queries: sum the rows here
+                d_bias_rows = d_bias_rows + jnp.sum(d_bias_tile(ds), axis=0, keepdims=True)
+            else:  # each (head, query tile, key tile) is visited once: plain store
+                d_bias_ref[head, rows, :] = d_bias_tile(ds)
+        ds = _raw_score_gradient(ds, slope)
         dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True, precision=precision)
-        return dk, dv
+        return dk, dv, d_bias_rows
 
     ranges = mask.q_blocks(k_start, block_kv, block_q, num_q_blocks)
+    # Query-summed dbias row of the current head (or of the whole group when the partial
+    # has one head); None when no such sum is kept.
+    summed_rows = d_bias_ref is not None and partial_rows == 1
+    d_bias_zeros = (jnp.zeros((1, partial_cols), jnp.float32) if summed_rows else None)
 
     def head_step(head, carry):  # the GQA group's query heads, summed in registers
-        return walk_tiles(functools.partial(q_step, head=head), ranges, carry,
-                          span_ref=span_ref, own_tile=kv_block)
+        carry = walk_tiles(functools.partial(q_step, head=head), ranges, carry,
+                           span_ref=span_ref, own_tile=kv_block,
+                           mask_every_tile=mask_ref is not None)
+        if summed_rows and partial_heads > 1:  # one row per head: store it, start afresh
+            d_bias_ref[head, :, :] = carry[2]
+            carry = (*carry[:2], d_bias_zeros)
+        return carry
 
     zeros = jnp.zeros(k.shape, jnp.float32)
-    dk, dv = lax.fori_loop(0, group, head_step, (zeros, zeros))
+    dk, dv, d_bias_rows = lax.fori_loop(0, group, head_step, (zeros, zeros, d_bias_zeros))
+    if summed_rows and partial_heads == 1:
+        d_bias_ref[0, :, :] = d_bias_rows
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, mask: MaskSpec,
-               scale: float, softcap: float | None, block_q: int, block_kv: int,
-               has_segments: bool):
-    if has_segments:
-        q_seg_ref, kv_seg_ref, span_ref, dq_ref = rest
-    else:
-        span_ref = None
-        (dq_ref,) = rest
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_refs, bias_ref, mask_ref,
+               dq_ref, *, mask: MaskSpec, scale: float, softcap: float | None, block_q: int,
+               block_kv: int):
+    """One query tile of one (batch, head). bias_ref, mask_ref: None or
+    ``[block_q or 1, padded_kv or 1]`` (tiles.row_block_operand)."""
+    has_segments = seg_refs is not None
+    q_seg_ref, kv_seg_ref, span_ref = seg_refs if has_segments else (None,) * 3
     q_block = pl.program_id(0)
     q_start = q_block * block_q
     precision = dot_precision(q_ref.dtype)
@@ -119,20 +167,49 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, mask: Mas
         visible = None
         if masked:
             kv_seg = kv_seg_ref[cols] if has_segments else None
-            visible = _visible(mask, q_start, block_q, k_start, block_kv, q_seg, kv_seg)
-        p, slope = _probabilities(q, k, lse2, scale, softcap, precision, visible)
+            visible = tile_visible(mask, q_start, block_q, k_start, block_kv, q_seg, kv_seg,
+                                   read_tile(mask_ref, cols=cols))
+        p, slope = _probabilities(q, k, lse2, scale, softcap, precision, visible,
+                                  read_tile(bias_ref, cols=cols))
         dp = plgpu.dot(do, v, trans_b=True, precision=precision)
-        ds = _score_gradient(p, dp, delta, slope)
+        ds = _raw_score_gradient(_score_gradient(p, dp, delta), slope)
         return dq + plgpu.dot(ds.astype(k.dtype), k, precision=precision)
 
     dq = walk_tiles(kv_step, mask.kv_blocks(q_start, block_q, block_kv),
-                    jnp.zeros(q.shape, jnp.float32), span_ref=span_ref, own_tile=q_block)
+                    jnp.zeros(q.shape, jnp.float32), span_ref=span_ref, own_tile=q_block,
+                    mask_every_tile=mask_ref is not None)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
+def _d_bias_partial(bias_shape, batch: int, kv_heads: int, group: int, padded_q: int,
+                    padded_kv: int, block_kv: int):
+    """Shape and block spec of the dK/dV kernel's dbias partial (module docstring)."""
+    _, bias_heads, bias_rows, bias_cols = bias_shape
+    rows = padded_q if bias_rows > 1 else 1
+    heads = group if bias_heads > 1 or rows > 1 else 1
+    cols, block_cols = (padded_kv, block_kv) if bias_cols > 1 else (padded_kv // block_kv, 1)
+    spec = pl.BlockSpec((None, None, heads, rows, block_cols), lambda j, b, h: (b, h, 0, 0, j))
+    return (batch, kv_heads, heads, rows, cols), spec
+
+
+def _reduce_d_bias(partial, bias_shape, seq_q: int, seq_kv: int):
+    """The float32 partial [B, K, G', T', S'] -> dbias [B', N', T', S'] (bias's shape)."""
+    batch, kv_heads, heads, rows, cols = partial.shape
+    partial = partial.reshape(batch, kv_heads * heads, rows, cols)[:, :, :seq_q]
+    if bias_shape[3] == 1:  # one column per key tile: add them up
+        partial = jnp.sum(partial, axis=3, keepdims=True)
+    return sum_to_shape(partial[..., :seq_kv], bias_shape)
+
+
 def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, scale: float,
-             config: TritonConfig, interpret: bool, softcap: float | None = None):
-    """Returns (dq [B, T, N, D], dk [B, S, K, D], dv [B, S, K, D])."""
+             config: TritonConfig, interpret: bool, softcap: float | None = None, bias=None,
+             attn_mask=None, bias_grad: bool = False):
+    """Returns (dq [B, T, N, D], dk [B, S, K, D], dv [B, S, K, D]), and dbias (float32,
+    shaped like ``bias``) when ``bias_grad``.
+
+    bias, attn_mask: None or canonical ``[B', N', T', S']`` (pallas_flash.bias); the mask
+    is passed to the kernels as int8.
+    """
     del out  # only needed for delta, which the caller computed
     batch, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
@@ -147,17 +224,19 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
     # lse in base 2; padded rows get +inf so that their P = exp2(S - inf) is exactly 0.
     lse2 = pad_axis(lse * LOG2_E, 2, padded_q, jnp.inf)
     delta = pad_axis(delta, 2, padded_q)
-    has_segments = segment_ids is not None
-    # Per kernel: (operands, block specs) of the segment ids and the walked tiles' spans.
-    dkdv_segments, dq_segments = ([], []), ([], [])
-    if has_segments:
+    # Optional operands: None, or arrays with their specs (pallas_call takes pytrees). Per
+    # kernel: the segment ids and the spans of the tiles it walks.
+    dkdv_segments = dq_segments = (None, None)
+    if segment_ids is not None:
         dkdv_segments, dq_segments = (
-            segment_operands(segment_ids, padded_q, padded_kv, block_q, block_kv,
-                             walk_kv=walk_kv) for walk_kv in (False, True))
+            tuple(tuple(x) for x in segment_operands(segment_ids, padded_q, padded_kv, block_q,
+                                                     block_kv, walk_kv=walk_kv))
+            for walk_kv in (False, True))
+    logit_arrays = (bias, None if attn_mask is None else attn_mask.astype(jnp.int8))
     params = plgpu.CompilerParams(num_warps=config.bwd_num_warps,
                                   num_stages=config.bwd_num_stages)
     static = dict(mask=mask, scale=scale, softcap=softcap, block_q=block_q,
-                  block_kv=block_kv, has_segments=has_segments)
+                  block_kv=block_kv)
 
     # dK/dV: the group's query heads are viewed as one [T, G, D] block per KV head.
     def kv_tile(j, b, h):
@@ -171,24 +250,45 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
 
     grouped = lambda x: x.reshape(batch, padded_q, kv_heads, group, padded_d)  # noqa: E731
     stats = lambda x: x.reshape(batch, kv_heads, group, padded_q)  # noqa: E731
-    dk, dv = pl.pallas_call(
+    columns = [(None, None) if x is None else
+               column_block_operand(x, kv_heads, padded_q, padded_kv, block_kv)
+               for x in logit_arrays]
+    inputs = [grouped(q_p), k_p, v_p, grouped(do_p), stats(lse2), stats(delta),
+              dkdv_segments[0], *(x for x, _ in columns)]
+    in_specs = [
+        pl.BlockSpec((None, padded_q, None, group, padded_d), group_rows),
+        pl.BlockSpec((None, block_kv, None, padded_d), kv_tile),
+        pl.BlockSpec((None, block_kv, None, padded_d), kv_tile),
+        pl.BlockSpec((None, padded_q, None, group, padded_d), group_rows),
+        pl.BlockSpec((None, None, group, padded_q), group_stats),
+        pl.BlockSpec((None, None, group, padded_q), group_stats),
+        dkdv_segments[1],
+        *(spec for _, spec in columns),
+    ]
+    out_specs = [pl.BlockSpec((None, block_kv, None, padded_d), kv_tile)] * 2
+    out_shape = [jax.ShapeDtypeStruct(k_p.shape, k.dtype)] * 2
+    d_bias_init = d_bias_spec = d_bias_shape = None
+    aliases = {}
+    if bias_grad:
+        partial_shape, d_bias_spec = _d_bias_partial(bias.shape, batch, kv_heads, group,
+                                                     padded_q, padded_kv, block_kv)
+        d_bias_shape = jax.ShapeDtypeStruct(partial_shape, jnp.float32)
+        if partial_shape[3] > 1:  # tiles no program visits must read 0
+            d_bias_init = jnp.zeros(partial_shape, jnp.float32)
+            aliases = {len(jax.tree.leaves(inputs)): 2}
+    inputs.append(d_bias_init)
+    in_specs.append(None if d_bias_init is None else d_bias_spec)
+    dk, dv, d_bias = pl.pallas_call(
         functools.partial(_dkdv_kernel, num_q_blocks=num_q_blocks, group=group, **static),
         grid=(num_kv_blocks, batch, kv_heads),
-        in_specs=[
-            pl.BlockSpec((None, padded_q, None, group, padded_d), group_rows),
-            pl.BlockSpec((None, block_kv, None, padded_d), kv_tile),
-            pl.BlockSpec((None, block_kv, None, padded_d), kv_tile),
-            pl.BlockSpec((None, padded_q, None, group, padded_d), group_rows),
-            pl.BlockSpec((None, None, group, padded_q), group_stats),
-            pl.BlockSpec((None, None, group, padded_q), group_stats),
-            *dkdv_segments[1],
-        ],
-        out_specs=[pl.BlockSpec((None, block_kv, None, padded_d), kv_tile)] * 2,
-        out_shape=[jax.ShapeDtypeStruct(k_p.shape, k.dtype)] * 2,
+        in_specs=in_specs,
+        out_specs=[*out_specs, d_bias_spec],
+        out_shape=[*out_shape, d_bias_shape],
+        input_output_aliases=aliases,
         compiler_params=params,
         interpret=interpret,
         name="pallas_flash_backward_dkdv",
-    )(grouped(q_p), k_p, v_p, grouped(do_p), stats(lse2), stats(delta), *dkdv_segments[0])
+    )(*inputs)
 
     def q_tile(i, b, h):
         return (b, i, h, 0)
@@ -199,6 +299,9 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
     def row_stats(i, b, h):
         return (b, h, i)
 
+    rows = [(None, None) if x is None else
+            row_block_operand(x, padded_q, padded_kv, block_q, lambda i: i)
+            for x in logit_arrays]
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, **static),
         grid=(num_q_blocks, batch, heads),
@@ -209,13 +312,17 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
             pl.BlockSpec((None, block_q, None, padded_d), q_tile),
             pl.BlockSpec((None, None, block_q), row_stats),
             pl.BlockSpec((None, None, block_q), row_stats),
-            *dq_segments[1],
+            dq_segments[1],
+            *(spec for _, spec in rows),
         ],
         out_specs=pl.BlockSpec((None, block_q, None, padded_d), q_tile),
         out_shape=jax.ShapeDtypeStruct(q_p.shape, q.dtype),
         compiler_params=params,
         interpret=interpret,
         name="pallas_flash_backward_dq",
-    )(q_p, k_p, v_p, do_p, lse2, delta, *dq_segments[0])
-    return (dq[:, :seq_q, :, :head_dim], dk[:, :seq_kv, :, :head_dim],
-            dv[:, :seq_kv, :, :head_dim])
+    )(q_p, k_p, v_p, do_p, lse2, delta, dq_segments[0], *(x for x, _ in rows))
+    grads = (dq[:, :seq_q, :, :head_dim], dk[:, :seq_kv, :, :head_dim],
+             dv[:, :seq_kv, :, :head_dim])
+    if bias_grad:
+        grads += (_reduce_d_bias(d_bias, bias.shape, seq_q, seq_kv),)
+    return grads

@@ -3,7 +3,9 @@
 One program per (query block, batch, head): Q_i stays on chip while the program walks the
 K/V blocks its rows can see, keeping the running max ``m_i``, sum ``l_i`` and the
 unnormalised output in registers (FlashAttention-2, Algorithm 1). Blocks outside the mask
-band are never loaded; blocks fully inside it run without any mask arithmetic.
+band are never loaded; blocks fully inside it run without any mask arithmetic (unless a
+mask array is given, which may hide pairs anywhere). A bias is read tile by tile next to K
+(see :mod:`pallas_flash.triton.tiles`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import next_power_of_2, pad_axis, round_up
 from pallas_flash.reference import EMPTY_ROW_LSE
 from pallas_flash.triton.config import TritonConfig
-from pallas_flash.triton.tiles import segment_operands, walk_tiles
+from pallas_flash.triton.tiles import (
+    read_tile,
+    row_block_operand,
+    segment_operands,
+    tile_visible,
+    walk_tiles,
+)
 
 LOG2_E = math.log2(math.e)
 # Initial running max: finite, so exp2(m_old - m_new) is 0 rather than NaN when a row has
@@ -40,26 +48,30 @@ def query_block_order(program: int, num_q_blocks: int, mask: MaskSpec):
     return num_q_blocks - 1 - program if mask.is_causal else program
 
 
-def log2_logits(qk, scale: float, softcap: float | None):
+def log2_logits(qk, scale: float, softcap: float | None, bias_tile=None):
     """Logits in base 2 from raw Q·Kᵀ: exp(x) = exp2(x·log2 e), so the scale folds in.
 
     Returns ``(logits2, slope)``; with soft-capping the logits are ``c·tanh(scale·qk/c)`` and
     ``slope = 1 - tanh²`` is their derivative w.r.t. ``scale·qk`` (None without it).
+    ``bias_tile`` (``[block_q or 1, block_kv or 1]``) is added after the soft-cap.
     """
     if softcap is None:
-        return qk * (scale * LOG2_E), None
-    t = jnp.tanh(qk * (scale / softcap))
-    return t * (softcap * LOG2_E), 1.0 - t * t
-
-
-def _forward_kernel(q_ref, k_ref, v_ref, *rest, mask: MaskSpec, scale: float,
-                    softcap: float | None, block_q: int, block_kv: int, num_q_blocks: int,
-                    has_segments: bool):
-    if has_segments:
-        q_seg_ref, kv_seg_ref, span_ref, o_ref, lse_ref = rest
+        s, slope = qk * (scale * LOG2_E), None
     else:
-        span_ref = None
-        o_ref, lse_ref = rest
+        t = jnp.tanh(qk * (scale / softcap))
+        s, slope = t * (softcap * LOG2_E), 1.0 - t * t
+    if bias_tile is not None:
+        s = s + bias_tile.astype(jnp.float32) * LOG2_E
+    return s, slope
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, bias_ref, mask_ref, o_ref, lse_ref, *,
+                    mask: MaskSpec, scale: float, softcap: float | None, block_q: int,
+                    block_kv: int, num_q_blocks: int):
+    """seg_refs: None or (q ids, kv ids, spans) (tiles.segment_operands); bias_ref, mask_ref:
+    None or this program's ``[block_q or 1, padded_kv or 1]`` rows (tiles.row_block_operand)."""
+    has_segments = seg_refs is not None
+    q_seg_ref, kv_seg_ref, span_ref = seg_refs if has_segments else (None,) * 3
     q_block = query_block_order(pl.program_id(0), num_q_blocks, mask)
     q_start = q_block * block_q
     precision = dot_precision(q_ref.dtype)
@@ -69,14 +81,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, *rest, mask: MaskSpec, scale: float,
     def kv_step(j, carry, *, masked: bool):
         acc, m_i, l_i = carry
         k_start = j * block_kv
-        k = k_ref[pl.ds(k_start, block_kv), :]
+        cols = pl.ds(k_start, block_kv)
+        k = k_ref[cols, :]
         qk = plgpu.dot(q, k, trans_b=True, precision=precision)  # [block_q, block_kv]
-        s, _ = log2_logits(qk, scale, softcap)
+        s, _ = log2_logits(qk, scale, softcap, read_tile(bias_ref, cols=cols))
         if masked:
-            visible = mask.block_visible(q_start, block_q, k_start, block_kv)
-            if has_segments:
-                kv_seg = kv_seg_ref[pl.ds(k_start, block_kv)]
-                visible = visible & (q_seg[:, None] == kv_seg[None, :])
+            kv_seg = kv_seg_ref[cols] if has_segments else None
+            visible = tile_visible(mask, q_start, block_q, k_start, block_kv, q_seg, kv_seg,
+                                   read_tile(mask_ref, cols=cols))
             s = jnp.where(visible, s, -jnp.inf)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         p = jnp.exp2(s - m_new[:, None])
@@ -92,7 +104,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *rest, mask: MaskSpec, scale: float,
              jnp.full((block_q,), _M_INIT, jnp.float32),
              jnp.zeros((block_q,), jnp.float32))
     acc, m_i, l_i = walk_tiles(kv_step, mask.kv_blocks(q_start, block_q, block_kv), carry,
-                               span_ref=span_ref, own_tile=q_block)
+                               span_ref=span_ref, own_tile=q_block,
+                               mask_every_tile=mask_ref is not None)
 
     # Normalise once at the end (FA2, Algorithm 1 line 12); rows that saw nothing give 0.
     empty = l_i == 0.0
@@ -102,8 +115,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, *rest, mask: MaskSpec, scale: float,
 
 
 def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: TritonConfig,
-            interpret: bool, softcap: float | None = None):
-    """q: [B, T, N, D], k/v: [B, S, K, D] -> (out [B, T, N, D], lse [B, N, T] float32)."""
+            interpret: bool, softcap: float | None = None, bias=None, attn_mask=None):
+    """q: [B, T, N, D], k/v: [B, S, K, D] -> (out [B, T, N, D], lse [B, N, T] float32).
+
+    bias, attn_mask: None or canonical ``[B', N', T', S']`` (pallas_flash.bias); the mask
+    goes to the kernel as int8 (one byte, like bool, and a type every Triton load takes).
+    """
     batch, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -114,7 +131,6 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: Trito
     k_p = pad_axis(pad_axis(k, 1, padded_kv), 3, padded_d)
     v_p = pad_axis(pad_axis(v, 1, padded_kv), 3, padded_d)
     num_q_blocks = padded_q // block_q
-    has_segments = segment_ids is not None
 
     def q_tile(i, b, h):
         return (b, query_block_order(i, num_q_blocks, mask), h, 0)
@@ -131,16 +147,23 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: Trito
         pl.BlockSpec((None, padded_kv, None, padded_d), kv_rows),
     ]
     inputs = [q_p, k_p, v_p]
-    if has_segments:
-        arrays, specs = segment_operands(segment_ids, padded_q, padded_kv, block_q, block_kv,
-                                         walk_kv=True)
-        inputs += arrays
-        in_specs += specs
+    # Optional operands: None, or arrays with their specs (pallas_call takes pytrees).
+    segments = seg_specs = None
+    if segment_ids is not None:
+        segments, seg_specs = (tuple(x) for x in segment_operands(
+            segment_ids, padded_q, padded_kv, block_q, block_kv, walk_kv=True))
+    inputs.append(segments)
+    in_specs.append(seg_specs)
+    for x in (bias, None if attn_mask is None else attn_mask.astype(jnp.int8)):
+        operand, spec = (None, None) if x is None else row_block_operand(
+            x, padded_q, padded_kv, block_q,
+            functools.partial(query_block_order, num_q_blocks=num_q_blocks, mask=mask))
+        inputs.append(operand)
+        in_specs.append(spec)
 
     kernel = functools.partial(
         _forward_kernel, mask=mask, scale=scale, softcap=softcap, block_q=block_q,
-        block_kv=block_kv,
-        num_q_blocks=num_q_blocks, has_segments=has_segments)
+        block_kv=block_kv, num_q_blocks=num_q_blocks)
     out, lse = pl.pallas_call(
         kernel,
         grid=(num_q_blocks, batch, heads),

@@ -1,4 +1,5 @@
-"""How the Triton kernels walk their tiles: mask-band ranges and packed-sequence spans.
+"""How the Triton kernels walk their tiles: mask-band ranges, packed-sequence spans, and
+the tiles of a bias / mask array.
 
 Every kernel loops over the tiles of one row (or column) of S = Q·Kᵀ that
 ``MaskSpec.kv_blocks`` / ``q_blocks`` name: tiles outside ``[first, last)`` are never
@@ -9,6 +10,12 @@ With packed sequences the band is intersected with each tile's span
 software-pipelines. (An earlier version tested every tile with a branch inside the loop;
 the branch stopped the pipelining and 8 packed documents cost 0.48 of one long one instead
 of about an eighth.)
+
+A ``bias`` / ``mask`` array keeps its broadcast dims at size 1 (pallas_flash.bias): its block
+specs give those dims block size 1 and index 0 (the same element for every program, as a
+stride-0 view would), and :func:`read_tile` reads a full dim in tiles and a size-1 dim
+whole, so the kernels add a ``[block_q or 1, block_kv or 1]`` tile that broadcasts against
+the logits. Nothing is expanded in HBM.
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_flash.bias import grouped
+from pallas_flash.masking import MaskSpec
+from pallas_flash.padding import pad_axis
 from pallas_flash.segments import pad_segment_ids, tile_spans
 
 
@@ -44,20 +54,95 @@ def _batch_row(x: jax.Array) -> pl.BlockSpec:
     return pl.BlockSpec((None, *x.shape[1:]), lambda tile, b, h: (b, *rest))
 
 
-def walk_tiles(step, ranges, carry, *, span_ref=None, own_tile=None):
+def walk_tiles(step, ranges, carry, *, span_ref=None, own_tile=None,
+               mask_every_tile: bool = False):
     """Runs ``step(index, carry, masked=...)`` over the tiles ``ranges`` names.
 
     ``ranges`` = (first, full_first, full_last, last) from the MaskSpec. With segment ids
     (``span_ref``: the ``spans`` operand of :func:`segment_operands`, ``own_tile``: the
     program's tile) the walk is cut to the span of tiles whose ids can meet, and every tile
-    needs the segment mask.
+    needs the segment mask. ``mask_every_tile``: a mask array can hide pairs in any tile.
     """
     first, full_first, full_last, last = ranges
-    if span_ref is not None:
-        start = jnp.maximum(first, span_ref[0, own_tile])
-        stop = jnp.minimum(last, span_ref[1, own_tile])
-        return lax.fori_loop(start, stop, functools.partial(step, masked=True), carry)
     masked_step = functools.partial(step, masked=True)
+    if span_ref is not None:
+        first = jnp.maximum(first, span_ref[0, own_tile])
+        last = jnp.minimum(last, span_ref[1, own_tile])
+    if span_ref is not None or mask_every_tile:
+        return lax.fori_loop(first, last, masked_step, carry)
     carry = lax.fori_loop(first, full_first, masked_step, carry)
     carry = lax.fori_loop(full_first, full_last, functools.partial(step, masked=False), carry)
     return lax.fori_loop(full_last, last, masked_step, carry)
+
+
+def tile_visible(mask: MaskSpec, q_start, block_q: int, k_start, block_kv: int, q_seg,
+                 kv_seg, mask_tile):
+    """Visibility of a ``[block_q, block_kv]`` tile: the band, and where given the segment
+    ids of its rows / columns and the tile of the mask array (int8, non-zero = visible)."""
+    visible = mask.block_visible(q_start, block_q, k_start, block_kv)
+    if q_seg is not None:
+        visible = visible & (q_seg[:, None] == kv_seg[None, :])
+    if mask_tile is not None:
+        visible = visible & (mask_tile != 0)
+    return visible
+
+
+def read_tile(ref, *, head=None, rows=None, cols=None):
+    """A ``[rows or 1, cols or 1]`` tile of a bias / mask block (None for a None ref).
+
+    ``rows`` / ``cols`` (``pl.ds``; None: the block's own rows) slice full dims only: a
+    broadcast dim has size 1 in the block (blocks of full dims are >= 16) and is read
+    whole. ``head`` indexes a leading head dim, or its single entry when it is broadcast.
+    """
+    if ref is None:
+        return None
+    index = () if head is None else (head if ref.shape[0] > 1 else 0,)
+    for window, size in zip((rows, cols), ref.shape[-2:], strict=True):
+        index += (window if window is not None and size > 1 else slice(None),)
+    return ref[index]
+
+
+def _padded(x, padded_q: int, padded_kv: int):
+    """A canonical [B', N', T', S'] bias/mask padded to whole tiles along its full dims.
+    Padded keys are hidden by the MaskSpec and padded rows discarded, so zeros do."""
+    if x.shape[2] > 1:
+        x = pad_axis(x, 2, padded_q)
+    return x if x.shape[3] == 1 else pad_axis(x, 3, padded_kv)
+
+
+def _broadcast_index(size: int, index):
+    """Block index along a bias/mask dim: the program's own, or 0 for a broadcast dim."""
+    return index if size > 1 else 0
+
+
+def row_block_operand(x, padded_q: int, padded_kv: int, block_q: int, q_block_of):
+    """A bias/mask operand for grids (query tile, batch, head): the forward and dQ kernels.
+
+    ``x``: canonical ``[B', N', T', S']``. Each program sees ``[block_q or 1, padded_kv or
+    1]``: its query rows (tile ``q_block_of(program)``) against every key.
+    """
+    x = _padded(x, padded_q, padded_kv)
+    b, n, t, s = x.shape
+
+    def index(i, batch, head):
+        return (_broadcast_index(b, batch), _broadcast_index(n, head),
+                _broadcast_index(t, q_block_of(i)), 0)
+
+    return x, pl.BlockSpec((None, None, block_q if t > 1 else 1, s), index)
+
+
+def column_block_operand(x, kv_heads: int, padded_q: int, padded_kv: int, block_kv: int):
+    """A bias/mask operand for grids (key tile, batch, KV head): the dK/dV kernel.
+
+    ``x``: canonical ``[B', N', T', S']``, viewed as ``[B', K', G', T', S']``. Each program
+    sees ``[G or 1, padded_q or 1, block_kv or 1]``: the query heads of its GQA group, every
+    query row, its key tile.
+    """
+    x = grouped(_padded(x, padded_q, padded_kv), kv_heads)
+    b, k, g, t, s = x.shape
+
+    def index(j, batch, head):
+        return (_broadcast_index(b, batch), _broadcast_index(k, head), 0, 0,
+                _broadcast_index(s, j))
+
+    return x, pl.BlockSpec((None, None, g, t, block_kv if s > 1 else 1), index)
