@@ -76,7 +76,7 @@ CASES = [
     (2, 50, 50, 2, 2, True, None, "B11S"),          # padding mask, causal
     (1, 45, 61, 4, 2, False, "1NTS", "BN1S"),       # both; per-head bias shared by batch
     (2, 33, 47, 4, 1, True, "B1TS", "11TS"),        # head-shared bias under MQA
-    (1, 64, 40, 2, 2, False, "1N1S", "B1T1"),       # bias over keys only; row mask
+    (1, 64, 40, 4, 2, False, "1N1S", "B1T1"),       # per-head key bias, GQA; row mask
 ]
 
 

@@ -30,12 +30,15 @@ def problems(draw):
         softcap=draw(st.one_of(st.none(), st.floats(2.0, 30.0))),
         segments=draw(st.booleans()),
         sinks=draw(st.booleans()),
+        # bias / mask shapes over B N T S, "1" a broadcast dim (see tests/test_bias_mask.py)
+        bias=draw(st.sampled_from([None, "TS", "B11S", "1NTS", "BN1S"])),
+        mask=draw(st.sampled_from([None, "B1TS", "11TS", "BN1S"])),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
 
 def _check(impl: str, p: dict) -> None:
-    keys = jax.random.split(jax.random.PRNGKey(p["seed"]), 6)
+    keys = jax.random.split(jax.random.PRNGKey(p["seed"]), 8)
     b, t, s, n, k, d = (p[x] for x in ("batch", "seq_q", "seq_kv", "heads", "kv_heads",
                                        "head_dim"))
     q = jax.random.normal(keys[0], (b, t, n, d)) * 2
@@ -51,23 +54,32 @@ def _check(impl: str, p: dict) -> None:
         kwargs = dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
     sinks = jnp.linspace(-1.0, 1.0, n) if p["sinks"] else None
     mask = MaskSpec(t, s, p["causal"], p["alignment"], p["window"])
+    dims = {"B": b, "N": n, "T": t, "S": s, "1": 1}
+    bias = attn_mask = None
+    if p["bias"] is not None:
+        bias = jax.random.normal(keys[6], tuple(dims[c] for c in p["bias"]))
+    if p["mask"] is not None:
+        attn_mask = jax.random.bernoulli(keys[7], 0.8, tuple(dims[c] for c in p["mask"]))
 
-    def f(q, key, value):
-        return pf.attention(q, key, value, is_causal=p["causal"],
+    def f(q, key, value, bias):
+        return pf.attention(q, key, value, bias, attn_mask, is_causal=p["causal"],
                             causal_alignment=p["alignment"], local_window_size=p["window"],
                             logits_soft_cap=p["softcap"], sinks=sinks, return_residual=True,
                             **kwargs, **implementation_kwargs(impl, d))
 
-    (out, lse), vjp = jax.vjp(f, q, key, value)
+    (out, lse), vjp = jax.vjp(f, q, key, value, bias)
     grads = vjp((d_out, jnp.zeros_like(lse)))
     ref_out, ref_lse, ref_grads = attention_float64(
         q, key, value, mask=mask, segment_ids=segment_ids, softcap=p["softcap"], sinks=sinks,
-        d_out=d_out)
+        bias=bias, attn_mask=attn_mask, d_out=d_out)
+    # dq, dk, dv and, with a bias, dbias (the oracle's last gradient; d_sinks not checked).
+    grads, ref_grads = (grads, ref_grads[:3] + ref_grads[-1:]) if bias is not None else (
+        grads[:3], ref_grads[:3])
     # Relative, or absolute where the reference is (nearly) zero: e.g. a row that sees one
     # key has dq = 0 exactly, which float32 reproduces only up to rounding (~1e-7).
     assert rel_err(out, ref_out) < 1e-5 or np.abs(np.asarray(out) - ref_out).max() < 1e-5
     assert rel_err(lse, np.transpose(ref_lse, (0, 2, 1))) < 1e-5
-    for got, want in zip(grads, ref_grads[:3], strict=True):
+    for got, want in zip(grads, ref_grads, strict=True):
         assert rel_err(got, want) < 5e-5 or np.abs(np.asarray(got) - want).max() < 1e-5
 
 
