@@ -7,7 +7,10 @@ Every variant is causal; FLOPs are counted on the *visible* pairs only (4·H·pa
 2.5× that backward), so a kernel that skips invisible tiles keeps its TFLOP/s while its time
 drops. ``vs dense`` is the variant's time over the dense causal time of the same
 implementation: 8 packed documents should approach 1/8. cuDNN runs where jax.nn can express
-the variant (window, padding); pallas-flash runs every row.
+the variant (window, padding, bias, mask); pallas-flash runs every row. The bias row is one
+bf16 ``[seq, seq]`` bias shared by all heads (512 MiB at 16k tokens), the mask row a
+padding-style ``[1, 1, 1, seq]`` mask that hides nothing; the backward differentiates q, k,
+v only, so neither row computes a bias gradient.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ def variants(seq: int, heads: int) -> dict[str, dict]:
                             key_value_seq_lengths=jnp.array([seq // 2])),
         "soft-cap 30": dict(logits_soft_cap=30.0),
         "sinks": dict(sinks=jnp.zeros((heads,), jnp.float32)),
+        "bias [T, S]": dict(bias=jax.random.normal(jax.random.PRNGKey(1), (seq, seq),
+                                                   jnp.bfloat16)),
+        "mask [1, 1, 1, S]": dict(mask=jnp.ones((1, 1, 1, seq), bool)),
     }
 
 
@@ -56,7 +62,8 @@ def visible_pairs(seq: int, kwargs: dict) -> float:
 
 def _cudnn(kwargs: dict) -> Callable | None:
     """jax.nn's cuDNN call for the variant, or None when it has no such option."""
-    supported = {"local_window_size", "query_seq_lengths", "key_value_seq_lengths"}
+    supported = {"local_window_size", "query_seq_lengths", "key_value_seq_lengths", "bias",
+                 "mask"}
     if not set(kwargs) <= supported:
         return None
     return lambda q, k, v: jax.nn.dot_product_attention(

@@ -49,7 +49,8 @@ def run(impl, q, k, v, d_out, *, bias=None, mask=None, **kwargs):
 
 def check(impl, q, k, v, d_out, *, bias=None, mask=None, spec: MaskSpec | None = None,
           segment_ids=None, **kwargs):
-    """out, lse, dq, dk, dv and dbias of ``impl`` vs the float64 oracle."""
+    """out, lse, dq, dk, dv and dbias of ``impl`` vs the float64 oracle; returns
+    ``(out, lse, grads)`` as :func:`run`."""
     spec = spec or MaskSpec(q.shape[1], k.shape[1])
     out, lse, grads = run(impl, q, k, v, d_out, bias=bias, mask=mask,
                           is_causal=spec.is_causal, causal_alignment=spec.causal_alignment,
@@ -66,16 +67,16 @@ def check(impl, q, k, v, d_out, *, bias=None, mask=None, spec: MaskSpec | None =
         assert rel_err(got, want) < 2 * tol, name
     if bias is not None:
         assert grads[3].dtype == bias.dtype
+    return out, lse, grads
 
 
 # (batch, seq_q, seq_kv, heads, kv_heads, causal, bias shape, mask shape)
 CASES = [
-    (2, 40, 56, 2, 2, False, "TS", None),           # one [T, S] bias for every batch, head
-    (2, 48, 48, 2, 1, True, "B11S", None),          # padding-style bias, MQA, causal
-    (2, 37, 45, 4, 2, False, "BNTS", None),         # full-size bias, GQA, odd lengths
-    (2, 50, 50, 2, 2, True, None, "B11S"),          # padding mask, causal
-    (1, 45, 61, 4, 2, False, "1NTS", "BN1S"),       # both; per-head bias shared by batch
-    (2, 33, 47, 4, 1, True, "B1TS", "11TS"),        # head-shared bias under MQA
+    (2, 40, 56, 2, 2, False, "TS", "11TS"),         # one [T, S] bias for every batch, head
+    (2, 48, 48, 2, 1, True, "B11S", "B11S"),        # padding-style bias and mask, MQA
+    (1, 37, 45, 4, 2, False, "BNTS", None),         # full-size bias, GQA, odd lengths
+    (1, 45, 61, 4, 2, False, "1NTS", "BN1S"),       # per-head bias shared by the batch
+    (1, 33, 47, 4, 1, True, "B1TS", "B1TS"),        # head-shared bias under MQA
     (1, 64, 40, 4, 2, False, "1N1S", "B1T1"),       # per-head key bias, GQA; row mask
 ]
 
@@ -105,8 +106,8 @@ def test_bfloat16(impl):
 def test_bias_constant_along_keys_has_zero_gradient(impl):
     # Softmax is shift invariant: a bias that is constant over the keys of a row changes
     # nothing, and its gradient (the row sum of dS) is zero up to rounding.
-    q, k, v, d_out = random_qkv(2, 40, 40, 2, 2, 32)
-    bias = random_bias("BNT1", 2, 2, 40, 40)
+    q, k, v, d_out = random_qkv(1, 40, 40, 2, 2, 32)
+    bias = random_bias("BNT1", 1, 2, 40, 40)
     out, _, grads = run(impl, q, k, v, d_out, bias=bias, is_causal=True)
     ref_out, _ = attention_float64(q, k, v, mask=MaskSpec(40, 40, True))
     assert rel_err(out, ref_out) < 1e-5
@@ -115,12 +116,12 @@ def test_bias_constant_along_keys_has_zero_gradient(impl):
 
 
 def test_with_segments_window_and_softcap(impl):
-    q, k, v, d_out = random_qkv(2, 60, 60, 4, 2, 32)
+    q, k, v, d_out = random_qkv(2, 60, 60, 2, 1, 32)
     ids = jnp.cumsum(jax.random.bernoulli(fresh_key(), 0.06, (2, 60)), axis=1)
     ids = ids.astype(jnp.int32)
     spec = MaskSpec(60, 60, True, window=(25, 0))
-    bias = random_bias("1NTS", 2, 4, 60, 60)
-    mask = random_mask("B11S", 2, 4, 60, 60, keep=0.8)
+    bias = random_bias("1NTS", 2, 2, 60, 60)
+    mask = random_mask("B11S", 2, 2, 60, 60, keep=0.8)
     extra = implementation_kwargs(impl, 32)
 
     def f(q, k, v, bias):
@@ -143,14 +144,13 @@ def test_fully_masked_rows_give_zero(impl):
     q, k, v, d_out = random_qkv(2, 40, 40, 2, 2, 32)
     mask = random_mask("B1TS", 2, 2, 40, 40).at[:, :, 5:9].set(False)
     bias = random_bias("TS", 2, 2, 40, 40)
-    out, lse, (dq, dk, dv, d_bias) = run(impl, q, k, v, d_out, bias=bias, mask=mask)
+    out, lse, (dq, dk, dv, d_bias) = check(impl, q, k, v, d_out, bias=bias, mask=mask)
     for x in (out, lse, dq, dk, dv, d_bias):
         assert np.all(np.isfinite(np.asarray(x)))
     assert np.all(np.asarray(out[:, 5:9]) == 0.0)
     assert np.all(np.asarray(lse[:, 5:9]) == EMPTY_ROW_LSE)
     assert np.all(np.asarray(dq[:, 5:9]) == 0.0)
     assert np.all(np.asarray(d_bias[5:9]) == 0.0)
-    check(impl, q, k, v, d_out, bias=bias, mask=mask)
 
 
 def test_bias_gradient_only_when_differentiated(impl, monkeypatch):
@@ -171,33 +171,34 @@ def test_bias_gradient_only_when_differentiated(impl, monkeypatch):
         return jnp.sum(pf.attention(q, k, v, bias, **extra) * d_out)
 
     dq = jax.grad(loss)(q, bias)
-    _, _, (ref_dq, _, _, ref_d_bias) = attention_float64(q, k, v, bias=bias, d_out=d_out)
+    _, _, (ref_dq, *_) = attention_float64(q, k, v, bias=bias, d_out=d_out)
     assert rel_err(dq, ref_dq) < 2e-5
-    d_bias = jax.grad(loss, argnums=1)(q, bias)
-    assert rel_err(d_bias, ref_d_bias) < 2e-5
-    assert bias_grad_flags == [False, True]
+    assert bias_grad_flags == [False]  # (differentiated biases: every other test)
 
 
 def test_jit_and_vmap(impl):
-    q, k, v, _ = random_qkv(3, 32, 32, 2, 2, 32)
+    q, k, v, d_out = random_qkv(3, 32, 32, 2, 2, 32)
     bias = random_bias("BNTS", 3, 2, 32, 32)
-    mask = random_mask("B11S", 3, 2, 32, 32, keep=0.8)
+    mask = random_mask("B11S", 3, 2, 32, 32, keep=0.8).at[..., 0].set(True)
     extra = implementation_kwargs(impl, 32)
 
-    def loss(q, k, v, bias, mask):
-        return jnp.sum(pf.attention(q[None], k[None], v[None], bias[None], mask[None],
-                                    is_causal=True, **extra) ** 2)
+    def loss(q, k, v, bias, mask, d_out):
+        out = pf.attention(q[None], k[None], v[None], bias[None], mask[None], is_causal=True,
+                           **extra)
+        return jnp.sum(out * d_out[None])
 
-    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
-    batched = jax.jit(jax.vmap(grad))(q, k, v, bias, mask)
+    batched = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2, 3))))(q, k, v, bias, mask,
+                                                                      d_out)
+    spec = MaskSpec(32, 32, True)
     for i in range(3):
-        single = grad(q[i], k[i], v[i], bias[i], mask[i])
-        for b, s in zip(batched, single, strict=True):
-            assert rel_err(b[i], s) < 1e-5
+        _, _, want = attention_float64(q[i:i + 1], k[i:i + 1], v[i:i + 1], mask=spec,
+                                       bias=bias[i:i + 1], attn_mask=mask[i:i + 1],
+                                       d_out=d_out[i:i + 1])
+        for got, w in zip(batched, want, strict=True):
+            assert rel_err(got[i:i + 1], w) < 2e-5
 
 
-@pytest.mark.parametrize("bias_spec", ["TS", "B11S", "BNTS"])
-def test_references_accept_bias_and_mask(bias_spec):
+def test_references_accept_bias_and_mask():
     from pallas_flash.reference import (
         flash_attention_v1,
         flash_attention_v2,
@@ -205,8 +206,8 @@ def test_references_accept_bias_and_mask(bias_spec):
     )
 
     q, k, v, _ = random_qkv(2, 64, 64, 2, 1, 32)
-    bias = random_bias(bias_spec, 2, 2, 64, 64)
-    mask = random_mask("B1TS", 2, 2, 64, 64)
+    bias = random_bias("1NTS", 2, 2, 64, 64)
+    mask = random_mask("B11S", 2, 2, 64, 64)
     spec = MaskSpec(64, 64, True)
     ref_out, ref_lse = attention_float64(q, k, v, mask=spec, bias=bias, attn_mask=mask)
     for fn in (standard_attention, flash_attention_v1, flash_attention_v2):

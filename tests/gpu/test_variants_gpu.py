@@ -1,8 +1,8 @@
 """Variants through the compiled kernels on the GPU vs a float32 XLA reference.
 
-Segment ids (with tile skipping), padding lengths, sliding window, soft-cap and sinks at
-real sizes, for every GPU implementation that accepts them (the API falls back to Triton
-where the Mosaic kernel does not).
+Segment ids (with tile skipping), padding lengths, sliding window, soft-cap, sinks, bias and
+mask at real sizes, for every GPU implementation that accepts them (the API falls back to
+Triton where the Mosaic kernel does not).
 """
 
 from __future__ import annotations
@@ -74,6 +74,29 @@ def test_window_softcap_sinks(implementation):
     ref_out, _, ref_grads = attention_float64(
         (q * 3).astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
         mask=MaskSpec(777, 777, True, window=(200, 0)), softcap=20.0, sinks=sinks,
+        d_out=d_out.astype(jnp.float32))
+    assert _rel(out, ref_out) < 1e-2
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert _rel(got, want) < 2e-2
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("bias_shape", [(1, 1, 999, 999), (2, 1, 1, 999), (2, 8, 999, 999)])
+def test_bias_and_mask(implementation, bias_shape):
+    """Broadcasting bias (with its gradient) and a padding-style mask through the kernels."""
+    q, k, v, d_out = _inputs(2, 999, 8, 2, 128)
+    bias = jax.random.normal(jax.random.PRNGKey(5), bias_shape, jnp.float32)
+    lengths = jnp.array([999, 700])
+    mask = jnp.arange(999)[None, None, None, :] < lengths[:, None, None, None]
+
+    def f(q, k, v, bias):
+        return pf.attention(q, k, v, bias, mask, is_causal=True, implementation=implementation)
+
+    out, vjp = jax.vjp(f, q, k, v, bias)
+    grads = vjp(d_out)
+    ref_out, _, ref_grads = attention_float64(
+        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+        mask=MaskSpec(999, 999, True), bias=bias, attn_mask=mask,
         d_out=d_out.astype(jnp.float32))
     assert _rel(out, ref_out) < 1e-2
     for got, want in zip(grads, ref_grads, strict=True):
