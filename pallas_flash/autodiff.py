@@ -109,12 +109,10 @@ def _forward(q, k, v, segment_ids, sinks, bias, attn_mask, static: StaticArgs):
     return out, full_lse
 
 
-def _fwd_rule(*primals):
+def _fwd_rule(q, k, v, segment_ids, sinks, bias, attn_mask, static: StaticArgs):
     # symbolic_zeros=True wraps every array leaf in CustomVJPPrimal(value, perturbed).
-    *arrays, static = primals
-    bias = arrays[5]
     bias_grad = bias is not None and bias.perturbed
-    arrays = jax.tree.map(lambda x: x.value, arrays,
+    arrays = jax.tree.map(lambda x: x.value, (q, k, v, segment_ids, sinks, bias, attn_mask),
                           is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
     out, lse = _forward(*arrays, static)
     return (out, lse), (*arrays, out, lse, bias_grad)
