@@ -301,10 +301,9 @@ def make_attention_fn(
 ) -> Callable[..., jax.Array]:
     """An ``attention_fn`` for ``flax.linen.MultiHeadDotProductAttention``.
 
-    The mask is fixed here, not passed per call: Linen hands ``attention_fn`` a dense
-    ``mask`` array, which a flash kernel cannot consume without materialising what it
-    exists to avoid. Build the layer without a ``mask`` and choose ``is_causal`` /
-    ``local_window_size`` here instead.
+    Prefer ``is_causal`` / ``local_window_size`` here to a causal ``mask`` array: the kernels
+    skip the tiles a causal or window band hides, while a mask array is read tile by tile
+    and skips nothing (and on Hopper sends the call to the Triton kernels).
 
     Example::
 
@@ -312,11 +311,11 @@ def make_attention_fn(
                                         attention_fn=make_attention_fn(is_causal=True))
 
     The returned function takes Linen's ``dot_product_attention`` arguments
-    (``query: [..., seq_q, heads, head_dim]``, ``key, value: [..., seq_kv, heads, head_dim]``)
-    and raises ``ValueError`` for a ``bias``, a ``mask``, dropout while training, or
-    ``module`` (Linen passes it to sow attention weights, which are never formed).
-    ``precision`` is accepted and ignored: float32 inputs are always computed at full
-    float32 precision.
+    (``query: [..., seq_q, heads, head_dim]``, ``key, value: [..., seq_kv, heads, head_dim]``,
+    ``bias`` / ``mask`` broadcastable to ``[..., heads, seq_q, seq_kv]``, combined with the
+    band chosen here) and raises ``ValueError`` for dropout while training, or ``module``
+    (Linen passes it to sow attention weights, which are never formed). ``precision`` is
+    accepted and ignored: float32 inputs are always computed at full float32 precision.
     """
 
     def attention_fn(
@@ -334,13 +333,6 @@ def make_attention_fn(
         module: Any = None,
     ) -> jax.Array:
         del broadcast_dropout, dropout_rng, precision
-        if bias is not None:
-            raise ValueError("pallas_flash attention_fn does not support an attention bias")
-        if mask is not None:
-            raise ValueError(
-                "pallas_flash attention_fn does not take a mask array; pass is_causal / "
-                "local_window_size to make_attention_fn (Linen's decode=True builds a mask, "
-                "use pallas_flash.nn.FlashSelfAttention for decoding)")
         if dropout_rate > 0.0 and not deterministic:
             raise ValueError("pallas_flash attention_fn does not support attention dropout")
         if module is not None:
@@ -351,8 +343,23 @@ def make_attention_fn(
         batch_shape = query.shape[:-3]
         flat = [x.reshape((int(np.prod(batch_shape)), *x.shape[-3:]))
                 for x in (query, key, value)]
-        out = attention(*flat, is_causal=is_causal, local_window_size=local_window_size,
-                        implementation=implementation, interpret=interpret)
+        if mask is not None:   # Linen's masks are float 0/1 by default (make_attention_mask)
+            mask = mask.astype(bool)
+        bias, mask = (_flatten_batch(x, batch_shape) for x in (bias, mask))
+        out = attention(*flat, bias, mask, is_causal=is_causal,
+                        local_window_size=local_window_size, implementation=implementation,
+                        interpret=interpret)
         return out.reshape(*batch_shape, *out.shape[1:])
 
     return attention_fn
+
+
+def _flatten_batch(x: jax.Array | None, batch_shape: tuple[int, ...]) -> jax.Array | None:
+    """A Linen bias/mask ``[..., heads, seq_q, seq_kv]`` with the query's batch dims folded
+    into one, as the query's are; batch dims of size 1 stay broadcast (not expanded)."""
+    if x is None or x.ndim <= 3:
+        return x
+    lead, tail = x.shape[:-3], x.shape[-3:]
+    if all(d == 1 for d in lead):
+        return x.reshape((1, *tail))
+    return jnp.broadcast_to(x, (*batch_shape, *tail)).reshape((-1, *tail))
