@@ -29,7 +29,13 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
+from pallas_flash.api import available_implementations
+from pallas_flash.masking import MaskSpec
+from pallas_flash.mosaic import MosaicConfig, forward_fp8
+from pallas_flash.mosaic.config import MAX_HEAD_DIM, padded_head_dim
+from pallas_flash.mosaic.forward_fp8 import Fp8Operands
 from pallas_flash.padding import pad_axis, round_up
 
 E4M3 = jnp.float8_e4m3fn
@@ -37,6 +43,7 @@ E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = float(jnp.finfo(E4M3).max)
 
 Scaling = Literal["tensor", "block"]
+_INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
 def quantize(x: jax.Array, block: int | None) -> tuple[jax.Array, jax.Array]:
@@ -125,11 +132,192 @@ def attention_fp8_reference(q: jax.Array, k: jax.Array, v: jax.Array, *,
         raise ValueError("q, k, v must have the same number of heads and k, v the same shape, "
                          f"got {q.shape}, {k.shape}, {v.shape}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    block_q, block_kv = (block_q, block_kv) if scaling == "block" else (None, None)
+    out, _ = _reference(q, k, v, hadamard_key=hadamard_key, block_q=block_q,
+                        block_kv=block_kv, scale=scale, is_causal=is_causal, fp8_pv=fp8_pv)
+    return out
+
+
+def attention_fp8_online(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
+                         block_kv: int, scale: float | None = None, is_causal: bool = False,
+                         hadamard_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The FP8 kernel's arithmetic in XLA, block by block: the online softmax over K tiles.
+
+    Same operands, scales and P rounding as :func:`attention_fp8_reference`, but P is
+    rounded relative to the *running* row maximum (as the kernel and FlashAttention-3 do)
+    and O is rescaled as the maximum grows. The kernel must match this to float32
+    summation order; it differs from :func:`attention_fp8_reference` by a few FP8
+    roundings in rows whose maximum moves after the first visible tile.
+
+    Args:
+      q: ``[B, T, N, D]``; k, v: ``[B, S, K, D]`` (GQA: ``N % K == 0``).
+      block_q, block_kv: quantization tiles; K/V tiles are also the softmax steps.
+      is_causal: bottom-right aligned, as :func:`attention_fp8_reference`.
+
+    Returns:
+      ``out: [B, T, N, D]`` bfloat16 and ``lse: [B, N, T]`` float32 (natural log).
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    q, k = _rotate(q, k, hadamard_key)
+    (q8, q_scale), (k8, k_scale) = quantize(q, block_q), quantize(k, block_kv)
+    v8, v_scale = quantize(v, block_kv)
+    batch, seq_q, heads = q.shape[:3]
+    seq_kv, group = k.shape[1], heads // k.shape[2]
+    num_blocks = -(-seq_kv // block_kv)
+
+    def tiles(x):  # [B, S, K, ...] -> [blocks, B, block_kv, N, ...]: scan over K/V tiles
+        x = jnp.repeat(pad_axis(x, 1, num_blocks * block_kv), group, axis=2)
+        return jnp.moveaxis(x.reshape(batch, num_blocks, block_kv, *x.shape[2:]), 1, 0)
+    q_scale_rows = _per_position(q_scale, block_q, seq_q)                   # [B, T, N]
+    rows = jnp.arange(seq_q)[:, None]
+
+    def step(carry, tile):
+        o, m, l = carry
+        j, k_j, v_j, k_scale_j, v_scale_j = tile      # k_scale_j, v_scale_j: [B, N]
+        s = jnp.einsum("bqhd,bkhd->bqhk", q8.astype(jnp.float32), k_j.astype(jnp.float32))
+        s = s * (scale * q_scale_rows * k_scale_j[:, None, :])[..., None]
+        cols = j * block_kv + jnp.arange(block_kv)[None, :]
+        visible = (cols < seq_kv) & ((cols <= rows + seq_kv - seq_q) if is_causal else True)
+        s = jnp.where(visible[:, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet stay 0
+        p = jnp.exp(s - m_sub[..., None])
+        alpha = jnp.exp(m - m_sub)
+        p8 = (p * E4M3_MAX).astype(E4M3).astype(jnp.float32)
+        pv = jnp.einsum("bqhk,bkhd->bqhd", p8, v_j.astype(jnp.float32))
+        o = o * alpha[..., None] + pv * (v_scale_j[:, None, :, None] / E4M3_MAX)
+        return (o, m_new, l * alpha + p.sum(axis=-1)), None
+
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:3], -jnp.inf),
+            jnp.zeros(q.shape[:3]))
+    per_tile = (jnp.arange(num_blocks), tiles(k8), tiles(v8),
+                jnp.moveaxis(jnp.repeat(k_scale, group, axis=2), 1, 0),
+                jnp.moveaxis(jnp.repeat(v_scale, group, axis=2), 1, 0))
+    (o, m, l), _ = lax.scan(step, init, per_tile)
+    out = o / jnp.where(l == 0, 1.0, l)[..., None]
+    return out.astype(jnp.bfloat16), jnp.transpose(m + jnp.log(l), (0, 2, 1))
+
+
+def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
+                      block_kv: int, hadamard_key: jax.Array | None = None) -> Fp8Operands:
+    """The FP8 kernel's inputs: block quantization as :func:`attention_fp8_reference` does it.
+
+    Args:
+      q: ``[batch, seq_q, heads, head_dim]``; k, v: ``[batch, seq_kv, kv_heads, head_dim]``.
+      block_q, block_kv: the kernel's tiles, one scale per tile and head.
+      hadamard_key: rotate Q and K first (incoherent processing).
+
+    Returns:
+      :class:`~pallas_flash.mosaic.forward_fp8.Fp8Operands`; V comes transposed to
+      ``[batch, kv_heads, head_dim, seq_kv]`` (FP8 wgmma reads only K-major operands, and
+      P·V contracts over keys). XLA fuses the transpose into V's conversion, so it costs
+      no extra pass over V.
+    """
+    q, k = _rotate(q, k, hadamard_key)
+    (q8, q_scale), (k8, k_scale) = quantize(q, block_q), quantize(k, block_kv)
+    v8, v_scale = quantize(v, block_kv)
+    return Fp8Operands(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale,
+                       vt=jnp.transpose(v8, (0, 2, 3, 1)), v_scale=v_scale)
+
+
+def attention_fp8(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool = False,
+                  scale: float | None = None, hadamard_key: jax.Array | None = None,
+                  config: MosaicConfig | None = None, return_residual: bool = False,
+                  implementation: Literal["mosaic", "xla"] | None = None,
+                  interpret: bool = False):
+    """FP8 (e4m3) attention forward: FlashAttention-3's block-quantized kernel on Hopper.
+
+    Args:
+      q: ``[B, T, N, D]``; k, v: ``[B, S, K, D]``, bfloat16, float16 or float32 (one dtype),
+        ``N % K == 0`` (GQA: K/V are not repeated), ``D <= 256``.
+      is_causal: query ``i`` sees keys ``<= i + S - T``. The diagonal is aligned
+        bottom-right, as in :func:`attention_fp8_reference`; with ``T == S`` that is the
+        usual causal mask. ``T > S`` is refused (rows that see no key).
+      scale: softmax scale, default ``1/√D``.
+      hadamard_key: rotate Q and K by :func:`random_hadamard` before quantizing (D must
+        be a power of two).
+      config: the kernel's tiles (:class:`~pallas_flash.mosaic.MosaicConfig`,
+        ``overlap=False``); Q is quantized per ``block_q`` rows and K, V per ``block_kv``
+        keys, whichever implementation runs. Default:
+        :func:`pallas_flash.mosaic.forward_fp8.default_config`.
+      return_residual: also return ``lse: [B, T, N]`` float32 (natural log).
+      implementation: ``"mosaic"`` (the kernel: sm90, or the CPU with ``interpret=True``),
+        ``"xla"`` (:func:`attention_fp8_reference`, any backend, same numerics, slow);
+        ``None``: mosaic where it can run, else xla.
+      interpret: run the kernel in Mosaic GPU interpret mode (CPU).
+
+    Returns:
+      ``out: [B, T, N, D]`` bfloat16 (and ``lse`` with ``return_residual``).
+
+    The kernel follows the reference's rounding exactly (the same e4m3 operands and scales,
+    P rounded as P·448, row sums of the unrounded P) except in one respect: it rounds P
+    relative to the running row maximum of the online softmax, the reference relative to
+    the final one, so the two differ by a few FP8 roundings where a row's maximum moves.
+    """
+    _check_inputs(q, k, v, is_causal)
+    head_dim, heads, kv_heads = q.shape[3], q.shape[2], k.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    config = forward_fp8.default_config(head_dim) if config is None else config
+    forward_fp8.check_config(config, padded_head_dim(head_dim))
+    if _implementation(implementation, interpret) == "xla":
+        group = heads // kv_heads
+        out, lse = _reference(q, jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2),
+                              hadamard_key=hadamard_key, block_q=config.block_q,
+                              block_kv=config.block_kv, scale=scale, is_causal=is_causal,
+                              fp8_pv=True)
+    else:
+        operands = quantize_operands(q, k, v, block_q=config.block_q, block_kv=config.block_kv,
+                                     hadamard_key=hadamard_key)
+        mask = MaskSpec(seq_q=q.shape[1], seq_kv=k.shape[1], is_causal=is_causal,
+                        causal_alignment="bottom_right")
+        out, lse = forward_fp8.forward(operands, mask=mask, scale=scale, config=config,
+                                       interpret=interpret)
+    return (out, jnp.transpose(lse, (0, 2, 1))) if return_residual else out
+
+
+def _check_inputs(q, k, v, is_causal: bool) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got {x.shape}")
+        if x.dtype != q.dtype or jnp.dtype(x.dtype) not in _INPUT_DTYPES:
+            raise ValueError(f"q, k, v must share one dtype of bfloat16, float16, float32; "
+                             f"{name} is {x.dtype}")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"k and v must be [batch, seq_kv, kv_heads, head_dim] like q's batch "
+                         f"and head_dim, got q {q.shape}, k {k.shape}, v {v.shape}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"q's heads ({q.shape[2]}) must be a multiple of k's ({k.shape[2]})")
+    if q.shape[3] > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got {q.shape[3]}")
+    if is_causal and q.shape[1] > k.shape[1]:
+        raise ValueError(f"is_causal with seq_q {q.shape[1]} > seq_kv {k.shape[1]}: the first "
+                         "rows would see no key under the bottom-right diagonal")
+
+
+def _implementation(name: str | None, interpret: bool) -> str:
+    hopper = "mosaic" in available_implementations()
+    if name is None:
+        return "mosaic" if interpret or hopper else "xla"
+    if name not in ("mosaic", "xla"):
+        raise ValueError(f"implementation must be 'mosaic', 'xla' or None, got {name!r}")
+    if name == "mosaic" and not (interpret or hopper):
+        raise ValueError("implementation='mosaic' needs a Hopper (sm90) GPU or interpret=True")
+    return name
+
+
+def _rotate(q: jax.Array, k: jax.Array, hadamard_key: jax.Array | None):
+    """Float32 Q and K, multiplied by the random Hadamard matrix if a key is given."""
     q, k = q.astype(jnp.float32), k.astype(jnp.float32)
     if hadamard_key is not None:
         rotation = random_hadamard(hadamard_key, q.shape[-1])
         q, k = q @ rotation, k @ rotation
-    block_q, block_kv = (block_q, block_kv) if scaling == "block" else (None, None)
+    return q, k
+
+
+def _reference(q, k, v, *, hadamard_key, block_q, block_kv, scale, is_causal, fp8_pv):
+    """:func:`attention_fp8_reference` (blocks ``None``: per tensor), also returning
+    ``lse: [batch, heads, seq_q]`` (natural log of the row sums of the dequantized S)."""
+    q, k = _rotate(q, k, hadamard_key)
     (q8, sq), (k8, sk) = quantize(q, block_q), quantize(k, block_kv)
     # The FP8 GEMM: exact products of e4m3 values, accumulated in float32.
     s = jnp.einsum("bqhd,bkhd->bhqk", q8.astype(jnp.float32), k8.astype(jnp.float32))
@@ -144,7 +332,7 @@ def attention_fp8_reference(q: jax.Array, k: jax.Array, v: jax.Array, *,
         p = (p * E4M3_MAX).astype(E4M3).astype(jnp.float32) / E4M3_MAX
         v = dequantize(*quantize(v, block_kv), block_kv)
     out = jnp.einsum("bhqk,bkhd->bqhd", p, v) / jnp.transpose(row_sum, (0, 2, 1))[..., None]
-    return out.astype(jnp.bfloat16)
+    return out.astype(jnp.bfloat16), jnp.max(s, axis=-1) + jnp.log(row_sum)
 
 
 def _per_position(scales: jax.Array, block: int | None, length: int) -> jax.Array:

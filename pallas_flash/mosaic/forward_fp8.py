@@ -1,0 +1,438 @@
+"""FP8 (e4m3) FlashAttention-3 forward for Hopper (sm90), as a Pallas Mosaic GPU kernel.
+
+Shah et al. 2024, "FlashAttention-3", Sec. 3.3: both GEMMs run on FP8 tensor cores (twice
+the bf16 rate) with one scale per tile (block quantization). The CTA is the bf16 kernel's
+(:mod:`pallas_flash.mosaic.forward`): a TMA producer warpgroup filling a ``num_stages``-deep
+K/V ring and two consumer warpgroups of ``block_q`` rows each that ping-pong on the tensor
+cores, with the same barriers, block skipping (:meth:`MaskSpec.kv_blocks`) and epilogue.
+What FP8 changes, and why:
+
+* **Operands are quantized outside the kernel** (:func:`pallas_flash.fp8.quantize_operands`):
+  one float32 scale per tile of ``block_q`` query rows (one consumer's tile) or ``block_kv``
+  keys (one ring slot), per head. The kernel reads them as scalars from GMEM.
+* **S = Q̃·K̃ᵀ is dequantized in the exponent**: ``s_Q · s_K,j · scale · log2(e)`` is one
+  scalar per (Q tile, K tile), so p = exp2(s · c_j − m) stays one FMA + ex2 per element.
+* **V is transposed in HBM** (``vt``: ``[batch, kv_heads, head_dim, seq_kv]``): FP8 wgmma
+  has no hardware transpose, both operands must be K-major, and for P·V the contraction
+  runs over keys, so the B tile must be stored (head_dim × keys). Doing it in XLA costs
+  nothing extra when fused with V's quantization (which reads V and writes 1 byte per
+  element anyway); in-kernel it would cost the consumers a register round trip per tile.
+* **P goes through SMEM**: there is no relayout from the f32 accumulator layout to the 8-bit
+  wgmma A layout, so each consumer rounds P·448 to e4m3 (P ∈ [0, 1]: the fixed scale uses
+  the format's range, as :func:`pallas_flash.fp8.attention_fp8_reference` does), stores it
+  into its own swizzled tile and feeds the tile to wgmma. The row sums use the unrounded P.
+* **V's scale is folded into O's rescale factor**: O is accumulated in place by wgmma,
+  so the accumulator holds ``O · 448 / s_V,j`` for the last block j; before P̃_j·Ṽ_j is
+  added, it is rescaled by ``alpha_j · s_V,j-1 / s_V,j`` (one scalar times the per-row
+  alpha the online softmax multiplies by anyway), and the epilogue multiplies by
+  ``s_V,last / 448 / l``. Folding s_V into P instead would change P's rounding; a fresh
+  accumulator per block would cost head_dim / 2 registers per thread (128 at head_dim 256).
+
+Only the serial consumer schedule exists here (no FA3 intra-warpgroup overlap).
+
+CPU testing: interpret mode runs FP8 wgmma, but not ``pl.run_state`` (how wgmma accumulates
+into the O registers). With ``interpret=True`` P·V lands in a fresh accumulator and is added
+to the rescaled O: the same arithmetic, the bf16 kernel's detour.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_flash.masking import MaskSpec
+from pallas_flash.mosaic.config import (
+    MAX_HEAD_DIM,
+    NUM_CONSUMERS,
+    SMEM_BUDGET,
+    MosaicConfig,
+    padded_head_dim,
+)
+from pallas_flash.mosaic.forward import (
+    _CONSUMER_REGISTERS,
+    _LN2,
+    _LOG2E,
+    _PRODUCER,
+    _PRODUCER_REGISTERS,
+    _row,
+    _sync,
+)
+from pallas_flash.padding import pad_axis, round_up
+from pallas_flash.reference import EMPTY_ROW_LSE
+
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+#: P ∈ [0, 1] is stored as e4m3(P · 448): 448 is e4m3's largest finite value.
+P_SCALE = float(jnp.finfo(E4M3).max)
+OUT_DTYPE = jnp.dtype(jnp.bfloat16)
+
+
+class Fp8Operands(NamedTuple):
+    """Quantized inputs of :func:`forward` (``x ≈ x_fp8 · scale`` per tile and head).
+
+    Attributes:
+      q: ``[batch, seq_q, heads, head_dim]`` e4m3.
+      q_scale: ``[batch, ceil(seq_q / block_q), heads]`` float32.
+      k: ``[batch, seq_kv, kv_heads, head_dim]`` e4m3.
+      k_scale: ``[batch, ceil(seq_kv / block_kv), kv_heads]`` float32.
+      vt: V transposed, ``[batch, kv_heads, head_dim, seq_kv]`` e4m3.
+      v_scale: ``[batch, ceil(seq_kv / block_kv), kv_heads]`` float32.
+    """
+
+    q: jax.Array
+    q_scale: jax.Array
+    k: jax.Array
+    k_scale: jax.Array
+    vt: jax.Array
+    v_scale: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything the kernel body needs that is not a ref (all Python values)."""
+
+    mask: MaskSpec
+    scale_log2: float  # softmax scale * log2(e); times s_Q * s_K,j per tile in the kernel
+    block_q: int
+    block_kv: int
+    num_stages: int
+    head_dim: int
+    group: int  # query heads per K/V head (GQA)
+    num_q_tiles: int  # CTAs along the sequence, each of NUM_CONSUMERS * block_q rows
+    kv_padded: bool  # seq_kv was padded up to whole blocks
+    interpret: bool  # P·V into a fresh accumulator (see the module docstring)
+
+    @property
+    def reverse_q_tiles(self) -> bool:
+        return self.mask.is_causal  # heaviest CTAs first, as the bf16 kernel
+
+    @property
+    def has_lower_band(self) -> bool:
+        return self.mask.window is not None  # only a window hides keys before a query
+
+    @property
+    def has_upper_mask(self) -> bool:
+        return self.mask.is_causal or self.mask.window is not None or self.kv_padded
+
+
+def _transforms(minor: int, dtype) -> tuple:
+    """SMEM tiling + swizzle for a tile whose minor dim holds ``minor`` elements.
+
+    wgmma reads (8, swizzle / itemsize) tiles; the widest swizzle that divides a row avoids
+    bank conflicts. FP8 rows of 64 elements are 64 bytes, so they get the 64-byte swizzle
+    (the bf16 kernel's 128 bytes need 128 e4m3 elements).
+    """
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(128, plgpu.find_swizzle(minor * itemsize * 8))
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def smem_bytes(config: MosaicConfig, head_dim: int) -> int:
+    """Shared memory of the kernel, as Mosaic GPU's lowering counts it (1 KiB per buffer).
+
+    Q tiles and the K / Vᵀ rings in e4m3, one e4m3 P tile per consumer, a separate bf16
+    O tile per consumer (the e4m3 Q tile is too small to hold it), LSE, mbarriers.
+    """
+    def align(nbytes):
+        return round_up(nbytes, 1024)
+    bq, bkv, stages = config.block_q, config.block_kv, config.num_stages
+    q = align(NUM_CONSUMERS * bq * head_dim)
+    kv = 2 * align(stages * bkv * head_dim)
+    p = align(NUM_CONSUMERS * bq * bkv)
+    o = align(NUM_CONSUMERS * bq * head_dim * OUT_DTYPE.itemsize)
+    lse = align(NUM_CONSUMERS * bq * 4)
+    barriers = 8 * (NUM_CONSUMERS + 4 * stages + 1)  # as the bf16 kernel's
+    return q + kv + p + o + lse + barriers
+
+
+def check_config(config: MosaicConfig, head_dim: int) -> None:
+    """Raises ValueError when ``config`` cannot run this kernel at ``head_dim`` on sm90."""
+    if config.overlap:
+        raise ValueError("config.overlap: the FP8 kernel has only the serial schedule")
+    need = smem_bytes(config, head_dim)
+    if need > SMEM_BUDGET:
+        raise ValueError(
+            f"config {config} needs {need} bytes of shared memory for the FP8 kernel at "
+            f"head_dim={head_dim}, more than the {SMEM_BUDGET} an sm90 CTA has; lower "
+            "block_kv or num_stages")
+
+
+def default_config(head_dim: int) -> MosaicConfig:
+    """The bf16 kernel's tiles (64 rows per consumer, 2 stages), which fit in FP8 too.
+
+    block_kv 128 up to head_dim 128. At head_dim 256 the separate bf16 O tile (64 KiB)
+    leaves room for 64-key blocks only. Untuned on the card.
+    """
+    head_dim = padded_head_dim(head_dim)
+    return MosaicConfig(block_q=64, block_kv=128 if head_dim <= 128 else 64, num_stages=2)
+
+
+def _kernel(q_ref, k_ref, vt_ref, q_scale_ref, k_scale_ref, v_scale_ref, out_ref, lse_ref, *,
+            st: _Static, q_smem, k_smem, vt_smem, p_smem, o_smem, lse_smem, q_ready, k_ready,
+            v_ready, k_free, v_free, turn):
+    """One CTA. GMEM: q/out [B, Tq, N, D], k [B, Tk, K, D], vt [B, K, D, Tk], lse [B, N, Tq],
+    scales [B, tiles, heads]. SMEM: q/p/o per consumer, k/vt rings of ``num_stages``."""
+    bq, bkv = st.block_q, st.block_kv
+    batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+    kv_head = lax.div(head, st.group)  # GQA: K/V are indexed, never repeated
+    q_tile = lax.axis_index("q_tiles")
+    if st.reverse_q_tiles:
+        q_tile = st.num_q_tiles - 1 - q_tile
+    cta_q0 = q_tile * (NUM_CONSUMERS * bq)
+    cta_first, _, _, cta_last = st.mask.kv_blocks(cta_q0, NUM_CONSUMERS * bq, bkv)
+
+    def slot(j):
+        return lax.rem(j - cta_first, st.num_stages)
+
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+        q0 = cta_q0 + wg * bq
+        scales = (q_scale_ref[batch, lax.div(q0, bq), head],
+                  k_scale_ref.at[batch, :, kv_head], v_scale_ref.at[batch, :, kv_head])
+        _consumer_warpgroup(
+            wg, st, q_ref.at[batch, pl.ds(q0, bq), head], out_ref.at[batch, pl.ds(q0, bq), head],
+            lse_ref.at[batch, head, pl.ds(q0, bq)], scales, q_smem.at[wg], k_smem, vt_smem,
+            p_smem.at[wg], o_smem.at[wg], lse_smem.at[wg], q_ready.at[wg], k_ready, v_ready,
+            k_free, v_free, turn, q0=q0, cta_first=cta_first, cta_last=cta_last, slot=slot)
+
+    @pl.when(wg == _PRODUCER)
+    def _producer():
+        # The bf16 kernel's producer, with Vᵀ tiles: (head_dim, block_kv) of vt.
+        plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+        def load_k(j):
+            plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(j * bkv, bkv), kv_head],
+                                    k_smem.at[slot(j)], k_ready.at[slot(j)])
+
+        def load_v(j):
+            plgpu.copy_gmem_to_smem(vt_ref.at[batch, kv_head, :, pl.ds(j * bkv, bkv)],
+                                    vt_smem.at[slot(j)], v_ready.at[slot(j)])
+
+        for i in range(st.num_stages):
+            @pl.when(cta_first + i < cta_last)
+            def _fill(j=cta_first + i):
+                load_k(j)
+                load_v(j)
+
+        @pl.loop(cta_first + st.num_stages, cta_last)
+        def _refill(j):
+            plgpu.barrier_wait(k_free.at[slot(j)])
+            load_k(j)
+            plgpu.barrier_wait(v_free.at[slot(j)])
+            load_v(j)
+
+        @pl.loop(jnp.maximum(cta_first, cta_last - st.num_stages), cta_last)
+        def _drain(j):  # observe every phase of the free barriers (see the bf16 kernel)
+            plgpu.barrier_wait(k_free.at[slot(j)])
+            plgpu.barrier_wait(v_free.at[slot(j)])
+
+
+def _consumer_warpgroup(wg, st: _Static, q_gmem, out_gmem, lse_gmem, scales, q_tile, k_smem,
+                        vt_smem, p_tile, o_tile, lse_tile, q_ready, k_ready, v_ready, k_free,
+                        v_free, turn, *, q0, cta_first, cta_last, slot):
+    """Rows [q0, q0 + block_q): the bf16 kernel's serial loop with FP8 GEMMs and scales."""
+    bq, bkv, d = st.block_q, st.block_kv, st.head_dim
+    q_scale, k_scales, v_scales = scales
+    plgpu.copy_gmem_to_smem(q_gmem, q_tile, q_ready)
+    ranges = tuple(jnp.clip(x, cta_first, cta_last) for x in st.mask.kv_blocks(q0, bq, bkv))
+    first, full_first, full_last, last = ranges
+    # Dequantization of S_j = Q̃·K̃_jᵀ: s_Q·s_K,j folded into the exponent's scale.
+    q_scale_log2 = q_scale * st.scale_log2
+
+    def wait_k(j):
+        @pl.when(j < cta_last)
+        def _():
+            plgpu.barrier_wait(k_ready.at[slot(j)])
+
+    def pv(o, s, j):
+        """O += P̃·Ṽ_j; Vᵀ's (D, keys) tile read through a transposed view: K-major B."""
+        vt = vt_smem.at[s].T
+        if st.interpret:  # interpret mode: a fresh accumulator, then added
+            def fresh(pv_acc):
+                plgpu.wgmma(pv_acc, p_tile, vt)
+                wait_k(j + 1)
+                return pv_acc[...]
+            return o + pl.run_scoped(fresh, plgpu.ACC(o.shape, jnp.float32))
+
+        def gemm(o_acc):
+            plgpu.wgmma(o_acc, p_tile, vt)
+            wait_k(j + 1)  # overlaps the GEMM
+        return pl.run_state(gemm)(plgpu.ACC.init(o))
+
+    def step(j, carry, *, masked: bool):
+        o, m_i, l_i, v_scale_prev = carry
+        s = slot(j)
+        # Scalar loads of the tile scales, issued before the GEMM so that it hides them.
+        scale_log2 = q_scale_log2 * k_scales[j]
+        v_scale = v_scales[j]
+
+        def qk(s_acc):
+            plgpu.wgmma(s_acc, q_tile, k_smem.at[s].T)
+            _sync(turn)  # ping (see the bf16 kernel's _serial_loop)
+            return s_acc[...]
+        scores = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[s])
+        if masked:
+            rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
+            cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
+            scores = jnp.where(st.mask.visible(rows + q0, cols + j * bkv), scores, -jnp.inf)
+        # Online softmax in base 2 (FA3 Alg. 1 lines 9-11); a row that has seen no key
+        # keeps m = -inf and subtracts 0, so that its P and l stay 0 rather than NaN.
+        m_new = jnp.maximum(m_i, scores.max(axis=1) * scale_log2)
+        m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+        p = jnp.exp2(scores * scale_log2 - _row(m_sub, scores.shape))
+        alpha = jnp.exp2(m_i - m_sub)
+        l_i = l_i * alpha + p.sum(axis=1)  # from the unrounded P
+        p_tile[...] = (p * P_SCALE).astype(E4M3)
+        plgpu.commit_smem()  # register stores -> visible to wgmma
+        o = o * _row(alpha * (v_scale_prev / v_scale), o.shape)
+        plgpu.barrier_arrive(turn)  # pong: softmax done, the other consumer may go on
+        plgpu.barrier_wait(v_ready.at[s])
+        plgpu.barrier_wait(turn)
+        o = pv(o, s, j)
+        plgpu.barrier_arrive(v_free.at[s])
+        return o, m_new, l_i, v_scale
+
+    def skip_step(j, carry):
+        """A block only the other consumer needs: the same barriers as `step`, no math."""
+        s = slot(j)
+        _sync(turn)
+        plgpu.barrier_arrive(k_free.at[s])
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(v_ready.at[s])
+        plgpu.barrier_wait(turn)
+        wait_k(j + 1)
+        plgpu.barrier_arrive(v_free.at[s])
+        return carry
+
+    carry = (
+        plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA),
+        plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+        plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+        jnp.float32(1.0),  # s_V of the previous block; O is still 0, so any value works
+    )
+    plgpu.barrier_wait(q_ready)
+    wait_k(cta_first)
+    pl.when(wg == 1)(functools.partial(_sync, turn))  # consumer 1 starts one turn late
+    masked_step = functools.partial(step, masked=True)
+    if st.has_lower_band:
+        carry = lax.fori_loop(cta_first, first, skip_step, carry)
+        carry = lax.fori_loop(first, full_first, masked_step, carry)
+    carry = lax.fori_loop(full_first, full_last, functools.partial(step, masked=False), carry)
+    if st.has_upper_mask:
+        carry = lax.fori_loop(full_last, last, masked_step, carry)
+    o, m_i, l_i, v_scale = lax.fori_loop(last, cta_last, skip_step, carry)
+    pl.when(wg == 0)(functools.partial(_sync, turn))  # ... and consumer 0 ends one late
+
+    # Epilogue: undo P's 448 and the last V scale, normalise; O and LSE leave via TMA.
+    empty = l_i == 0.0
+    l_safe = jnp.where(empty, 1.0, l_i)
+    o = o * _row((v_scale / P_SCALE) / l_safe, o.shape)
+    lse_tile[...] = jnp.where(empty, EMPTY_ROW_LSE, (m_i + jnp.log2(l_safe)) * _LN2)
+    o_tile[...] = o.astype(OUT_DTYPE)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_tile, out_gmem)
+    plgpu.copy_smem_to_gmem(lse_tile, lse_gmem)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _check_operands(ops: Fp8Operands, config: MosaicConfig) -> None:
+    batch, seq_q, heads, head_dim = ops.q.shape
+    seq_kv, kv_heads = ops.k.shape[1], ops.k.shape[2]
+    tiles_q, tiles_kv = -(-seq_q // config.block_q), -(-seq_kv // config.block_kv)
+    expected = Fp8Operands(
+        q=ops.q.shape, q_scale=(batch, tiles_q, heads), k=(batch, seq_kv, kv_heads, head_dim),
+        k_scale=(batch, tiles_kv, kv_heads), vt=(batch, kv_heads, head_dim, seq_kv),
+        v_scale=(batch, tiles_kv, kv_heads))
+    for name, array, shape in zip(Fp8Operands._fields, ops, expected, strict=True):
+        if array.shape != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {array.shape}")
+        want = jnp.float32 if name.endswith("scale") else E4M3
+        if array.dtype != want:
+            raise ValueError(f"{name} must be {jnp.dtype(want).name}, got {array.dtype}")
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+
+
+def forward(ops: Fp8Operands, *, mask: MaskSpec, scale: float, config: MosaicConfig,
+            interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """FP8 attention forward on Hopper, from block-quantized operands.
+
+    Args:
+      ops: the quantized inputs (:class:`Fp8Operands`), scales per ``config.block_q`` /
+        ``config.block_kv`` tile; head_dim at most 256.
+      mask: visibility; its ``seq_q``/``seq_kv`` are the real lengths.
+      scale: logit scale (applied to the dequantized Q·Kᵀ).
+      config: tiles (``overlap`` must be False); :func:`check_config` must pass.
+      interpret: run in Mosaic GPU interpret mode on the CPU.
+
+    Returns:
+      ``out: [batch, seq_q, heads, head_dim]`` bfloat16 and ``lse: [batch, heads, seq_q]``
+      float32 (natural log).
+
+    Any lengths: the sequences are zero-padded to whole tiles here (padded keys are hidden
+    by ``mask.seq_kv``, padded rows dropped, padded tiles get scale 1), the head dim to a
+    multiple of 64.
+    """
+    _check_operands(ops, config)
+    batch, seq_q, heads, head_dim = ops.q.shape
+    seq_kv, kv_heads = ops.k.shape[1], ops.k.shape[2]
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got {head_dim}")
+    dim = padded_head_dim(head_dim)
+    check_config(config, dim)
+    rows_per_cta = NUM_CONSUMERS * config.block_q
+    seq_q_pad = round_up(seq_q, rows_per_cta)
+    seq_kv_pad = round_up(seq_kv, config.block_kv)
+    st = _Static(
+        mask=mask, scale_log2=scale * _LOG2E, block_q=config.block_q,
+        block_kv=config.block_kv, num_stages=config.num_stages, head_dim=dim,
+        group=heads // kv_heads, num_q_tiles=seq_q_pad // rows_per_cta,
+        kv_padded=seq_kv_pad != seq_kv, interpret=interpret)
+
+    bq, bkv, stages = st.block_q, st.block_kv, st.num_stages
+    scratch = dict(
+        q_smem=plgpu.SMEM((NUM_CONSUMERS, bq, dim), E4M3, transforms=_transforms(dim, E4M3)),
+        k_smem=plgpu.SMEM((stages, bkv, dim), E4M3, transforms=_transforms(dim, E4M3)),
+        vt_smem=plgpu.SMEM((stages, dim, bkv), E4M3, transforms=_transforms(bkv, E4M3)),
+        p_smem=plgpu.SMEM((NUM_CONSUMERS, bq, bkv), E4M3, transforms=_transforms(bkv, E4M3)),
+        o_smem=plgpu.SMEM((NUM_CONSUMERS, bq, dim), OUT_DTYPE,
+                          transforms=_transforms(dim, OUT_DTYPE)),
+        lse_smem=plgpu.SMEM((NUM_CONSUMERS, bq), jnp.float32),
+        q_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+        k_ready=plgpu.Barrier(num_barriers=stages),
+        v_ready=plgpu.Barrier(num_barriers=stages),
+        k_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
+        v_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
+        turn=plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+    )
+    call = plgpu.kernel(
+        functools.partial(_kernel, st=st),
+        out_type=(
+            jax.ShapeDtypeStruct((batch, seq_q_pad, heads, dim), OUT_DTYPE),
+            jax.ShapeDtypeStruct((batch, heads, seq_q_pad), jnp.float32),
+        ),
+        scratch_types=scratch,
+        grid=(heads, st.num_q_tiles, batch),
+        grid_names=("heads", "q_tiles", "batch"),
+        num_threads=NUM_CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    ones = functools.partial(pad_axis, value=1.0)  # padded tiles: scale 1, data 0
+    out, lse = call(
+        pad_axis(pad_axis(ops.q, 1, seq_q_pad), 3, dim),
+        pad_axis(pad_axis(ops.k, 1, seq_kv_pad), 3, dim),
+        pad_axis(pad_axis(ops.vt, 3, seq_kv_pad), 2, dim),
+        ones(ops.q_scale, 1, seq_q_pad // bq), ops.k_scale, ops.v_scale)
+    return out[:, :seq_q, :, :head_dim], lse[:, :, :seq_q]
