@@ -1,0 +1,70 @@
+"""The FP8 Mosaic GPU forward on a real Hopper GPU (skipped elsewhere).
+
+The kernel (``fp8.attention_fp8(implementation="mosaic")``) against
+``fp8.attention_fp8_online`` (its arithmetic in XLA: differences come from summation
+order, ex2.approx and the tensor cores' FP8 accumulation), ``fp8.attention_fp8_reference``
+(P rounded against the final row maximum) and float32 attention.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_flash import fp8, reference
+from pallas_flash.masking import MaskSpec
+from pallas_flash.mosaic import forward_fp8
+
+
+def _is_sm90() -> bool:
+    device = jax.devices()[0]
+    return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
+
+
+pytestmark = pytest.mark.skipif(not _is_sm90(), reason="needs a Hopper (sm90) GPU")
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize(("shape", "causal", "rotate"), [
+    ((2, 2048, 2048, 8, 8, 128), False, False),
+    ((1, 1000, 1500, 16, 4, 128), True, False),     # GQA, odd lengths, bottom-right
+    ((2, 1024, 1024, 8, 8, 64), True, True),        # Hadamard rotation
+    ((1, 2048, 2048, 8, 8, 256), True, False),
+])
+def test_kernel_matches_references(shape, causal, rotate):
+    batch, seq_q, seq_kv, heads, kv_heads, head_dim = shape
+    keys = jax.random.split(jax.random.key(sum(shape)), 4)
+    q = jax.random.normal(keys[0], (batch, seq_q, heads, head_dim), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (batch, seq_kv, kv_heads, head_dim), jnp.bfloat16)
+            for key in keys[1:3])
+    hadamard_key = keys[3] if rotate else None
+    config = forward_fp8.default_config(head_dim)
+    out, lse = jax.jit(lambda q, k, v: fp8.attention_fp8(
+        q, k, v, is_causal=causal, hadamard_key=hadamard_key, implementation="mosaic",
+        return_residual=True))(q, k, v)
+    assert out.shape == q.shape and out.dtype == jnp.bfloat16
+    assert lse.shape == (batch, seq_q, heads) and lse.dtype == jnp.float32
+    online, online_lse = jax.jit(lambda q, k, v: fp8.attention_fp8_online(
+        q, k, v, block_q=config.block_q, block_kv=config.block_kv, is_causal=causal,
+        hadamard_key=hadamard_key))(q, k, v)
+    group = heads // kv_heads
+    k_rep, v_rep = (jnp.repeat(x, group, axis=2) for x in (k, v))
+    ref = fp8.attention_fp8_reference(q, k_rep, v_rep, block_q=config.block_q,
+                                      block_kv=config.block_kv, is_causal=causal,
+                                      hadamard_key=hadamard_key)
+    mask = MaskSpec(seq_q, seq_kv, is_causal=causal, causal_alignment="bottom_right")
+    exact, _ = reference.standard_attention(
+        *(x.astype(jnp.float32) for x in (q, k_rep, v_rep)), scale=head_dim ** -0.5,
+        mask=mask)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert _rel(out, online) < 5e-3
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(online_lse).transpose(0, 2, 1),
+                               atol=2e-3)
+    assert _rel(out, ref) < 3e-2
+    assert _rel(out, exact) < 0.08
