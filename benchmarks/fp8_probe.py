@@ -13,10 +13,11 @@ L):
    < 5e-3) and ``fp8.attention_fp8_reference`` (< 3e-2). Quantization is per head, so the
    slice sees exactly the kernel's scales. A point that fails is not timed.
 2. Times (median of ``--repeats`` batches of ``--iters`` back-to-back calls): the FP8
-   kernel alone on pre-quantized operands, the quantization alone
-   (``fp8.quantize_operands``: scales, e4m3 rounding, Vᵀ), the whole ``attention_fp8``,
-   cuDNN bf16 (``jax.nn.dot_product_attention(implementation="cudnn")``) and our bf16
-   Mosaic forward.
+   kernel alone on pre-quantized operands and the whole ``attention_fp8``; with the first
+   config of a point also the quantization alone (``fp8.quantize_operands``: scales, e4m3
+   rounding, Vᵀ), V's quantization with and without the transpose (the cost of the Vᵀ
+   layout), cuDNN bf16 (``jax.nn.dot_product_attention(implementation="cudnn")``) and our
+   bf16 Mosaic forward. ``--configs 128=64x128x2,64x128x3`` times several FP8 configs.
 
 Every point runs under ``try``, with an alarm of ``--point-limit`` seconds (it interrupts
 Python code, not a kernel that never returns), and no new point starts after
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -39,10 +41,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.mosaic_probe import seconds_per_call
+from benchmarks.mosaic_probe import parse_configs, seconds_per_call, short
 from pallas_flash import fp8, mosaic
 from pallas_flash.masking import MaskSpec
-from pallas_flash.mosaic import forward_fp8
+from pallas_flash.mosaic import MosaicConfig, forward_fp8
 
 RESULTS: list[dict] = []
 _TIMED = ("fp8_kernel", "quantize", "fp8_total", "cudnn_bf16", "mosaic_bf16")
@@ -92,8 +94,11 @@ def check(q, k, v, out, *, causal: bool, config) -> dict:
     return errors
 
 
-def bench(path, head_dim: int, causal: bool, seq_len: int, *, iters: int, repeats: int,
-          point_limit: int, tokens: int = 16384, hidden: int = 2048) -> None:
+def bench(path, head_dim: int, causal: bool, seq_len: int, *, config: MosaicConfig | None,
+          baselines: bool, iters: int, repeats: int, point_limit: int, tokens: int = 16384,
+          hidden: int = 2048) -> None:
+    """One point with one FP8 config (None: the default); ``baselines`` also times the
+    quantization, V's transpose, cuDNN bf16 and the bf16 Mosaic forward."""
     batch, heads = tokens // seq_len, hidden // head_dim
     flops = 4 * batch * heads * seq_len**2 * head_dim / (2 if causal else 1)
     entry = dict(kind="bench", head_dim=head_dim, causal=causal, seq_len=seq_len, batch=batch,
@@ -105,33 +110,42 @@ def bench(path, head_dim: int, causal: bool, seq_len: int, *, iters: int, repeat
                        for key in keys)
             mask = MaskSpec(seq_q=seq_len, seq_kv=seq_len, is_causal=causal)
             scale = head_dim ** -0.5
-            config = forward_fp8.default_config(head_dim)
-            entry["config"] = f"{config.block_q}x{config.block_kv}x{config.num_stages}"
+            config = config or forward_fp8.default_config(head_dim)
+            entry["config"] = short(config)
             quantize = jax.jit(lambda q, k, v: fp8.quantize_operands(
                 q, k, v, block_q=config.block_q, block_kv=config.block_kv))
             kernel = jax.jit(lambda ops: forward_fp8.forward(
                 ops, mask=mask, scale=scale, config=config, interpret=False)[0])
             total = jax.jit(lambda q, k, v: fp8.attention_fp8(
                 q, k, v, is_causal=causal, config=config, implementation="mosaic"))
-            cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-                q, k, v, is_causal=causal, implementation="cudnn"))
-            bf16_config = mosaic.default_config(q.shape, k.shape, q.dtype, mask)
-            bf16 = jax.jit(lambda q, k, v: mosaic.forward(
-                q, k, v, None, mask=mask, scale=scale, config=bf16_config, interpret=False)[0])
-
             ops = jax.block_until_ready(quantize(q, k, v))
             entry.update(check(q, k, v, kernel(ops), causal=causal, config=config))
-            entry["rel_err_fp8_vs_cudnn_bf16"] = rel_err(kernel(ops), cudnn(q, k, v))
-            timed = [("quantize", quantize, (q, k, v)), ("cudnn_bf16", cudnn, (q, k, v)),
-                     ("mosaic_bf16", bf16, (q, k, v))]
+            timed = []
             if entry["ok"]:  # a wrong kernel is not timed
-                timed[:0] = [("fp8_kernel", kernel, (ops,)), ("fp8_total", total, (q, k, v))]
+                timed += [("fp8_kernel", kernel, (ops,)), ("fp8_total", total, (q, k, v))]
+            if baselines:
+                cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+                    q, k, v, is_causal=causal, implementation="cudnn"))
+                entry["rel_err_fp8_vs_cudnn_bf16"] = rel_err(kernel(ops), cudnn(q, k, v))
+                bf16_config = mosaic.default_config(q.shape, k.shape, q.dtype, mask)
+                bf16 = jax.jit(lambda q, k, v: mosaic.forward(
+                    q, k, v, None, mask=mask, scale=scale, config=bf16_config,
+                    interpret=False)[0])
+                # V's share of the quantization, with and without the transpose to Vᵀ.
+                def quantize_v(v, transpose: bool):
+                    v8, v_scale = fp8.quantize(v, config.block_kv)
+                    return (jnp.transpose(v8, (0, 2, 3, 1)) if transpose else v8), v_scale
+                v_only = jax.jit(functools.partial(quantize_v, transpose=False))
+                v_transposed = jax.jit(functools.partial(quantize_v, transpose=True))
+                timed += [("quantize", quantize, (q, k, v)), ("quantize_v", v_only, (v,)),
+                          ("quantize_v_transposed", v_transposed, (v,)),
+                          ("cudnn_bf16", cudnn, (q, k, v)), ("mosaic_bf16", bf16, (q, k, v))]
         for name, fn, args in timed:
             try:
                 with alarm(point_limit):
                     t = seconds_per_call(fn, args, iters, repeats)
                 entry[f"{name}_ms"] = t * 1e3
-                if name != "quantize":
+                if not name.startswith("quantize"):
                     entry[f"{name}_tflops"] = flops / t / 1e12
             except Exception as e:  # keep the other timings of this point
                 entry[f"{name}_error"] = f"{type(e).__name__}: {e}"[:1000]
@@ -142,29 +156,32 @@ def bench(path, head_dim: int, causal: bool, seq_len: int, *, iters: int, repeat
 
 
 def table() -> str:
-    lines = ["point               | fp8 kernel | quant ms | fp8 total | cuDNN bf16 | mosaic bf16 "
-             "| kernel/cuDNN | err vs online, ref"]
-
-    def cell(e, name):
-        value = e.get(f"{name}_tflops")
-        return f"{value:10.0f}" if value else f"{'FAILED' if f'{name}_error' in e else '-':>10}"
-    for e in RESULTS:
-        if e["kind"] != "bench":
+    """One row per (point, FP8 config): TFLOP/s, quantization ms, errors; cuDNN per point."""
+    benches = [e for e in RESULTS if e["kind"] == "bench"]
+    cudnn = {(e["head_dim"], e["causal"], e["seq_len"]): e["cudnn_bf16_tflops"]
+             for e in benches if "cudnn_bf16_tflops" in e}
+    nan = float("nan")
+    lines = ["point             config | fp8 kernel  fp8 total | cuDNN  mosaic bf16 | "
+             "kernel/cuDNN | quant ms (V, V+transpose) | err vs online, ref"]
+    for e in benches:
+        point = (f"d{e['head_dim']:<3} {'causal' if e['causal'] else 'dense ':6} "
+                 f"L{e['seq_len']:<5} {e.get('config', '?'):>6}")
+        if "error" in e:
+            lines.append(f"{point} | FAILED: {e['error'][:150]}")
             continue
-        point = f"d{e['head_dim']:<3} {'causal' if e['causal'] else 'dense ':6} L{e['seq_len']:<5}"
-        if "error" in e and "fp8_kernel_tflops" not in e:
-            lines.append(f"{point} | FAILED: {e['error'][:120]}")
-            continue
-        ratio = (e["fp8_kernel_tflops"] / e["cudnn_bf16_tflops"]
-                 if "fp8_kernel_tflops" in e and "cudnn_bf16_tflops" in e else float("nan"))
-        quant = e.get("quantize_ms", float("nan"))
-        lines.append(f"{point} | {cell(e, 'fp8_kernel')} | {quant:8.2f} | {cell(e, 'fp8_total')}"
-                     f" | {cell(e, 'cudnn_bf16')} | {cell(e, 'mosaic_bf16')} | {ratio:12.2f}"
-                     f" | {e.get('rel_err_vs_online', float('nan')):.1e}, "
-                     f"{e.get('rel_err_vs_reference', float('nan')):.1e}"
-                     + ("" if e.get("ok") else " NOT OK"))
-    lines.append("TFLOP/s (4·B·H·L²·D, halved causal); quant = fp8.quantize_operands alone; "
-                 "bar: d128 L16384 >= 1100, d256 >= 1200")
+        base = cudnn.get((e["head_dim"], e["causal"], e["seq_len"]), nan)
+        kernel = e.get("fp8_kernel_tflops", nan)
+        quant = (f"{e.get('quantize_ms', nan):6.3f} ({e.get('quantize_v_ms', nan):.3f}, "
+                 f"{e.get('quantize_v_transposed_ms', nan):.3f})")
+        lines.append(
+            f"{point} | {kernel:10.0f} {e.get('fp8_total_tflops', nan):10.0f} | {base:5.0f} "
+            f"{e.get('mosaic_bf16_tflops', nan):12.0f} | {kernel / base:12.2f} | {quant:>25} | "
+            f"{e.get('rel_err_vs_online', nan):.1e}, {e.get('rel_err_vs_reference', nan):.1e}"
+            + ("" if e.get("ok") else "  NOT OK (not timed)"))
+        lines += [f"    {key}: {value[:150]}" for key, value in e.items()
+                  if key.endswith("_error")]
+    lines.append("TFLOP/s = 4·B·H·L²·D / t (halved causal); quant = fp8.quantize_operands (Q, K, "
+                 "V); bar: d128 L16384 >= 1100, d256 >= 1200")
     return "\n".join(lines)
 
 
@@ -176,6 +193,9 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dims", type=int, nargs="*", default=[128, 256])
     parser.add_argument("--lengths", type=int, nargs="*", default=[4096, 16384])
     parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    parser.add_argument("--configs", action="append", default=[],
+                        help="HEAD_DIM=SPEC,...: FP8 configs to time, e.g. 128=64x128x2,64x128x3 "
+                             "(block_q x block_kv x num_stages); baselines with the first")
     parser.add_argument("--tokens", type=int, default=16384, help="batch * seq_len")
     parser.add_argument("--hidden", type=int, default=2048, help="heads * head_dim")
     parser.add_argument("--iters", type=int, default=10)
@@ -190,16 +210,18 @@ def main(argv=None) -> int:
     record(args.out, dict(kind="device", name=device.device_kind, jax=jax.__version__,
                           compute_capability=getattr(device, "compute_capability", None)))
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    chosen = parse_configs(args.configs)
     for head_dim in args.head_dims:
         for seq_len in args.lengths:
             for causal in causals:
-                if time.perf_counter() - start > args.time_limit:
-                    print(f"time limit: skipping d{head_dim} causal={causal} L{seq_len}",
-                          flush=True)
-                    continue
-                bench(args.out, head_dim, causal, seq_len, iters=args.iters,
-                      repeats=args.repeats, point_limit=args.point_limit,
-                      tokens=args.tokens, hidden=args.hidden)
+                for i, config in enumerate(chosen.get(head_dim, [None])):
+                    if time.perf_counter() - start > args.time_limit:
+                        print(f"time limit: skipping d{head_dim} causal={causal} L{seq_len}",
+                              flush=True)
+                        continue
+                    bench(args.out, head_dim, causal, seq_len, config=config, baselines=i == 0,
+                          iters=args.iters, repeats=args.repeats, point_limit=args.point_limit,
+                          tokens=args.tokens, hidden=args.hidden)
     print(f"--- {device.device_kind}, jax {jax.__version__}, "
           f"{time.perf_counter() - start:.0f} s")
     print(table(), flush=True)
