@@ -33,8 +33,7 @@ def _rel(a, b) -> float:
 
 @pytest.mark.parametrize(("shape", "causal", "rotate"), [
     ((2, 2048, 2048, 8, 8, 128), False, False),
-    ((1, 1000, 1500, 16, 4, 128), True, False),     # GQA, odd lengths, bottom-right
-    ((2, 1024, 1024, 8, 8, 64), True, True),        # Hadamard rotation
+    ((1, 1000, 1500, 16, 4, 64), True, True),       # GQA, odd lengths, bottom-right, Hadamard
     ((1, 2048, 2048, 8, 8, 256), True, False),
 ])
 def test_kernel_matches_references(shape, causal, rotate):
