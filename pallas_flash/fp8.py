@@ -19,6 +19,11 @@ how the inputs are scaled decides the error:
 numerics (FP8 operands, float32 accumulation, P rounded to FP8 before P·V). It is the
 specification an FP8 kernel must reproduce and the subject of the accuracy study in
 ``benchmarks/fp8_accuracy.py``; it is not fast (XLA on most devices upcasts FP8).
+:func:`attention_fp8_online` is the same computation tile by tile, as a kernel's online
+softmax rounds it.
+
+:func:`attention_fp8` is the fast path: :func:`quantize_operands` in XLA, then the Hopper
+kernel of :mod:`pallas_flash.mosaic.forward_fp8` (or the reference where it cannot run).
 """
 
 from __future__ import annotations
