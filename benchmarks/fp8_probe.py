@@ -10,7 +10,7 @@ L):
 
 1. Correctness first: the kernel's output on the first two heads of the first sequence
    against ``fp8.attention_fp8_online`` (the kernel's arithmetic in XLA; relative error
-   < 5e-3) and ``fp8.attention_fp8_reference`` (< 3e-2). Quantization is per head, so the
+   < 1e-2) and ``fp8.attention_fp8_reference`` (< 3e-2). Quantization is per head, so the
    slice sees exactly the kernel's scales. A point that fails is not timed.
 2. Times (median of ``--repeats`` batches of ``--iters`` back-to-back calls): the FP8
    kernel alone on pre-quantized operands and the whole ``attention_fp8``; with the first
@@ -90,7 +90,7 @@ def check(q, k, v, out, *, causal: bool, config) -> dict:
     ref = jax.jit(lambda q, k, v: fp8.attention_fp8_reference(
         q, k, v, block_q=config.block_q, block_kv=config.block_kv, is_causal=causal))(q, k, v)
     errors = dict(rel_err_vs_online=rel_err(out, online), rel_err_vs_reference=rel_err(out, ref))
-    errors["ok"] = errors["rel_err_vs_online"] < 5e-3 and errors["rel_err_vs_reference"] < 3e-2
+    errors["ok"] = errors["rel_err_vs_online"] < 1e-2 and errors["rel_err_vs_reference"] < 3e-2
     return errors
 
 

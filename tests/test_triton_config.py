@@ -30,3 +30,13 @@ def test_heuristic_shrinks_tiles_for_short_sequences():
     config = default_config((1, 20, 2, 64), (1, 40, 2, 64), jnp.float32, MaskSpec(20, 40))
     assert config.block_q == 32 and config.bwd_block_q == 32
     assert config.block_kv == 64 and config.bwd_block_kv == 64
+
+
+def test_a_query_varying_bias_tile_lowers_stages_then_block_q():
+    from pallas_flash.triton.config import SHARED_MEMORY, fit_row_operands
+    base = TritonConfig(block_q=256, block_kv=64, num_warps=16, num_stages=3)
+    assert fit_row_operands(base, 128, 2, 0) == base                 # no bias: unchanged
+    fitted = fit_row_operands(base, 128, 2, 4)                        # float32 [T, S] bias
+    assert (fitted.num_stages, fitted.block_q) == (2, 128)
+    per_stage = 2 * 64 * 128 * 2 + fitted.block_q * 64 * 4
+    assert 2 * per_stage + fitted.block_q * 128 * 2 <= SHARED_MEMORY

@@ -432,17 +432,6 @@ def unsupported(q_shape, dtype, has_segments: bool, softcap: float | None = None
     return None
 
 
-def _beats_triton(q_shape) -> bool:
-    """Whether the default Mosaic backward is the faster one for this head dim.
-
-    Measured on the H200 (benchmarks/mosaic_bwd_probe.py, 2026-11-29, bf16, L 4096/16384):
-    at head_dim 128 this backward ran 1.18-1.42x the Triton one; at head_dim 64 only
-    0.84-0.89x, so head_dim <= 64 keeps the Triton backward unless a MosaicBackwardConfig
-    is passed explicitly.
-    """
-    return padded_head_dim(q_shape[-1]) > 64
-
-
 def _triton_backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask, scale, interpret,
                      softcap):
     from pallas_flash import triton as triton_backend  # lazy: only for the fallback cases
@@ -470,19 +459,15 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         to choose the backward tiling explicitly.
       interpret: run in Mosaic GPU interpret mode on the CPU.
 
-    Calls that :func:`unsupported` refuses, and head dims where Triton's is measured faster
-    (:func:`_beats_triton`) unless ``config`` is a ``MosaicBackwardConfig``, go to the
-    Triton backward. Any lengths work:
+    Calls that :func:`unsupported` refuses go to the Triton backward. Any lengths work:
     sequences are zero-padded to whole CTAs (padded rows get lse = +inf, so P = 0; padded
     keys are hidden by ``mask.seq_kv``) and the head dim to a multiple of 64.
     """
     del out
-    explicit = isinstance(config, MosaicBackwardConfig)
-    if (unsupported(q.shape, q.dtype, segment_ids is not None, softcap) is not None
-            or not (explicit or _beats_triton(q.shape))):
+    if unsupported(q.shape, q.dtype, segment_ids is not None, softcap) is not None:
         return _triton_backward(q, k, v, segment_ids, None, lse, d_out, delta, mask=mask,
                                 scale=scale, interpret=interpret, softcap=softcap)
-    if not explicit:
+    if not isinstance(config, MosaicBackwardConfig):
         config = default_backward_config(q.shape, k.shape, q.dtype, mask)
     _, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]

@@ -42,9 +42,8 @@ class MosaicConfig:
         at least 2 so that the producer can load block j+1 while block j is in use.
       overlap: FA3's intra-warpgroup pipelining (Sec. 3.2): issue S_j = Q·K_jᵀ together
         with O += P_{j-1}·V_{j-1} and run the softmax of S_j while P·V is still on the
-        tensor cores. Costs the registers of P_{j-1}, held while its GEMM runs. Off by
-        default: its first version ran 0.55-0.74x the serial schedule on the H200 because
-        ptxas serialised every wgmma (C7513); the fix is not timed on the card yet.
+        tensor cores. Costs the registers of P_{j-1}, held while its GEMM runs. On by
+        default above head_dim 64 (see :func:`default_config` for the timings).
     """
 
     block_q: int = 64
@@ -101,13 +100,22 @@ def default_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicConfig:
     433 / 449, causal 373 / 446 vs 397 / 455, so 256 without a mask and 128 with one
     (narrower diagonal blocks). At head_dim 192/256 a 2-stage ring of 128-key blocks
     exceeds 227 KiB, so block_kv = 64 (tokamax's H100 tuning picks the same 64/64/2).
-    The serial schedule (``overlap=False``) throughout: see :class:`MosaicConfig`.
+
+    The overlapped schedule (``overlap=True``) above head_dim 64, from one run of
+    ``benchmarks/mosaic_probe.py --lengths 4096 16384 --causal both`` (2026-11-29, H200,
+    TFLOP/s at L 4096 / 16384, serial → overlapped, cuDNN in the same process):
+    head_dim 128 dense 615 / 648 → 647 / 663 (cuDNN 625 / 614), causal 565 / 656 →
+    583 / 682 (509 / 603); head_dim 256 dense 660 / 662 → 711 / 730 (673 / 669), causal
+    610 / 687 → 659 / 753 (547 / 626). At head_dim 64 the serial 256-key blocks stayed
+    ahead (dense L 16384: 465 against 448 for overlapped 128-key blocks).
     """
     del kv_shape, dtype
     head_dim = padded_head_dim(q_shape[-1])
     if head_dim > 128:
-        return MosaicConfig(block_q=64, block_kv=64, num_stages=2)
-    if head_dim <= 64 and mask.is_dense:
+        return MosaicConfig(block_q=64, block_kv=64, num_stages=2, overlap=True)
+    if head_dim > 64:
+        return MosaicConfig(block_q=64, block_kv=128, num_stages=2, overlap=True)
+    if mask.is_dense:
         return MosaicConfig(block_q=64, block_kv=256, num_stages=2)
     return MosaicConfig(block_q=64, block_kv=128, num_stages=2)
 
@@ -189,18 +197,17 @@ class MosaicBackwardConfig:
 
 
 def default_backward_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicBackwardConfig:
-    """Heuristic per head_dim; measured once on an H200 (bf16, 16k tokens, hidden 2048).
+    """One tiling for every head dim; measured on an H200 (bf16, 16k tokens, hidden 2048).
 
     The dK/dV consumers hold dK and dV for 64 keys each (``D`` f32 registers per thread for
-    both at head_dim 128), so the S and dP tiles must stay small: 128 query rows per step
-    only at head_dim 64. The separate dQ kernel beat the fused reduce-add dQ at every point
-    measured (head_dim 64 and 128, L 4096 and 16384, causal or not: the fused kernel ran at
-    0.59-0.83x its speed; at head_dim 128 ptxas reported 1068 bytes of spill stores for it
-    against 560 for the deterministic dK/dV kernel), so the deterministic mode is also the
-    fast one.
+    both at head_dim 128), so the S and dP tiles must stay small: 64 query rows per step.
+    At head_dim 64, 128 rows per step ran 231-258 TFLOP/s (L 4096/16384, dense) and 64
+    rows 375 / 390 (2026-11-29, ``benchmarks/mosaic_bwd_probe.py``; Triton 271 / 295,
+    cuDNN 393 / 425 in the same runs). The separate dQ kernel beat the fused reduce-add dQ
+    at every point measured (head_dim 64 and 128, L 4096 and 16384, causal or not: the
+    fused kernel ran at 0.59-0.83x its speed; at head_dim 128 ptxas reported 1068 bytes of
+    spill stores for it against 560 for the deterministic dK/dV kernel), so the
+    deterministic mode is also the fast one.
     """
-    del kv_shape, dtype, mask
-    head_dim = padded_head_dim(q_shape[-1])
-    if head_dim <= 64:
-        return MosaicBackwardConfig(block_q=128, dq_block_kv=128, num_stages=2)
+    del q_shape, kv_shape, dtype, mask
     return MosaicBackwardConfig(block_q=64, dq_block_kv=128, num_stages=2)

@@ -82,3 +82,34 @@ def shrink_to_sequence(config: TritonConfig, seq_q: int, seq_kv: int) -> TritonC
         block_q=min(config.block_q, cap_q), block_kv=min(config.block_kv, cap_kv),
         bwd_block_q=min(config.bwd_block_q, cap_q), bwd_block_kv=min(config.bwd_block_kv, cap_kv),
     )
+
+
+#: Shared memory one sm90 block may use; Triton stages each pipelined tile there.
+SHARED_MEMORY = 232448
+
+
+def fit_row_operands(config: TritonConfig, head_dim: int, itemsize: int,
+                     row_tile_bytes: int) -> TritonConfig:
+    """The forward's config with ``num_stages``, then ``block_q``, lowered until its
+    pipelined tiles fit in shared memory next to a bias/mask tile.
+
+    ``row_tile_bytes``: bytes per (query row, key) of the bias/mask tiles the forward reads
+    with each K/V tile (0 without them; a bias constant along queries counts as one row).
+    Triton software-pipelines every load of the K/V loop, so each stage holds a K tile, a V
+    tile and the bias/mask tile: a float32 bias tile of 256 × 64 alone is 64 KiB per stage,
+    and the bf16 default (256 × 64, 3 stages) then asks for 288 KiB (seen on the H200).
+    Stages and block_q change the speed, never the result.
+    """
+    def need(c: TritonConfig) -> int:
+        per_stage = (2 * c.block_kv * head_dim * itemsize
+                     + c.block_q * c.block_kv * row_tile_bytes)
+        return c.num_stages * per_stage + c.block_q * head_dim * itemsize
+
+    while need(config) > SHARED_MEMORY:
+        if config.num_stages > 2:
+            config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+        elif config.block_q > 64:
+            config = dataclasses.replace(config, block_q=config.block_q // 2)
+        else:
+            break
+    return config

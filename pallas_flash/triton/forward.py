@@ -22,7 +22,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import next_power_of_2, pad_axis, round_up
 from pallas_flash.reference import EMPTY_ROW_LSE
-from pallas_flash.triton.config import TritonConfig
+from pallas_flash.triton.config import TritonConfig, fit_row_operands
 from pallas_flash.triton.tiles import (
     read_tile,
     row_block_operand,
@@ -124,9 +124,13 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: Trito
     batch, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
+    padded_d = max(16, next_power_of_2(head_dim))
+    # Bytes per (query row, key) of the bias/mask tiles that vary along queries.
+    row_tile_bytes = sum(x.dtype.itemsize for x in (bias, attn_mask)
+                         if x is not None and x.shape[2] > 1)
+    config = fit_row_operands(config, padded_d, q.dtype.itemsize, row_tile_bytes)
     block_q, block_kv = config.block_q, config.block_kv
     padded_q, padded_kv = round_up(seq_q, block_q), round_up(seq_kv, block_kv)
-    padded_d = max(16, next_power_of_2(head_dim))
     q_p = pad_axis(pad_axis(q, 1, padded_q), 3, padded_d)
     k_p = pad_axis(pad_axis(k, 1, padded_kv), 3, padded_d)
     v_p = pad_axis(pad_axis(v, 1, padded_kv), 3, padded_d)
