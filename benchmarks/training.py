@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import statistics
+import sys
 import tempfile
 import traceback
 from collections.abc import Sequence
@@ -160,8 +161,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    import sys
-
     args = parse_args(argv)
     command = "python -m benchmarks.training " + " ".join(argv if argv is not None
                                                           else sys.argv[1:])
