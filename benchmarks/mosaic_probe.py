@@ -237,7 +237,8 @@ def main(argv=None) -> int:
     parser.add_argument("--check-with", action="append", default=[],
                         help="HEAD_DIM=SPEC,...: run only the odd-shape checks, with these")
     parser.add_argument("--head-dims", type=int, nargs="*", default=[128, 64, 256])
-    parser.add_argument("--lengths", type=int, nargs="*", help="only these seq_len")
+    parser.add_argument("--lengths", type=int, nargs="*",
+                        help="seq_len to time (default: 1024/4096/16384 at d128, else 4096/16384)")
     parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     parser.add_argument("--time-limit", type=float, default=float("inf"),
                         help="seconds after which no new benchmark point is started")
@@ -286,9 +287,7 @@ def main(argv=None) -> int:
     lengths = {128: (1024, 4096, 16384), 64: (4096, 16384), 256: (4096, 16384)}
     for d in args.head_dims:
         for causal in causals:
-            for seq_len in lengths.get(d, (4096, 16384)):
-                if args.lengths and seq_len not in args.lengths:
-                    continue
+            for seq_len in args.lengths or lengths.get(d, (4096, 16384)):
                 if time.perf_counter() - start > args.time_limit:
                     print(f"time limit: skipping d{d} causal={causal} L{seq_len}", flush=True)
                     continue
