@@ -28,6 +28,7 @@ run it with ``MOSAIC_GPU_DUMP_PTXAS=1`` to read ptxas' register and spill counts
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -48,10 +49,29 @@ IMPLS = ("mosaic", "mosaic_fused", "triton", "cudnn")
 
 
 def _overrides(name: str) -> dict[str, int]:
-    """``mosaic:block_q=64,num_stages=3`` -> fields of MosaicBackwardConfig to change."""
+    """``mosaic:block_q=64,num_stages=3`` -> fields of MosaicBackwardConfig to change
+    (``regs=CONSUMERxPRODUCER`` is not a field: see :func:`_registers`)."""
     _, _, spec = name.partition(":")
     return {key: int(value) for key, value in (item.split("=") for item in spec.split(",")
-                                               if item)}
+                                               if item) if key != "regs"}
+
+
+@contextlib.contextmanager
+def _registers(name: str):
+    """``regs=240x24`` in the spec: trace the kernels with that ``setmaxnreg`` split between
+    the consumer and producer warpgroups (module constants, read at trace time)."""
+    spec = dict(item.split("=") for item in name.partition(":")[2].split(",") if item)
+    if "regs" not in spec:
+        yield
+        return
+    consumer, producer = map(int, spec["regs"].split("x"))
+    saved = mosaic_backward._CONSUMER_REGISTERS, mosaic_backward._PRODUCER_REGISTERS
+    mosaic_backward._CONSUMER_REGISTERS, mosaic_backward._PRODUCER_REGISTERS = (
+        consumer, producer)
+    try:
+        yield
+    finally:
+        mosaic_backward._CONSUMER_REGISTERS, mosaic_backward._PRODUCER_REGISTERS = saved
 
 
 def _pallas_backward(name: str, q, k, mask: MaskSpec, scale: float):
@@ -102,8 +122,9 @@ def bench_point(head_dim: int, seq_len: int, causal: bool, impls, max_seconds: f
                 both_ms = time_fn(cudnn_grads, [(q, k, v, d_out)], **timing).median_ms
                 ms, grads = both_ms - fwd_ms, reference
             else:
-                fn = _pallas_backward(name, q, k, mask, scale)
                 args = (q, k, v, out, lse, d_out)
+                with _registers(name):
+                    fn = _pallas_backward(name, q, k, mask, scale).lower(*args).compile()
                 ms = time_fn(fn, [args], **timing).median_ms
                 grads = fn(*args)
             entry.update(ms=ms, tflops=tflops_per_s(flops, ms), rel_err_vs_cudnn=[
@@ -128,7 +149,8 @@ def main(argv=None) -> int:
     parser.add_argument("--causal", default="both", choices=("both", "yes", "no"))
     parser.add_argument("--impls", default=";".join(IMPLS),
                         help=f"';'-separated, from {IMPLS}; 'mosaic:block_q=64,num_stages=3' "
-                             "times the Mosaic backward with those config fields changed")
+                             "times the Mosaic backward with those config fields changed "
+                             "(and regs=232x40: the consumer x producer setmaxnreg)")
     parser.add_argument("--max-seconds", type=float, default=1.0,
                         help="sampling time per timed function")
     parser.add_argument("--compile-only", action="store_true")
