@@ -5,7 +5,9 @@ from pallas_flash.api import (
     available_implementations,
     default_implementation,
 )
+from pallas_flash.autotune import autotune
 from pallas_flash.masking import MaskSpec
 
-__all__ = ["MaskSpec", "attention", "available_implementations", "default_implementation"]
+__all__ = ["MaskSpec", "attention", "autotune", "available_implementations",
+           "default_implementation"]
 __version__ = "0.1.0"
