@@ -141,8 +141,17 @@ def attention(
       implementation: ``"mosaic"`` (Hopper), ``"triton"`` (any GPU, or CPU with
         ``interpret=True``) or ``"xla"``; ``None`` picks the fastest available.
       interpret: run Pallas kernels in interpret mode (CPU testing).
-      config: a backend config (e.g. ``pallas_flash.triton.TritonConfig``); default is the
-        backend's heuristic for the shape.
+      config: ``None`` (the backend's heuristic for the shape), a config of the chosen
+        backend (``pallas_flash.triton.TritonConfig``, ``pallas_flash.mosaic.MosaicConfig``,
+        ``pallas_flash.xla.XlaConfig``), or ``"autotune"``: the fastest measured config for
+        this device and shape class, read from the cache of :func:`pallas_flash.autotune`
+        (a forward + backward tuning first, then a forward one). On a miss the forward is
+        tuned and cached right away, which compiles and times every candidate (seconds to
+        minutes; the first call only). The tuning needs only shapes and dtype: under
+        ``jax.jit`` it runs at trace time on fresh random arrays of the traced shapes, and
+        the compiled function keeps the config chosen then. The tuning is of the plain call
+        (causal or not); a window, bias, mask or segment ids reuse that choice. The XLA
+        backend has nothing to tune and uses its heuristic.
 
     Returns:
       ``out: [batch, seq_q, heads, head_dim]`` in the input dtype, or ``(out, lse)``.
@@ -181,14 +190,32 @@ def attention(
     reason = _unsupported(implementation, query, key, spec, features)
     if reason is not None:
         raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
-    if config is None:
-        config = backend.default_config(query.shape, key.shape, query.dtype, spec)
+    config = _resolve_config(config, implementation, query, key, value, spec, interpret)
     static = StaticArgs(kernels=backend.KERNELS, mask=spec, scale=float(scale),
                         config=config, interpret=bool(interpret), softcap=softcap)
     out, lse = attention_with_lse(query, key, value, segment_ids, sinks, bias, mask, static)
     if return_residual:
         return out, jnp.transpose(lse, (0, 2, 1))
     return out
+
+
+def _resolve_config(config, implementation: str, query, key, value, spec: MaskSpec,
+                    interpret: bool):
+    """The backend config for ``attention``'s ``config`` argument (see its docstring)."""
+    default = _backend(implementation).default_config(query.shape, key.shape, query.dtype, spec)
+    if config is None:
+        return default
+    if isinstance(config, str) and config == "autotune":
+        # autotune calls attention, so it is imported here rather than at the top.
+        from pallas_flash.autotune import config_for_attention
+
+        return config_for_attention(query, key, value, implementation=implementation,
+                                    is_causal=spec.is_causal, interpret=interpret)
+    if not isinstance(config, type(default)):
+        raise ValueError(
+            f"config must be None, 'autotune' or a {type(default).__name__} for "
+            f"implementation={implementation!r}, got {config!r}")
+    return config
 
 
 def _check_arrays(query, key, value) -> None:
