@@ -38,10 +38,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash.bias import sum_to_shape
+from pallas_flash.logits import LOG2_E, log2_logits, raw_score_gradient
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import next_power_of_2, pad_axis, round_up
 from pallas_flash.triton.config import TritonConfig
-from pallas_flash.triton.forward import LOG2_E, dot_precision, log2_logits
+from pallas_flash.triton.forward import dot_precision
 from pallas_flash.triton.tiles import (
     column_block_operand,
     read_tile,
@@ -66,11 +67,6 @@ def _probabilities(q, k, lse2, scale, softcap, precision, visible, bias_tile):
 def _score_gradient(p, dp, delta):
     """dS = P ∘ (dP - delta) (FA2, Alg. 2): the gradient of the (biased) logits."""
     return p * (dp - delta[:, None])
-
-
-def _raw_score_gradient(ds, slope):
-    """dS through the soft-cap's tanh, if any: the gradient of scale·Q·Kᵀ."""
-    return ds if slope is None else ds * slope
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_refs, bias_ref,
@@ -119,7 +115,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_refs, bias
                 d_bias_rows = d_bias_rows + jnp.sum(d_bias_tile(ds), axis=0, keepdims=True)
             else:  # each (head, query tile, key tile) is visited once: plain store
                 d_bias_ref[head, rows, :] = d_bias_tile(ds)
-        ds = _raw_score_gradient(ds, slope)
+        ds = raw_score_gradient(ds, slope)
         dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True, precision=precision)
         return dk, dv, d_bias_rows
 
@@ -172,7 +168,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_refs, bias_r
         p, slope = _probabilities(q, k, lse2, scale, softcap, precision, visible,
                                   read_tile(bias_ref, cols=cols))
         dp = plgpu.dot(do, v, trans_b=True, precision=precision)
-        ds = _raw_score_gradient(_score_gradient(p, dp, delta), slope)
+        ds = raw_score_gradient(_score_gradient(p, dp, delta), slope)
         return dq + plgpu.dot(ds.astype(k.dtype), k, precision=precision)
 
     dq = walk_tiles(kv_step, mask.kv_blocks(q_start, block_q, block_kv),

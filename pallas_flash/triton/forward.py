@@ -11,7 +11,6 @@ mask array is given, which may hide pairs anywhere). A bias is read tile by tile
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_flash.logits import LOG2_E, log2_logits
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import next_power_of_2, pad_axis, round_up
 from pallas_flash.reference import EMPTY_ROW_LSE
@@ -31,7 +31,6 @@ from pallas_flash.triton.tiles import (
     walk_tiles,
 )
 
-LOG2_E = math.log2(math.e)
 # Initial running max: finite, so exp2(m_old - m_new) is 0 rather than NaN when a row has
 # seen only hidden keys so far (hidden logits are -inf).
 _M_INIT = -1e30
@@ -46,23 +45,6 @@ def query_block_order(program: int, num_q_blocks: int, mask: MaskSpec):
     """Query block of the ``program``-th launch. Causal rows near the end see the most keys:
     launching them first leaves the short ones to fill the tail (less imbalance)."""
     return num_q_blocks - 1 - program if mask.is_causal else program
-
-
-def log2_logits(qk, scale: float, softcap: float | None, bias_tile=None):
-    """Logits in base 2 from raw Q·Kᵀ: exp(x) = exp2(x·log2 e), so the scale folds in.
-
-    Returns ``(logits2, slope)``; with soft-capping the logits are ``c·tanh(scale·qk/c)`` and
-    ``slope = 1 - tanh²`` is their derivative w.r.t. ``scale·qk`` (None without it).
-    ``bias_tile`` (``[block_q or 1, block_kv or 1]``) is added after the soft-cap.
-    """
-    if softcap is None:
-        s, slope = qk * (scale * LOG2_E), None
-    else:
-        t = jnp.tanh(qk * (scale / softcap))
-        s, slope = t * (softcap * LOG2_E), 1.0 - t * t
-    if bias_tile is not None:
-        s = s + bias_tile.astype(jnp.float32) * LOG2_E
-    return s, slope
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, bias_ref, mask_ref, o_ref, lse_ref, *,
