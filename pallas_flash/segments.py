@@ -1,6 +1,6 @@
 """Packed sequences: which tiles of S = Q·Kᵀ can hold a pair with equal segment ids.
 
-Backend-neutral: the Triton kernels and the Mosaic GPU forward use the same spans.
+Backend-neutral: the Triton kernels and the Mosaic GPU kernels use the same spans.
 
 A tile of S = Q·Kᵀ can hold a visible pair only if the id ranges of its query rows and
 key columns overlap. Each tile's *span* is the first and one-past-last tile on the other
@@ -67,3 +67,16 @@ def _spans(meet: jax.Array) -> jax.Array:
     empty = ~jnp.any(meet, axis=-1)
     spans = jnp.stack([jnp.where(empty, 0, lo), jnp.where(empty, 0, hi)], axis=1)
     return spans.astype(jnp.int32)
+
+
+def cut_to_span(ranges, lo, hi):
+    """A ``MaskSpec`` block range cut to the span ``[lo, hi)`` of one owned tile.
+
+    ``ranges``: ``(first, full_first, full_last, last)`` from ``MaskSpec.kv_blocks`` /
+    ``q_blocks``; ``lo, hi``: that tile's entry of :func:`tile_spans`. Every block left
+    compares ids, so it needs the mask: returns ``(first, last, last, last)``, empty
+    (``first == last``) when the band and the span do not meet.
+    """
+    first = jnp.maximum(ranges[0], lo)
+    last = jnp.maximum(first, jnp.minimum(ranges[3], hi))
+    return first, last, last, last

@@ -3,7 +3,8 @@
 * Numerics in Mosaic GPU interpret mode: the same kernels, pipeline, barriers and masking
   as on the GPU, with the register A operands of wgmma detoured through SMEM and dQ from
   the deterministic dQ kernel (the interpreter has no TMA reduce-add). Compared with the
-  float64 oracle on fresh random inputs.
+  float64 oracle on fresh random inputs, with and without segment ids (packed documents,
+  padding lengths) and soft-capping.
 * The real GPU kernels (fused and deterministic dQ), lowered for ``cuda`` on the CPU:
   layouts, wgmma operands and the shared-memory budget, which the config's accounting
   must match exactly.
@@ -12,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 
@@ -23,6 +25,7 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from support import random_qkv, rel_err
 
+import pallas_flash
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import MosaicBackwardConfig, MosaicConfig, default_backward_config
 from pallas_flash.mosaic import config as mosaic_config
@@ -34,9 +37,11 @@ BF16, F16 = jnp.bfloat16, jnp.float16
 SMALL = MosaicBackwardConfig(block_q=64, dq_block_kv=64)
 
 
-def _residuals(q, k, v, d_out, mask: MaskSpec, scale: float):
+def _residuals(q, k, v, d_out, mask: MaskSpec, scale: float, segment_ids=None,
+               softcap=None):
     """(out, lse, delta) from the float64 oracle, and its (dq, dk, dv)."""
     out, lse, grads = attention_float64(q, k, v, scale=scale, mask=mask,
+                                        segment_ids=segment_ids, softcap=softcap,
                                         d_out=np.asarray(d_out, np.float64))
     out = jnp.asarray(out, q.dtype)
     delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
@@ -81,13 +86,140 @@ def test_interpret_no_races():
         assert rel_err(got, ref) < 1e-2
 
 
+# --- segment ids and soft-capping --------------------------------------------------------
+
+
+def _doc_ids(batch: int, seq: int, starts) -> jax.Array:
+    """[batch, seq] int32 ids of packed documents: the id goes up by one at each start."""
+    ids = np.searchsorted(np.asarray(starts), np.arange(seq), side="right")
+    return jnp.asarray(np.broadcast_to(ids, (batch, seq)), jnp.int32)
+
+
+def _variant_ids(kind: str | None, batch: int, seq_q: int, seq_kv: int):
+    """Segment ids of a VARIANT_CASES kind (None: no segment ids)."""
+    if kind is None:
+        return None
+    if kind == "docs":  # three documents, boundaries off the 64-row tiles
+        return _doc_ids(batch, seq_q, [70, 150]), _doc_ids(batch, seq_kv, [70, 150])
+    if kind == "docs_empty_rows":
+        # Query documents 0, 2, 4; key documents 0, 1, 2: rows of document 4 see no key,
+        # keys of document 1 no query. Batch row 1: ids in no order (wide spans).
+        q_ids = _doc_ids(batch, seq_q, [60, 150]) * 2
+        kv_ids = _doc_ids(batch, seq_kv, [50, 110])
+        rng = np.random.default_rng(seq_q)
+        return (q_ids.at[1].set(jnp.asarray(rng.integers(0, 3, seq_q), jnp.int32)),
+                kv_ids.at[1].set(jnp.asarray(rng.integers(0, 3, seq_kv), jnp.int32)))
+    # "lengths": padding lengths as the API folds them into ids (pallas_flash.api).
+    q_len, kv_len = (jnp.asarray([n - 37, n - 70][:batch], jnp.int32) for n in (seq_q, seq_kv))
+    q_ids = jnp.where(jnp.arange(seq_q) < q_len[:, None], 0, pallas_flash.api.PADDED_QUERY_ID)
+    kv_ids = jnp.where(jnp.arange(seq_kv) < kv_len[:, None], 0, pallas_flash.api.PADDED_KEY_ID)
+    return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+
+
+# (batch, seq_q, seq_kv, heads, kv_heads, dtype, mask kwargs, segment ids kind, softcap)
+VARIANT_CASES = {
+    "segments_gqa": (1, 192, 192, 2, 1, BF16, {}, "docs", None),
+    "segments_causal_odd_f16": (1, 200, 200, 2, 1, F16, dict(is_causal=True), "docs", None),
+    # Padded keys (130 -> 256), empty rows, a key document without queries, GQA 2:1.
+    "segments_empty_rows_gqa": (2, 200, 130, 2, 1, BF16, {}, "docs_empty_rows", None),
+    "padding_lengths_causal": (2, 160, 160, 2, 2, BF16, dict(is_causal=True), "lengths",
+                               None),
+    "softcap_dense": (1, 128, 192, 2, 1, BF16, {}, None, 20.0),
+    "softcap_segments_causal_f16": (1, 200, 200, 2, 1, F16, dict(is_causal=True), "docs",
+                                    20.0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(VARIANT_CASES))
+def test_interpret_variants_match_oracle(case):
+    batch, seq_q, seq_kv, heads, kv_heads, dtype, mask_kwargs, ids_kind, softcap = (
+        VARIANT_CASES[case])
+    head_dim = 64
+    q, k, v, d_out = random_qkv(batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype)
+    if softcap is not None:  # logits of several softcaps, where tanh bends them
+        q = q * 8
+    mask = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, **mask_kwargs)
+    segment_ids = _variant_ids(ids_kind, batch, seq_q, seq_kv)
+    scale = head_dim ** -0.5
+    out, lse, delta, want = _residuals(q, k, v, d_out, mask, scale, segment_ids, softcap)
+    grads = mosaic_backward.backward(q, k, v, segment_ids, out, lse, d_out, delta, mask=mask,
+                                     scale=scale, config=SMALL, interpret=True,
+                                     softcap=softcap)
+    for name, got, ref, x in zip("qkv", grads, want, (q, k, v), strict=True):
+        assert got.shape == x.shape and got.dtype == x.dtype, name
+        assert rel_err(got, ref) < 1e-2, f"d{name}: {rel_err(got, ref)}"
+    if ids_kind == "docs_empty_rows":  # rows of document 4 see no key: dQ is exactly 0
+        assert np.all(np.asarray(grads[0][0, 150:]) == 0)
+
+
+def test_segment_tiles_outside_the_span_are_never_read():
+    """Q/dO of a query document without keys and K/V of a key document without queries
+    are NaN: a kernel that loaded them into its GEMMs would give NaN; skipped tiles leave
+    exact zeros. CTA 0 of both kernels has one consumer with no block to visit."""
+    seq = 256
+    q, k, v, d_out = random_qkv(1, seq, seq, 2, 1, 64, BF16)
+    q_ids = _doc_ids(1, seq, [64, 128])                     # 0 | 1 (no keys) | 2, 2
+    kv_ids = _doc_ids(1, seq, [64, 128]) * 3                # 0 | 3 (no query) | 6, 6
+    kv_ids = kv_ids.at[:, 128:].set(2)
+    ids = (q_ids, kv_ids)
+    mask = MaskSpec(seq_q=seq, seq_kv=seq)
+    out, lse, delta, want = _residuals(q, k, v, d_out, mask, 0.125, ids)
+    hidden = slice(64, 128)
+    q, d_out, k, v = (x.at[:, hidden].set(jnp.nan) for x in (q, d_out, k, v))
+    grads = mosaic_backward.backward(q, k, v, ids, out, lse, d_out, delta, mask=mask,
+                                     scale=0.125, config=SMALL, interpret=True)
+    for got, ref in zip(grads, want, strict=True):
+        assert np.all(np.asarray(got[:, hidden]) == 0)
+        assert rel_err(got, ref) < 1e-2
+
+
+def test_interpret_segments_softcap_no_races():
+    """The ids rings (on lse's / K's ready barrier, read before the slot is freed, fenced
+    before the producer refills it) under the interpreter's race detector."""
+    q, k, v, d_out = random_qkv(1, 128, 192, 2, 1, 64, F16)
+    ids = (_doc_ids(1, 128, [40, 100]), _doc_ids(1, 192, [40, 100]))
+    mask = MaskSpec(seq_q=128, seq_kv=192, is_causal=True)
+    out, lse, delta, want = _residuals(q * 4, k, v, d_out, mask, 0.125, ids, 10.0)
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
+        grads = mosaic_backward.backward(q * 4, k, v, ids, out, lse, d_out, delta, mask=mask,
+                                         scale=0.125, config=SMALL, interpret=True,
+                                         softcap=10.0)
+        jax.block_until_ready(grads)
+    assert not interpret_pallas_call.get_races().races_found
+    for got, ref in zip(grads, want, strict=True):
+        assert rel_err(got, ref) < 1e-2
+
+
+def test_api_packed_documents_train_with_the_mosaic_backward(monkeypatch):
+    """pallas_flash.attention(implementation="mosaic") with segment ids, padding lengths and
+    soft-capping: the gradients come from the Mosaic backward, not the Triton fallback."""
+    monkeypatch.setattr(mosaic_backward, "_triton_backward", None)  # any fallback fails
+    q, k, v, d_out = random_qkv(1, 128, 128, 2, 1, 64, F16)
+    q = q * 4
+    ids = _doc_ids(1, 128, [50])
+    lengths = jnp.asarray([110], jnp.int32)
+
+    def f(q, k, v):
+        return pallas_flash.attention(
+            q, k, v, is_causal=True, q_segment_ids=ids, key_value_seq_lengths=lengths,
+            logits_soft_cap=20.0, implementation="mosaic", interpret=True)
+
+    _, vjp = jax.vjp(f, q, k, v)
+    grads = vjp(d_out)
+    kv_ids = jnp.where(jnp.arange(128) < 110, ids, -1)  # padded keys meet no query
+    _, _, want = attention_float64(
+        q, k, v, mask=MaskSpec(seq_q=128, seq_kv=128, is_causal=True),
+        segment_ids=(ids, kv_ids), softcap=20.0, d_out=np.asarray(d_out, np.float64))
+    for got, ref in zip(grads, want, strict=True):
+        assert rel_err(got, ref) < 1e-2
+
+
 def test_fallback_to_triton_for_head_dim_256():
     """unsupported() names the reason, and backward() still gives the right gradients."""
-    assert "head_dim 256" in mosaic_backward.unsupported((1, 64, 1, 256), BF16, False)
-    assert "segment ids" in mosaic_backward.unsupported((1, 64, 1, 64), BF16, True)
-    assert "float32" in mosaic_backward.unsupported((1, 64, 1, 64), jnp.float32, False)
-    assert "soft-capping" in mosaic_backward.unsupported((1, 64, 1, 64), BF16, False, 5.0)
+    assert "head_dim 256" in mosaic_backward.unsupported((1, 64, 1, 256), BF16, True, 5.0)
+    assert "float32" in mosaic_backward.unsupported((1, 64, 1, 64), jnp.float32, True)
     assert mosaic_backward.unsupported((1, 64, 1, 128), F16, False) is None
+    assert mosaic_backward.unsupported((1, 64, 1, 128), BF16, True, 5.0) is None
     q, k, v, d_out = random_qkv(1, 40, 40, 1, 1, 256, BF16)
     mask = MaskSpec(seq_q=40, seq_kv=40, is_causal=True)
     out, lse, delta, want = _residuals(q, k, v, d_out, mask, 0.06)
@@ -100,13 +232,17 @@ def test_fallback_to_triton_for_head_dim_256():
 # --- the GPU kernels, lowered for CUDA on the CPU ----------------------------------------
 
 
-def _lower_for_cuda(shape_q, shape_kv, dtype, mask: MaskSpec, config):
-    def f(q, k, v, out, lse, d_out, delta):
-        return mosaic_backward.backward(q, k, v, None, out, lse, d_out, delta, mask=mask,
-                                        scale=0.1, config=config, interpret=False)
+def _lower_for_cuda(shape_q, shape_kv, dtype, mask: MaskSpec, config, *,
+                    segments: bool = False, softcap: float | None = None):
+    def f(q, k, v, out, lse, d_out, delta, q_ids, kv_ids):
+        return mosaic_backward.backward(
+            q, k, v, (q_ids, kv_ids) if segments else None, out, lse, d_out, delta,
+            mask=mask, scale=0.1, config=config, interpret=False, softcap=softcap)
     q, kv = jax.ShapeDtypeStruct(shape_q, dtype), jax.ShapeDtypeStruct(shape_kv, dtype)
     stats = jax.ShapeDtypeStruct((shape_q[0], shape_q[2], shape_q[1]), jnp.float32)
-    return jax.jit(f).trace(q, kv, kv, q, stats, q, stats).lower(lowering_platforms=("cuda",))
+    q_ids, kv_ids = (jax.ShapeDtypeStruct(shape[:2], jnp.int32) for shape in (shape_q, shape_kv))
+    return jax.jit(f).trace(q, kv, kv, q, stats, q, stats, q_ids, kv_ids).lower(
+        lowering_platforms=("cuda",))
 
 
 @pytest.mark.parametrize(("head_dim", "deterministic", "causal"), [
@@ -121,33 +257,57 @@ def test_default_configs_lower_for_cuda(head_dim, deterministic, causal):
     _lower_for_cuda(shape_q, shape_kv, BF16, mask, config)
 
 
+@pytest.mark.parametrize(("head_dim", "deterministic", "causal"), [
+    (64, True, False), (128, True, True), (64, False, True), (128, False, False),
+])
+def test_segments_softcap_lower_for_cuda(head_dim, deterministic, causal):
+    """Packed documents + soft-capping: both kernels' ids rings, fused dQ included."""
+    shape_q, shape_kv = (2, 1000, 8, head_dim), (2, 1000, 2, head_dim)
+    mask = MaskSpec(seq_q=1000, seq_kv=1000, is_causal=causal)
+    config = MosaicBackwardConfig(deterministic=deterministic)
+    _lower_for_cuda(shape_q, shape_kv, BF16, mask, config, segments=True, softcap=30.0)
+
+
+def test_softcap_window_lowers_for_cuda():
+    mask = MaskSpec(seq_q=700, seq_kv=900, window=(100, 0))
+    _lower_for_cuda((1, 700, 4, 80), (1, 900, 2, 80), F16, mask, None, softcap=30.0)
+
+
 def test_masked_odd_shapes_lower_for_cuda():
     mask = MaskSpec(seq_q=1000, seq_kv=900, is_causal=True, causal_alignment="bottom_right",
                     window=(100, 0))
     _lower_for_cuda((1, 1000, 4, 80), (1, 900, 2, 80), F16, mask, None)
 
 
-@pytest.mark.parametrize(("head_dim", "config"), [
-    (128, MosaicBackwardConfig(num_stages=2)),  # the default: both kernels fit
-    (128, MosaicBackwardConfig(num_stages=3)),  # the dQ kernel's K/V ring does not fit
-    (128, MosaicBackwardConfig(num_stages=2, deterministic=False)),  # fused dQ: fits
-    (128, MosaicBackwardConfig(num_stages=3, deterministic=False)),  # fused dQ staging: over
-    (64, MosaicBackwardConfig(block_q=128, num_stages=3, deterministic=False)),  # just over
+@pytest.mark.parametrize(("head_dim", "config", "segments"), [
+    (128, MosaicBackwardConfig(num_stages=2), False),  # the default: both kernels fit
+    (128, MosaicBackwardConfig(num_stages=3), False),  # the dQ kernel's K/V ring: over
+    (128, MosaicBackwardConfig(num_stages=2, deterministic=False), False),  # fused dQ: fits
+    (128, MosaicBackwardConfig(num_stages=3, deterministic=False), False),  # staging: over
+    (64, MosaicBackwardConfig(block_q=128, num_stages=3, deterministic=False), False),  # over
+    # With segment ids: the ids rings (rows' ids in dK/dV, keys' ids in dQ).
+    (128, MosaicBackwardConfig(num_stages=2), True),  # both fit
+    (128, MosaicBackwardConfig(num_stages=2, deterministic=False), True),  # fits
+    (128, MosaicBackwardConfig(num_stages=3), True),  # dQ over: its keys' ids ring counted
+    (64, MosaicBackwardConfig(block_q=128, num_stages=3, deterministic=False), True),  # dK/dV
 ])
-def test_smem_accounting_matches_lowering(head_dim, config, monkeypatch):
+def test_smem_accounting_matches_lowering(head_dim, config, segments, monkeypatch):
     """The config's SMEM bytes are exactly what Mosaic GPU allocates (its error says)."""
     mask = MaskSpec(seq_q=1024, seq_kv=1024)
     shape = (1, 1024, 2, head_dim)
-    need = max(config.dkdv_smem_bytes(head_dim),
-               config.dq_smem_bytes(head_dim) if config.deterministic else 0)
+    need = max(config.dkdv_smem_bytes(head_dim, segments=segments),
+               config.dq_smem_bytes(head_dim, segments=segments) if config.deterministic
+               else 0)
+    lower = functools.partial(_lower_for_cuda, shape, shape, BF16, mask, config,
+                              segments=segments)
     if need <= mosaic_config.SMEM_BUDGET:
-        _lower_for_cuda(shape, shape, BF16, mask, config)
+        lower()
         return
     with pytest.raises(ValueError, match="shared memory"):
-        _lower_for_cuda(shape, shape, BF16, mask, config)
-    monkeypatch.setattr(MosaicBackwardConfig, "check_fits", lambda *_: None)
+        lower()
+    monkeypatch.setattr(MosaicBackwardConfig, "check_fits", lambda *_, **__: None)
     with pytest.raises(ValueError, match="exceeds available shared memory") as error:
-        _lower_for_cuda(shape, shape, BF16, mask, config)
+        lower()
     assert int(re.search(r"smem_bytes=(\d+)", str(error.value)).group(1)) == need
 
 

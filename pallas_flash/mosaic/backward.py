@@ -45,9 +45,22 @@ CTA's ``[first, last)`` are never loaded, a consumer's ``[full_first, full_last)
 unmasked loop, the boundary blocks build the mask tile, and blocks that only the other
 consumer needs are stepped through without math (to keep the ring in lockstep).
 
-**Fallback**: segment ids, soft-capping, float32, and head dims above 128 go to the Triton
-backward (:func:`unsupported` says why). Head dim 256 does not fit: dK and dV of 64 keys are
-256 f32 registers per thread on their own, above the 232 a consumer can hold.
+**Segment ids** (packed documents; padding lengths arrive as ids too), as the forward:
+each consumer's band is cut to the span of walked blocks whose ids can meet its owned
+block (:func:`pallas_flash.segments.tile_spans`: query blocks per key block for dK/dV, key
+blocks per query block for dQ), the producer streams the hull of the two consumers'
+ranges, and every visited block is masked, comparing the owned ids (loaded once from GMEM)
+with the walked block's (an int32 ring in SMEM, filled by TMA next to the data on lse's
+(dK/dV) or K's (dQ) ready barrier and read before the slot is freed). A query that sees no
+key has lse = ``EMPTY_ROW_LSE`` and only hidden (−inf) logits, so its P, dS and dQ are 0.
+
+**Soft-capping**: the logits are ``c·tanh(scale·s/c)`` (``tanh.approx``, as the forward),
+so dS is multiplied by the cap's derivative ``1 − tanh²`` before the dK and dQ GEMMs
+(:func:`pallas_flash.logits.log2_logits`); hidden pairs are masked after the cap.
+
+**Fallback**: float32 and head dims above 128 go to the Triton backward (:func:`unsupported`
+says why). Head dim 256 does not fit: dK and dV of 64 keys are 256 f32 registers per thread
+on their own, above the 232 a consumer can hold.
 
 **CPU testing**: Mosaic GPU interpret mode cannot run a wgmma whose A operand is in
 registers. With ``interpret=True`` the A operands (Pᵀ, dSᵀ, dS) are stored to an SMEM
@@ -65,6 +78,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_flash.logits import log2_logits, raw_score_gradient
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic.config import (
     NUM_CONSUMERS,
@@ -78,11 +92,13 @@ from pallas_flash.mosaic.forward import (
     _LOG2E,
     _PRODUCER,
     _PRODUCER_REGISTERS,
+    _hull,
     _pad,
     _row,
     _smem_transforms,
 )
 from pallas_flash.padding import pad_axis, round_up
+from pallas_flash.segments import cut_to_span, pad_segment_ids, tile_spans
 
 #: Largest head dim of the dK/dV kernel: dK + dV of 64 keys cost ``head_dim`` f32 registers
 #: per thread (128 at head dim 128), next to the S and dP tiles.
@@ -95,7 +111,6 @@ class _Static:
 
     mask: MaskSpec
     scale: float
-    scale_log2: float  # scale * log2(e)
     block_q: int  # the streamed (dK/dV) or owned (dQ) query rows per step / consumer
     block_kv: int  # the owned (dK/dV) or streamed (dQ) keys per consumer / step
     num_stages: int
@@ -106,6 +121,8 @@ class _Static:
     num_tiles: int  # CTAs along the owned sequence
     needs_mask: bool  # some (q, k) pair of the padded problem is hidden
     fuse_dq: bool  # the dK/dV kernel also reduce-adds dS·K into a float32 dQ (FA3)
+    softcap: float | None = None  # logits become softcap * tanh(scale * s / softcap)
+    segmented: bool = False  # segment ids: a pair is visible only if its ids are equal
 
 
 def _col(x: jax.Array, shape: tuple[int, int]) -> jax.Array:
@@ -120,6 +137,37 @@ def _operand_a(x: jax.Array, scratch):
     scratch[...] = x
     plgpu.commit_smem()
     return scratch
+
+
+def _probabilities(st: _Static, scores, lse2, visible):
+    """P = exp2(logits·log2e − lse·log2e) of one tile, and the soft-cap's slope (or None).
+
+    ``scores``: raw Q·Kᵀ (or K·Qᵀ) in f32; ``lse2``: the forward's lse in base 2, already
+    broadcast over the tile; ``visible``: None (a full block) or the tile's mask. Hidden
+    pairs become −inf after the cap (before it, tanh would make them finite): P = 0 even
+    for a row that sees no key (lse = ``EMPTY_ROW_LSE``, finite).
+    """
+    logits2, slope = log2_logits(scores, st.scale, st.softcap)
+    if visible is not None:
+        logits2 = jnp.where(visible, logits2, -jnp.inf)
+    return jnp.exp2(logits2 - lse2), slope
+
+
+def _owned_ranges(st: _Static, band, spans_ref, batch, own_block):
+    """The walked blocks of one owned block: the mask ``band`` (``MaskSpec.kv_blocks`` /
+    ``q_blocks``), cut with segment ids to the span of blocks whose ids can meet it
+    (``spans_ref`` [B, 2, owned blocks] from :func:`segments.tile_spans`)."""
+    if not st.segmented:
+        return band
+    return cut_to_span(band, spans_ref[batch, 0, own_block], spans_ref[batch, 1, own_block])
+
+
+def _cta_range(st: _Static, cta_band, ranges_of):
+    """``(first, last)`` blocks the CTA's producer streams: its mask band, or with segment
+    ids the hull of its consumers' ranges (``ranges_of(c)``: consumer c's)."""
+    if not st.segmented:
+        return cta_band[0], cta_band[3]
+    return functools.reduce(_hull, (ranges_of(c)[::3] for c in range(NUM_CONSUMERS)))
 
 
 def _wait_all(barriers, s) -> None:
@@ -157,6 +205,10 @@ def _stream(st: _Static, free, num_steps, load) -> None:
     @pl.loop(st.num_stages, num_steps)
     def _refill(t):
         plgpu.barrier_wait(free.at[lax.rem(t, st.num_stages)])
+        if st.segmented:
+            # The consumers read the slot's segment ids through the generic proxy; the
+            # proxy fence orders those reads before the TMA (async proxy) overwrites.
+            plgpu.commit_smem()
         load(t)
 
     @pl.loop(jnp.maximum(num_steps - st.num_stages, 0), num_steps)
@@ -169,24 +221,35 @@ def _stream(st: _Static, free, num_steps, load) -> None:
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static,
                  k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, k_ready, v_ready,
-                 q_ready, do_ready, lse_ready, delta_ready, free, a_smem=None, ds_smem=None,
-                 dq_smem=None):
+                 q_ready, do_ready, lse_ready, delta_ready, free, q_ids_smem=None,
+                 a_smem=None, ds_smem=None, dq_smem=None):
     """One CTA: keys ``[2·block_kv·tile, +2·block_kv)`` of one KV head.
 
     GMEM refs: q/do [B, Tq, N, D], k/v [B, Tk, K, D], lse (log2 units)/delta [B, N, Tq];
-    ``refs`` = (dq_acc [B, Tq, N, D] float32, zero-initialised, when ``st.fuse_dq``;)
-    dk/dv [B, Tk, K, D]. SMEM: k/v [2, block_kv, D] (one tile per consumer), q/do
-    [stages, block_q, D], lse/delta [stages, block_q]; a_smem [2, block_kv, block_q]
-    (interpret mode only); with ``st.fuse_dq``: ds_smem [2, block_kv, block_q] and dq_smem
-    [2, block_q, D] float32.
+    ``refs`` = (q_ids [B, Tq], kv_ids [B, Tk], spans [B, 2, Tk / block_kv] int32 with
+    ``st.segmented``;) (dq_acc [B, Tq, N, D] float32, zero-initialised, with
+    ``st.fuse_dq``;) dk/dv [B, Tk, K, D]. SMEM: k/v [2, block_kv, D] (one tile per
+    consumer), q/do [stages, block_q, D], lse/delta [stages, block_q]; with segment ids
+    q_ids_smem [stages, block_q] int32 (the rows' ids, on lse's ready barrier: one more TMA
+    arrival); a_smem [2, block_kv, block_q] (interpret mode only); with ``st.fuse_dq``:
+    ds_smem [2, block_kv, block_q] and dq_smem [2, block_q, D] float32.
     """
+    q_ids_ref, kv_ids_ref, spans_ref = refs[:3] if st.segmented else (None,) * 3
+    refs = refs[3:] if st.segmented else refs
     dq_ref, dk_ref, dv_ref = refs if st.fuse_dq else (None, *refs)
     bq, bkv = st.block_q, st.block_kv
     batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
-    cta_k0 = lax.axis_index("kv_tiles") * (NUM_CONSUMERS * bkv)
+    kv_tile = lax.axis_index("kv_tiles")
+    cta_k0 = kv_tile * (NUM_CONSUMERS * bkv)
+
+    def ranges_of(c):
+        """Consumer c's query blocks: (first, full_first, full_last, last)."""
+        band = st.mask.q_blocks(cta_k0 + c * bkv, bkv, bq, st.num_q_blocks)
+        return _owned_ranges(st, band, spans_ref, batch, kv_tile * NUM_CONSUMERS + c)
+
     # The query blocks any key of this CTA is seen by; streamed once per head of the group.
-    cta_first, _, _, cta_last = st.mask.q_blocks(
-        cta_k0, NUM_CONSUMERS * bkv, bq, st.num_q_blocks)
+    cta_first, cta_last = _cta_range(
+        st, st.mask.q_blocks(cta_k0, NUM_CONSUMERS * bkv, bq, st.num_q_blocks), ranges_of)
     blocks_per_head = cta_last - cta_first
     wg = lax.axis_index("wg")
 
@@ -207,6 +270,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
                                     do_ready.at[s])
             plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], lse_smem.at[s],
                                     lse_ready.at[s])
+            if st.segmented:  # the rows' ids, 4·block_q bytes, on lse's barrier
+                plgpu.copy_gmem_to_smem(q_ids_ref.at[batch, rows], q_ids_smem.at[s],
+                                        lse_ready.at[s])
             plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], delta_smem.at[s],
                                     delta_ready.at[s])
         _stream(st, free, st.group * blocks_per_head, load)
@@ -219,8 +285,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
         k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
         plgpu.copy_gmem_to_smem(k_ref.at[keys], k_tile, k_ready.at[wg])
         plgpu.copy_gmem_to_smem(v_ref.at[keys], v_tile, v_ready.at[wg])
-        ranges = tuple(jnp.clip(x, cta_first, cta_last)
-                       for x in st.mask.q_blocks(k0, bkv, bq, st.num_q_blocks))
+        # Inside the CTA's range: the consumer steps through all of it (the ring is shared).
+        ranges = tuple(jnp.clip(x, cta_first, cta_last) for x in ranges_of(wg))
+        kv_ids = None
+        if st.segmented:  # this warpgroup's key ids, laid out as the rows of Sᵀ, once
+            # (plain loads from GMEM: Mosaic GPU vectorises ("optimizes") SMEM loads only)
+            kv_ids = plgpu.load(kv_ids_ref.at[batch, pl.ds(k0, bkv)],
+                                layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
         a_tile = None if a_smem is None else a_smem.at[wg]
         ds_tile, dq_tile = (None, None) if not st.fuse_dq else (ds_smem.at[wg], dq_smem.at[wg])
         ready = (q_ready, do_ready, lse_ready, delta_ready)
@@ -235,25 +306,31 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
                 q_tile, do_tile = q_smem.at[s], do_smem.at[s]
                 lse2 = plgpu.load(lse_smem.at[s], layout=plgpu.Layout.WGMMA.reduce(0))
                 delta = plgpu.load(delta_smem.at[s], layout=plgpu.Layout.WGMMA.reduce(0))
+                q_ids = None
+                if st.segmented:  # read before the slot is freed (the producer refills it)
+                    q_ids = plgpu.load(q_ids_smem.at[s], layout=plgpu.Layout.WGMMA.reduce(0))
+                shape = (bkv, bq)  # rows are keys, columns queries
 
                 def gemms(st_acc, dpt_acc):
                     plgpu.wgmma(st_acc, k_tile, q_tile.T)
                     plgpu.wgmma(dpt_acc, v_tile, do_tile.T)
                     # Sᵀ is ready once at most the dPᵀ GEMM is in flight: Pᵀ overlaps it.
                     scores_t = plgpu.wgmma_accumulator_load(st_acc, wait_n=1)
-                    if masked:  # rows are keys, columns queries
-                        shape = (bkv, bq)
+                    visible = None
+                    if masked:
                         keys_idx = plgpu.broadcasted_iota(
                             jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
                         rows_idx = plgpu.broadcasted_iota(
                             jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
                         visible = st.mask.visible(rows_idx + i * bq, keys_idx + k0)
-                        scores_t = jnp.where(visible, scores_t, -jnp.inf)
-                    p_t = jnp.exp2(scores_t * st.scale_log2 - _col(lse2, scores_t.shape))
+                        if st.segmented:  # ... and pairs of different documents
+                            visible &= _row(kv_ids, shape) == _col(q_ids, shape)
+                    p_t, slope_t = _probabilities(st, scores_t, _col(lse2, shape), visible)
                     plgpu.wgmma(dv_acc, _operand_a(p_t.astype(st.dtype), a_tile), do_tile)
                     # dPᵀ is ready once at most the dV GEMM is in flight: dSᵀ overlaps it.
                     dp_t = plgpu.wgmma_accumulator_load(dpt_acc, wait_n=1)
-                    ds_t = (p_t * (dp_t - _col(delta, dp_t.shape))).astype(st.dtype)
+                    ds_t = raw_score_gradient(p_t * (dp_t - _col(delta, shape)), slope_t)
+                    ds_t = ds_t.astype(st.dtype)
                     if st.fuse_dq:
                         ds_tile[...] = ds_t  # dS = (dSᵀ)ᵀ is read from SMEM, transposed
                         plgpu.commit_smem()
@@ -314,15 +391,20 @@ def _reduce_dq(ds_tile, k_tile, dq_tile, dq_rows) -> None:
 # --- dQ ---------------------------------------------------------------------------------
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, st: _Static,
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static,
                q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, q_ready, do_ready,
-               lse_ready, delta_ready, k_ready, v_ready, free, a_smem=None):
+               lse_ready, delta_ready, k_ready, v_ready, free, kv_ids_smem=None,
+               a_smem=None):
     """One CTA: query rows ``[2·block_q·tile, +2·block_q)`` of one head.
 
-    GMEM refs as in :func:`_dkdv_kernel`, dq [B, Tq, N, D]. SMEM: q/do [2, block_q, D] and
-    lse/delta [2, block_q] (one per consumer), k/v [stages, block_kv, D]; a_smem
-    [2, block_q, block_kv] (interpret mode only).
+    GMEM refs as in :func:`_dkdv_kernel`; ``refs`` = (q_ids [B, Tq], kv_ids [B, Tk], spans
+    [B, 2, Tq / block_q] int32 with ``st.segmented``;) dq [B, Tq, N, D]. SMEM: q/do
+    [2, block_q, D] and lse/delta [2, block_q] (one per consumer), k/v
+    [stages, block_kv, D]; with segment ids kv_ids_smem [stages, block_kv] int32 (the keys'
+    ids, on K's ready barrier: one more TMA arrival); a_smem [2, block_q, block_kv]
+    (interpret mode only).
     """
+    q_ids_ref, kv_ids_ref, spans_ref, dq_ref = refs if st.segmented else (None,) * 3 + refs
     bq, bkv = st.block_q, st.block_kv
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
     q_tile_idx = lax.axis_index("q_tiles")
@@ -330,7 +412,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, st: _
         # Causal work grows with the query index: heaviest CTAs first (as the forward).
         q_tile_idx = st.num_tiles - 1 - q_tile_idx
     cta_q0 = q_tile_idx * (NUM_CONSUMERS * bq)
-    cta_first, _, _, cta_last = st.mask.kv_blocks(cta_q0, NUM_CONSUMERS * bq, bkv)
+
+    def ranges_of(c):
+        """Consumer c's key blocks: (first, full_first, full_last, last)."""
+        band = st.mask.kv_blocks(cta_q0 + c * bq, bq, bkv)
+        return _owned_ranges(st, band, spans_ref, batch, q_tile_idx * NUM_CONSUMERS + c)
+
+    cta_first, cta_last = _cta_range(
+        st, st.mask.kv_blocks(cta_q0, NUM_CONSUMERS * bq, bkv), ranges_of)
     wg = lax.axis_index("wg")
 
     def slot(j):
@@ -345,6 +434,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, st: _
             j = cta_first + t
             keys, s = (batch, pl.ds(j * bkv, bkv), kv_head), slot(j)
             plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[s], k_ready.at[s])
+            if st.segmented:  # the keys' ids, 4·block_kv bytes, on K's barrier
+                plgpu.copy_gmem_to_smem(kv_ids_ref.at[batch, pl.ds(j * bkv, bkv)],
+                                        kv_ids_smem.at[s], k_ready.at[s])
             plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[s], v_ready.at[s])
         _stream(st, free, cta_last - cta_first, load)
 
@@ -359,12 +451,17 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, st: _
         plgpu.copy_gmem_to_smem(do_ref.at[rows], do_tile, do_ready.at[wg])
         plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[wg], lse_ready.at[wg])
         plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], delta_ready.at[wg])
-        ranges = tuple(jnp.clip(x, cta_first, cta_last)
-                       for x in st.mask.kv_blocks(q0, bq, bkv))
+        # Inside the CTA's range: the consumer steps through all of it (the ring is shared).
+        ranges = tuple(jnp.clip(x, cta_first, cta_last) for x in ranges_of(wg))
+        q_ids = None
+        if st.segmented:  # this warpgroup's query ids, laid out as the rows of S, once
+            q_ids = plgpu.load(q_ids_ref.at[batch, pl.ds(q0, bq)],
+                               layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
         a_tile = None if a_smem is None else a_smem.at[wg]
         _wait_all((q_ready, do_ready, lse_ready, delta_ready), wg)
         lse2 = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+        shape = (bq, bkv)
 
         def accumulate(dq_acc):
             def step(j, carry, *, masked: bool):
@@ -372,23 +469,28 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, st: _
                 s = slot(j)
                 _wait_all((k_ready, v_ready), s)
                 k_tile, v_tile = k_smem.at[s], v_smem.at[s]
+                kv_ids = None
+                if st.segmented:  # read before the slot is freed (the producer refills it)
+                    kv_ids = plgpu.load(kv_ids_smem.at[s],
+                                        layout=plgpu.Layout.WGMMA.reduce(0))
 
                 def gemms(s_acc, dp_acc):
                     plgpu.wgmma(s_acc, q_tile, k_tile.T)
                     plgpu.wgmma(dp_acc, do_tile, v_tile.T)
                     # S is ready once at most the dP GEMM is in flight: P overlaps it.
                     scores = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
+                    visible = None
                     if masked:
-                        shape = (bq, bkv)
                         rows_idx = plgpu.broadcasted_iota(
                             jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
                         keys_idx = plgpu.broadcasted_iota(
                             jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
                         visible = st.mask.visible(rows_idx + q0, keys_idx + j * bkv)
-                        scores = jnp.where(visible, scores, -jnp.inf)
-                    p = jnp.exp2(scores * st.scale_log2 - _row(lse2, scores.shape))
+                        if st.segmented:  # ... and pairs of different documents
+                            visible &= _row(q_ids, shape) == _col(kv_ids, shape)
+                    p, slope = _probabilities(st, scores, _row(lse2, shape), visible)
                     dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=0)
-                    ds = p * (dp - _row(delta, dp.shape))
+                    ds = raw_score_gradient(p * (dp - _row(delta, shape)), slope)
                     plgpu.wgmma(dq_acc, _operand_a(ds.astype(st.dtype), a_tile), k_tile)
                     plgpu.wgmma_wait(0)  # K_j is read: the slot may be refilled
 
@@ -419,11 +521,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, st: _
 
 def unsupported(q_shape, dtype, has_segments: bool, softcap: float | None = None
                 ) -> str | None:
-    """Why the Mosaic GPU backward cannot run this call (it then uses Triton's), or None."""
-    if has_segments:
-        return "segment ids are not supported by the Mosaic GPU backward"
-    if softcap is not None:
-        return "logit soft-capping is not supported by the Mosaic GPU backward"
+    """Why the Mosaic GPU backward cannot run this call (it then uses Triton's), or None.
+
+    Segment ids (hence padding lengths) and soft-capping are supported.
+    """
+    del has_segments, softcap
     if jnp.dtype(dtype) not in _DTYPES:
         return f"the Mosaic GPU backward takes bfloat16 or float16, got {jnp.dtype(dtype)}"
     if padded_head_dim(q_shape[-1]) > MAX_BACKWARD_HEAD_DIM:
@@ -464,7 +566,8 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
     keys are hidden by ``mask.seq_kv``) and the head dim to a multiple of 64.
     """
     del out
-    if unsupported(q.shape, q.dtype, segment_ids is not None, softcap) is not None:
+    segmented = segment_ids is not None
+    if unsupported(q.shape, q.dtype, segmented, softcap) is not None:
         return _triton_backward(q, k, v, segment_ids, None, lse, d_out, delta, mask=mask,
                                 scale=scale, interpret=interpret, softcap=softcap)
     if not isinstance(config, MosaicBackwardConfig):
@@ -472,7 +575,7 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
     _, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     dim = padded_head_dim(head_dim)
-    config.check_fits(dim, jnp.dtype(q.dtype).itemsize)
+    config.check_fits(dim, jnp.dtype(q.dtype).itemsize, segments=segmented)
     # One padded length serves both kernels: whole dK/dV query blocks and dQ CTAs, whole
     # dK/dV CTAs and dQ key blocks (all block sizes are powers of two times 64).
     seq_q_pad = round_up(seq_q, max(config.block_q, NUM_CONSUMERS * config.dq_block_q))
@@ -480,28 +583,40 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
     q_p, do_p = (_pad(x, seq_q_pad, dim) for x in (q, d_out))
     k_p, v_p = (_pad(x, seq_kv_pad, dim) for x in (k, v))
     # lse in base 2 (the kernels' exponent); padded rows get +inf so that their P is 0.
+    # Rows that see no key have lse = EMPTY_ROW_LSE and only hidden (-inf) logits: P = 0.
     lse2 = pad_axis(lse * _LOG2E, 2, seq_q_pad, jnp.inf)
     delta = pad_axis(delta, 2, seq_q_pad)
     fuse_dq = not config.deterministic and not interpret
     common = dict(
-        mask=mask, scale=scale, scale_log2=scale * _LOG2E, num_stages=config.num_stages,
+        mask=mask, scale=scale, num_stages=config.num_stages,
         head_dim=dim, dtype=jnp.dtype(q.dtype), group=heads // kv_heads,
-        needs_mask=not mask.is_dense or seq_kv_pad != seq_kv, fuse_dq=fuse_dq)
+        needs_mask=not mask.is_dense or seq_kv_pad != seq_kv or segmented, fuse_dq=fuse_dq,
+        softcap=softcap, segmented=segmented)
     operands = (q_p, k_p, v_p, do_p, lse2, delta)
+    ids = pad_segment_ids(segment_ids, seq_q_pad, seq_kv_pad) if segmented else None
+
+    def with_ids(st: _Static, *, walk_kv: bool):
+        """The operands, and with segment ids the ids and the spans of the kernel's tiles."""
+        if ids is None:
+            return operands
+        return (*operands, *ids,
+                tile_spans(*ids, st.block_q, st.block_kv, walk_kv=walk_kv))
+
     dkdv_static = _Static(block_q=config.block_q, block_kv=config.block_kv,
                           num_q_blocks=seq_q_pad // config.block_q,
                           num_tiles=seq_kv_pad // (NUM_CONSUMERS * config.block_kv), **common)
+    dkdv_operands = with_ids(dkdv_static, walk_kv=False)  # owns key tiles, walks queries
     if fuse_dq:
         dq_acc = jax.new_ref(jnp.zeros(q_p.shape, jnp.float32))  # the reduce-adds' target
-        dk, dv = _call_dkdv(dkdv_static, operands, dq_acc, interpret=interpret)
+        dk, dv = _call_dkdv(dkdv_static, dkdv_operands, dq_acc, interpret=interpret)
         dq = (jax.freeze(dq_acc) * scale).astype(q.dtype)
     else:
-        dk, dv = _call_dkdv(dkdv_static, operands, None, interpret=interpret)
+        dk, dv = _call_dkdv(dkdv_static, dkdv_operands, None, interpret=interpret)
         dq_static = _Static(block_q=config.dq_block_q, block_kv=config.dq_block_kv,
                             num_q_blocks=seq_q_pad // config.dq_block_q,
                             num_tiles=seq_q_pad // (NUM_CONSUMERS * config.dq_block_q),
                             **common)
-        dq = _call_dq(dq_static, operands, interpret=interpret)
+        dq = _call_dq(dq_static, with_ids(dq_static, walk_kv=True), interpret=interpret)
     return (dq[:, :seq_q, :, :head_dim], dk[:, :seq_kv, :, :head_dim],
             dv[:, :seq_kv, :, :head_dim])
 
@@ -534,10 +649,13 @@ def _call_dkdv(st: _Static, operands, dq_acc, *, interpret: bool):
         k_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
         v_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
         q_ready=plgpu.Barrier(num_barriers=stages), do_ready=plgpu.Barrier(num_barriers=stages),
-        lse_ready=plgpu.Barrier(num_barriers=stages),
+        # One TMA arrival per copy: lse, and with segment ids the rows' ids.
+        lse_ready=plgpu.Barrier(num_arrivals=1 + st.segmented, num_barriers=stages),
         delta_ready=plgpu.Barrier(num_barriers=stages),
         free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
     )
+    if st.segmented:
+        scratch["q_ids_smem"] = plgpu.SMEM((stages, bq), jnp.int32)
     if interpret:
         scratch["a_smem"] = _tiles(st, NUM_CONSUMERS, bkv, bq)
     extra = ()
@@ -569,9 +687,13 @@ def _call_dq(st: _Static, operands, *, interpret: bool):
         do_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
         lse_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
         delta_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
-        k_ready=plgpu.Barrier(num_barriers=stages), v_ready=plgpu.Barrier(num_barriers=stages),
+        # One TMA arrival per copy: K, and with segment ids the keys' ids.
+        k_ready=plgpu.Barrier(num_arrivals=1 + st.segmented, num_barriers=stages),
+        v_ready=plgpu.Barrier(num_barriers=stages),
         free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
     )
+    if st.segmented:
+        scratch["kv_ids_smem"] = plgpu.SMEM((stages, bkv), jnp.int32)
     if interpret:
         scratch["a_smem"] = _tiles(st, NUM_CONSUMERS, bq, bkv)
     return plgpu.kernel(

@@ -162,33 +162,41 @@ class MosaicBackwardConfig:
         if not 2 <= self.num_stages <= 4:
             raise ValueError(f"num_stages must be in [2, 4], got {self.num_stages}")
 
-    def dkdv_smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        """dK/dV kernel: resident K/V tiles, the Q/dO ring, the lse/delta ring, barriers."""
+    def dkdv_smem_bytes(self, head_dim: int, itemsize: int = 2, *,
+                        segments: bool = False) -> int:
+        """dK/dV kernel: resident K/V tiles, the Q/dO ring, the lse/delta ring, barriers,
+        and with ``segments`` the ring of the rows' segment ids (int32, next to lse's)."""
         k_v = 2 * _align(NUM_CONSUMERS * self.block_kv * head_dim * itemsize)
         q_do = 2 * _align(self.num_stages * self.block_q * head_dim * itemsize)
         stats = 2 * _align(self.num_stages * self.block_q * 4)
+        q_ids = _align(self.num_stages * self.block_q * 4) if segments else 0
         # K, V ready per consumer; Q, dO, lse, delta ready and one free per slot.
         barriers = 8 * (2 * NUM_CONSUMERS + 5 * self.num_stages)
         fused_dq = 0
         if not self.deterministic:  # per consumer: dSᵀ tile and the f32 dQ partial
             fused_dq = (_align(NUM_CONSUMERS * self.block_kv * self.block_q * itemsize)
                         + _align(NUM_CONSUMERS * self.block_q * head_dim * 4))
-        return k_v + q_do + stats + barriers + fused_dq
+        return k_v + q_do + stats + q_ids + barriers + fused_dq
 
-    def dq_smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        """dQ kernel: resident Q/dO tiles, lse/delta, the K and V rings, barriers."""
+    def dq_smem_bytes(self, head_dim: int, itemsize: int = 2, *, segments: bool = False
+                      ) -> int:
+        """dQ kernel: resident Q/dO tiles, lse/delta, the K and V rings, barriers, and with
+        ``segments`` the ring of the keys' segment ids (int32, next to K's)."""
         q_do = 2 * _align(NUM_CONSUMERS * self.dq_block_q * head_dim * itemsize)
         stats = 2 * _align(NUM_CONSUMERS * self.dq_block_q * 4)
         kv = 2 * _align(self.num_stages * self.dq_block_kv * head_dim * itemsize)
+        kv_ids = _align(self.num_stages * self.dq_block_kv * 4) if segments else 0
         # Q, dO, lse, delta ready per consumer; K/V ready and K/V free per slot.
         barriers = 8 * (4 * NUM_CONSUMERS + 3 * self.num_stages)
-        return q_do + stats + kv + barriers
+        return q_do + stats + kv + kv_ids + barriers
 
-    def check_fits(self, head_dim: int, itemsize: int = 2) -> None:
-        """Raises ValueError when either kernel cannot run at ``head_dim`` on an sm90 CTA."""
-        need = self.dkdv_smem_bytes(head_dim, itemsize)
+    def check_fits(self, head_dim: int, itemsize: int = 2, *, segments: bool = False
+                   ) -> None:
+        """Raises ValueError when either kernel cannot run at ``head_dim`` on an sm90 CTA
+        (``segments``: with segment ids)."""
+        need = self.dkdv_smem_bytes(head_dim, itemsize, segments=segments)
         if self.deterministic:
-            need = max(need, self.dq_smem_bytes(head_dim, itemsize))
+            need = max(need, self.dq_smem_bytes(head_dim, itemsize, segments=segments))
         if need > SMEM_BUDGET:
             raise ValueError(
                 f"MosaicBackwardConfig {self} needs {need} bytes of shared memory at "

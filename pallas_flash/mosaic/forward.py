@@ -70,7 +70,7 @@ from pallas_flash.mosaic.config import (
 )
 from pallas_flash.padding import pad_axis, round_up
 from pallas_flash.reference import EMPTY_ROW_LSE
-from pallas_flash.segments import pad_segment_ids, tile_spans
+from pallas_flash.segments import cut_to_span, pad_segment_ids, tile_spans
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -159,9 +159,7 @@ def _consumer_ranges(st: _Static, spans_ref, batch, q_block):
     ranges = st.mask.kv_blocks(q_block * st.block_q, st.block_q, st.block_kv)
     if not st.segmented:
         return ranges
-    first = jnp.maximum(ranges[0], spans_ref[batch, 0, q_block])
-    last = jnp.maximum(first, jnp.minimum(ranges[3], spans_ref[batch, 1, q_block]))
-    return first, last, last, last
+    return cut_to_span(ranges, spans_ref[batch, 0, q_block], spans_ref[batch, 1, q_block])
 
 
 def _hull(a, b):
@@ -615,8 +613,8 @@ def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
                 has_mask: bool = False) -> str | None:
     """Why the Mosaic GPU forward cannot run this call, or None if it can.
 
-    Every mask, segment ids (hence padding lengths) and soft-capping are supported; the
-    backward of segment ids / soft-capping is Triton's (see :mod:`.backward`).
+    Every mask, segment ids (hence padding lengths) and soft-capping are supported (and by
+    the backward too, see :mod:`.backward`).
     """
     del kv_shape, mask, has_segments, softcap
     if has_bias or has_mask:

@@ -4,7 +4,8 @@ Skipped unless the default device is a GPU of compute capability 9.0. Every case
 fresh inputs, computes ``(out, lse)`` with the Mosaic forward and ``(dq, dk, dv)`` with
 :func:`pallas_flash.mosaic.backward.backward`, and compares all three with
 ``reference.attention_float64`` (‖got − ref‖ / ‖ref‖ < 1e-2; NaN never passes). Head dim
-256 checks the documented fallback to the Triton backward.
+256 checks the documented fallback to the Triton backward. Packed documents (segment ids,
+padding lengths) and soft-capping run the Mosaic backward too.
 """
 
 from __future__ import annotations
@@ -35,27 +36,30 @@ pytestmark = pytest.mark.skipif(not _is_sm90(), reason="needs a Hopper (sm90) GP
 BF16, F16 = jnp.bfloat16, jnp.float16
 
 
-def _gradients(q, k, v, d_out, mask: MaskSpec, scale: float, config):
-    def run(q, k, v, d_out):
+def _gradients(q, k, v, d_out, mask: MaskSpec, scale: float, config, segment_ids=None,
+               softcap=None):
+    def run(q, k, v, d_out, segment_ids):
         fwd_config = default_config(q.shape, k.shape, q.dtype, mask)
-        out, lse = forward(q, k, v, None, mask=mask, scale=scale, config=fwd_config,
-                           interpret=False)
+        out, lse = forward(q, k, v, segment_ids, mask=mask, scale=scale, config=fwd_config,
+                           interpret=False, softcap=softcap)
         delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32),
                            d_out.astype(jnp.float32))
-        return mosaic_backward.backward(q, k, v, None, out, lse, d_out, delta, mask=mask,
-                                        scale=scale, config=config or fwd_config,
-                                        interpret=False)
-    return jax.jit(run)(q, k, v, d_out)
+        return mosaic_backward.backward(q, k, v, segment_ids, out, lse, d_out, delta,
+                                        mask=mask, scale=scale, config=config or fwd_config,
+                                        interpret=False, softcap=softcap)
+    return jax.jit(run)(q, k, v, d_out, segment_ids)
 
 
 def _check(batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype, *, config=None,
-           **mask_kwargs):
+           segment_ids=None, softcap=None, **mask_kwargs):
     mask = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, **mask_kwargs)
     q, k, v, d_out = random_qkv(batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype)
+    if softcap is not None:  # logits of several softcaps, where tanh bends them
+        q = q * 4
     scale = head_dim ** -0.5
-    grads = _gradients(q, k, v, d_out, mask, scale, config)
-    _, _, want = attention_float64(q, k, v, scale=scale, mask=mask,
-                                   d_out=np.asarray(d_out, np.float64))
+    grads = _gradients(q, k, v, d_out, mask, scale, config, segment_ids, softcap)
+    _, _, want = attention_float64(q, k, v, scale=scale, mask=mask, segment_ids=segment_ids,
+                                   softcap=softcap, d_out=np.asarray(d_out, np.float64))
     for name, got, ref, x in zip("qkv", grads, want, (q, k, v), strict=True):
         assert got.shape == x.shape and got.dtype == x.dtype, name
         err = rel_err(got, ref)
@@ -101,6 +105,51 @@ def test_more_queries_than_keys_bottom_right():  # the first 400 rows see no key
 
 def test_padded_head_dim_mqa_window():
     _check(2, 377, 450, 2, 1, 96, BF16, window=(100, 30))
+
+
+def _packed_ids(batch: int, seq: int, seed: int) -> jax.Array:
+    """[batch, seq] int32 ids of 3 to 8 packed documents per row, of random lengths (the
+    boundaries fall inside tiles)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(batch):
+        starts = np.sort(rng.choice(np.arange(1, seq), rng.integers(2, 8), replace=False))
+        rows.append(np.searchsorted(starts, np.arange(seq), side="right"))
+    return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_packed_documents_softcap(head_dim, causal, deterministic):
+    """Segment ids (both kernels cut their walks to the ids' spans) and soft-capping."""
+    ids = _packed_ids(2, 2048, seed=head_dim + causal)
+    _check(2, 2048, 2048, 4, 2, head_dim, BF16, segment_ids=(ids, ids), softcap=30.0,
+           config=MosaicBackwardConfig(deterministic=deterministic), is_causal=causal)
+
+
+def test_packed_documents_padding_lengths_through_the_api():
+    """Training with packed documents and padding (lengths arrive as segment ids): the
+    Mosaic forward and backward, soft-capped, odd lengths, GQA, bottom-right causal."""
+    q, k, v, d_out = random_qkv(2, 1500, 1700, 8, 2, 128, BF16)
+    q_ids, kv_ids = _packed_ids(2, 1500, seed=3), _packed_ids(2, 1700, seed=4)
+    q_len, kv_len = jnp.asarray([1500, 1111], jnp.int32), jnp.asarray([1650, 1234], jnp.int32)
+
+    def f(q, k, v):
+        return pallas_flash.attention(
+            q, k, v, is_causal=True, causal_alignment="bottom_right", q_segment_ids=q_ids,
+            kv_segment_ids=kv_ids, query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
+            logits_soft_cap=20.0, implementation="mosaic")
+
+    assert mosaic_backward.unsupported(q.shape, q.dtype, True, 20.0) is None
+    grads = jax.jit(lambda *a: jax.vjp(f, *a[:3])[1](a[3]))(q, k, v, d_out)
+    pad_q = jnp.where(jnp.arange(1500) < q_len[:, None], q_ids, -1)
+    pad_kv = jnp.where(jnp.arange(1700) < kv_len[:, None], kv_ids, -2)
+    mask = MaskSpec(seq_q=1500, seq_kv=1700, is_causal=True, causal_alignment="bottom_right")
+    _, _, want = attention_float64(q, k, v, mask=mask, segment_ids=(pad_q, pad_kv),
+                                   softcap=20.0, d_out=np.asarray(d_out, np.float64))
+    for got, ref in zip(grads, want, strict=True):
+        assert rel_err(got, ref) < 1e-2
 
 
 def test_through_the_api():
