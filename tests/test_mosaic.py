@@ -31,6 +31,7 @@ BF16, F16 = jnp.bfloat16, jnp.float16
 # Small blocks so that the tiny test sequences still span several CTAs and K/V blocks.
 SMALL = MosaicConfig(block_q=64, block_kv=64, num_stages=2)
 OVERLAP = MosaicConfig(block_q=64, block_kv=64, num_stages=2, overlap=True)
+THREE = MosaicConfig(block_q=64, block_kv=64, num_stages=2, overlap=True, num_consumers=3)
 
 
 def _inputs(shape_q, shape_kv, dtype, seed):
@@ -84,6 +85,11 @@ CASES = {
                                       OVERLAP),
     "overlap_head_dim_128_3_stages": (1, 128, 384, 2, 2, 128, BF16, dict(is_causal=True),
                                       MosaicConfig(64, 128, 3, overlap=True)),
+    # Three consumers: the turn goes round 0 -> 1 -> 2 -> 0; CTAs of 192 rows.
+    "three_consumers_dense_gqa": (1, 192, 256, 2, 1, 64, BF16, {}, THREE),
+    "three_consumers_causal_odd": (1, 250, 330, 2, 2, 64, F16, dict(is_causal=True), THREE),
+    "three_consumers_window_rows_past_keys": (1, 320, 60, 1, 1, 64, BF16,
+                                              dict(window=(10, 10)), THREE),
 }
 
 
@@ -100,7 +106,7 @@ def test_interpret_matches_oracle(case):
     _assert_matches_oracle(q, k, v, out, lse, mask, scale)
 
 
-@pytest.mark.parametrize("config", [SMALL, OVERLAP], ids=["serial", "overlap"])
+@pytest.mark.parametrize("config", [SMALL, OVERLAP, THREE], ids=["serial", "overlap", "three"])
 def test_interpret_no_races(config):
     """The producer/consumer protocol under the interpreter's vector-clock race detector."""
     q, k, v = _inputs((1, 128, 2, 64), (1, 192, 1, 64), BF16, seed=7)
@@ -172,7 +178,7 @@ def test_interpret_variants_match_oracle(case):
         assert np.all(np.asarray(out[0, 150:]) == 0)  # the document without keys
 
 
-@pytest.mark.parametrize("config", [SMALL, OVERLAP], ids=["serial", "overlap"])
+@pytest.mark.parametrize("config", [SMALL, OVERLAP, THREE], ids=["serial", "overlap", "three"])
 def test_segment_tiles_outside_the_span_are_never_read(config):
     """K/V of a document no query belongs to are NaN: a kernel that loaded them into a
     softmax would give NaN (0 · NaN); skipped tiles leave no trace. Also: a consumer whose
@@ -284,6 +290,17 @@ def test_default_configs_lower_for_cuda(head_dim, dtype, causal, overlap):
     _lower_for_cuda(shape_q, shape_kv, dtype, mask, config)
 
 
+@pytest.mark.parametrize("block_kv", [64, 128, 192])
+@pytest.mark.parametrize("causal", [False, True])
+def test_three_consumers_lower_for_cuda(block_kv, causal):
+    """Four warpgroups (3 x 160 + 32 registers), CTAs of 192 rows; with segment ids when
+    causal (every block masked)."""
+    shape = (2, 1000, 4, 64)
+    mask = MaskSpec(seq_q=1000, seq_kv=1000, is_causal=causal)
+    config = MosaicConfig(64, block_kv, 2, overlap=True, num_consumers=3)
+    _lower_for_cuda(shape, shape, BF16, mask, config, segments=causal)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_masked_odd_shapes_lower_for_cuda(overlap):
     mask = MaskSpec(seq_q=1000, seq_kv=900, is_causal=True, causal_alignment="bottom_right",
@@ -312,6 +329,8 @@ def test_variants_lower_for_cuda(head_dim, overlap):
     (128, MosaicConfig(64, 128, 4), False),   # does not fit
     (256, MosaicConfig(64, 128, 2), False),   # does not fit: why head_dim 256 needs block_kv 64
     (256, MosaicConfig(64, 128, 2), True),
+    (256, MosaicConfig(64, 128, 2, overlap=True), False),  # a turn barrier per consumer
+    (64, MosaicConfig(64, 256, 4, overlap=True, num_consumers=3), True),
 ])
 def test_smem_accounting_matches_lowering(head_dim, config, segments, monkeypatch):
     """config.smem_bytes is exactly what Mosaic GPU allocates (its error message says)."""
@@ -336,6 +355,9 @@ def test_smem_accounting_matches_lowering(head_dim, config, segments, monkeypatc
     (dict(block_q=32), "block_q"), (dict(block_q=192), "block_q"),
     (dict(block_kv=96), "block_kv"), (dict(block_kv=512), "block_kv"),
     (dict(num_stages=1), "num_stages"), (dict(num_stages=5), "num_stages"),
+    (dict(num_consumers=4), "num_consumers"),
+    (dict(num_consumers=3, overlap=False), "num_consumers=3 needs"),
+    (dict(num_consumers=3, overlap=True, block_q=128), "num_consumers=3 needs"),
 ])
 def test_config_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -44,12 +44,18 @@ class MosaicConfig:
         with O += P_{j-1}·V_{j-1} and run the softmax of S_j while P·V is still on the
         tensor cores. Costs the registers of P_{j-1}, held while its GEMM runs. On by
         default above head_dim 64 (see :func:`default_config` for the timings).
+      num_consumers: consumer warpgroups per CTA, 2 (the ping-pong pair) or 3 (FA3's
+        choice at head_dim 64, where the softmax is as long as the GEMMs: while one
+        warpgroup runs its softmax two others keep the tensor cores busy). With 3 the
+        register file is split 3 x 160 + 32, so it needs ``block_q = 64`` and the
+        overlapped schedule, whose per-consumer turns extend to a round robin.
     """
 
     block_q: int = 64
     block_kv: int = 128
     num_stages: int = 2
     overlap: bool = False
+    num_consumers: int = NUM_CONSUMERS
 
     def __post_init__(self) -> None:
         if self.block_q not in (64, 128):
@@ -59,6 +65,16 @@ class MosaicConfig:
                 f"block_kv must be a multiple of 64 in [64, 256], got {self.block_kv}")
         if not 2 <= self.num_stages <= 4:
             raise ValueError(f"num_stages must be in [2, 4], got {self.num_stages}")
+        if self.num_consumers not in (2, 3):
+            raise ValueError(f"num_consumers must be 2 or 3, got {self.num_consumers}")
+        if self.num_consumers == 3 and (self.block_q != 64 or not self.overlap):
+            raise ValueError(
+                "num_consumers=3 needs block_q=64 and overlap=True (160 registers per "
+                f"consumer; the serial schedule pairs two consumers), got {self}")
+
+    @property
+    def rows_per_cta(self) -> int:
+        return self.num_consumers * self.block_q
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, *, segments: bool = False) -> int:
         """Shared memory of the GPU kernel: Q/O tiles, the K and V rings, LSE, barriers,
@@ -66,12 +82,14 @@ class MosaicConfig:
 
         Matches what Mosaic GPU's lowering counts (checked by tests/test_mosaic.py).
         """
-        q_o = _align(NUM_CONSUMERS * self.block_q * head_dim * itemsize)
+        q_o = _align(self.rows_per_cta * head_dim * itemsize)
         kv = 2 * _align(self.num_stages * self.block_kv * head_dim * itemsize)
-        lse = _align(NUM_CONSUMERS * self.block_q * 4)
+        lse = _align(self.rows_per_cta * 4)
         kv_ids = _align(self.num_stages * self.block_kv * 4) if segments else 0
-        # 8-byte mbarriers: Q ready per consumer; K/V ready and K/V free per slot; turn.
-        barriers = 8 * (NUM_CONSUMERS + 4 * self.num_stages + 1)
+        # 8-byte mbarriers: Q ready per consumer; K/V ready and K/V free per slot; turn
+        # (one per consumer with the overlapped schedule, one shared without).
+        turns = self.num_consumers if self.overlap else 1
+        barriers = 8 * (self.num_consumers + 4 * self.num_stages + turns)
         return q_o + kv + lse + kv_ids + barriers
 
     def check_fits(self, head_dim: int, itemsize: int = 2, *, segments: bool = False) -> None:

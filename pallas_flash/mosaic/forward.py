@@ -27,6 +27,10 @@ Two consumer schedules (``MosaicConfig.overlap``):
   H200 at every size probed but slow, as ptxas serialised its wgmmas; the current one is
   checked in interpret mode and by lowering, not yet on the card (see :class:`MosaicConfig`).
 
+**Three consumers** (``MosaicConfig.num_consumers = 3``, FA3's choice at head_dim 64, where
+the softmax of a block takes as long as its GEMMs): CTAs of ``3 * block_q`` rows, the
+register file split 3 x 160 + 32, and the overlapped schedule's turns passed round robin.
+
 Block skipping comes from :class:`~pallas_flash.masking.MaskSpec.kv_blocks`: K/V blocks
 outside the CTA's ``[first, last)`` are never loaded (causal: nothing above the diagonal),
 blocks inside a consumer's ``[full_first, full_last)`` run the unmasked fast loop, and
@@ -79,7 +83,9 @@ _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # i.e. the 64 K registers of an SM for 3 x 128 threads.
 _CONSUMER_REGISTERS = 232
 _PRODUCER_REGISTERS = 40
-_PRODUCER = NUM_CONSUMERS  # warpgroup index of the TMA producer
+_PRODUCER = NUM_CONSUMERS  # warpgroup index of the TMA producer (two consumers)
+# With three consumers, 4 x 128 threads: 3 x 160 + 32 = 512 (FA3's split at head_dim 64).
+_REGISTERS = {2: (_CONSUMER_REGISTERS, _PRODUCER_REGISTERS), 3: (160, 32)}
 # 128-byte swizzle: one swizzle row is 64 16-bit elements, so every SMEM tile is stored in
 # (8, 64) tiles, the layout wgmma reads without bank conflicts.
 _SWIZZLE = 128
@@ -97,12 +103,13 @@ class _Static:
     head_dim: int
     dtype: jnp.dtype
     group: int  # query heads per K/V head (GQA)
-    num_q_tiles: int  # CTAs along the sequence, each of NUM_CONSUMERS * block_q rows
+    num_q_tiles: int  # CTAs along the sequence, each of num_consumers * block_q rows
     kv_padded: bool  # seq_kv was padded up to whole blocks
     overlap: bool  # FA3's intra-warpgroup pipelining (MosaicConfig.overlap)
     pv_through_smem: bool  # the interpret-mode detour, see the module docstring
     softcap: float | None = None  # logits become softcap * tanh(scale * s / softcap)
     segmented: bool = False  # segment ids: a pair is visible only if its ids are equal
+    num_consumers: int = NUM_CONSUMERS  # consumer warpgroups; the producer comes after
 
     @property
     def reverse_q_tiles(self) -> bool:
@@ -203,29 +210,31 @@ def _kernel(q_ref, k_ref, v_ref, *refs, st: _Static, q_smem, k_smem, v_smem, lse
     q_tile = lax.axis_index("q_tiles")
     if st.reverse_q_tiles:
         q_tile = st.num_q_tiles - 1 - q_tile
-    cta_q0 = q_tile * (NUM_CONSUMERS * bq)
+    consumers = st.num_consumers
+    cta_q0 = q_tile * (consumers * bq)
     # The K/V blocks any row of this CTA sees; the producer loads exactly these, once.
     if st.segmented:  # each consumer's span may differ: load their union
-        first_block = q_tile * NUM_CONSUMERS
+        first_block = q_tile * consumers
         cta_first, cta_last = functools.reduce(_hull, (
             _consumer_ranges(st, spans_ref, batch, first_block + c)[::3]
-            for c in range(NUM_CONSUMERS)))
+            for c in range(consumers)))
     else:
-        cta_first, _, _, cta_last = st.mask.kv_blocks(cta_q0, NUM_CONSUMERS * bq, bkv)
+        cta_first, _, _, cta_last = st.mask.kv_blocks(cta_q0, consumers * bq, bkv)
 
     def slot(j):
         """Ring slot of K/V block j (blocks are numbered from the CTA's first)."""
         return lax.rem(j - cta_first, st.num_stages)
 
     wg = lax.axis_index("wg")
+    consumer_registers, producer_registers = _REGISTERS[consumers]
 
-    @pl.when(wg < NUM_CONSUMERS)
+    @pl.when(wg < consumers)
     def _consumer():
-        plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+        plgpu.set_max_registers(consumer_registers, action="increase")
         # This warpgroup's block ranges, inside the CTA's (it must step through all of the
         # CTA's blocks to keep the ring and the ping-pong in lockstep with the other one).
         ranges = tuple(jnp.clip(x, cta_first, cta_last) for x in _consumer_ranges(
-            st, spans_ref, batch, q_tile * NUM_CONSUMERS + wg))
+            st, spans_ref, batch, q_tile * consumers + wg))
         q0 = cta_q0 + wg * bq
         q_ids = None
         if st.segmented:  # this warpgroup's query ids, laid out as the rows of S, once
@@ -239,9 +248,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, st: _Static, q_smem, k_smem, v_smem, lse
             batch=batch, head=head, q0=q0, q_ids=q_ids, ranges=ranges,
             cta_first=cta_first, cta_last=cta_last, slot=slot)
 
-    @pl.when(wg == _PRODUCER)
+    @pl.when(wg == consumers)  # the last warpgroup
     def _producer():
-        plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+        plgpu.set_max_registers(producer_registers, action="decrease")
         kv_head = lax.div(head, st.group)  # GQA: K/V are indexed, never repeated
 
         def load(ref, smem, ready, j):
@@ -453,8 +462,9 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_
     (``head``) and the last P·V has no S after it (``tail``).
 
     ``turn`` holds one single-arrival mbarrier per consumer: a consumer waits on its own
-    before issuing its GEMMs and arrives at the other's right after, so the two issue
-    their GEMMs in strict alternation and each one's softmax overlaps the other's GEMMs.
+    before issuing its GEMMs and arrives at the next one's right after, so the consumers
+    issue their GEMMs in a strict round robin (alternation with two) and each one's
+    softmax overlaps the others' GEMMs.
     """
     first, full_first, full_last, last = ranges
     bq, bkv = st.block_q, st.block_kv
@@ -463,7 +473,7 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_
         plgpu.barrier_wait(turn.at[wg])
 
     def pass_turn():
-        plgpu.barrier_arrive(turn.at[1 - wg])
+        plgpu.barrier_arrive(turn.at[lax.rem(wg + 1, st.num_consumers)])
 
     def pv_operand(p16):
         """P as wgmma's A operand: from registers (FA3); through SMEM when interpreting."""
@@ -560,8 +570,8 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_
     # P of the previous block rides in the carry; a placeholder until the head's.
     p_none = plgpu.layout_cast(jnp.zeros((bq, bkv), st.dtype), plgpu.Layout.WGMMA)
     carry = (*carry, p_none)
-    # Consumer 0 issues first: consumer 1 hands it the first turn.
-    pl.when(wg == 1)(pass_turn)
+    # Consumer 0 issues first: the last consumer hands it the first turn.
+    pl.when(wg == st.num_consumers - 1)(pass_turn)
     masked_step = functools.partial(step, masked=True)
     unmasked_step = functools.partial(step, masked=False)
     carry = lax.fori_loop(cta_first, first, skip_step, carry)
@@ -583,7 +593,7 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_
         return o
     o = lax.cond(nonempty, tail, no_tail, o, p_last)
     carry = lax.fori_loop(last, cta_last, skip_step, (o, m_i, l_i))
-    pl.when(wg == 0)(take_turn)  # the turn consumer 1 handed over at its last step
+    pl.when(wg == 0)(take_turn)  # the turn the last consumer handed over at its last step
     return carry
 
 
@@ -660,7 +670,7 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
     dim = padded_head_dim(head_dim)
     itemsize = jnp.dtype(q.dtype).itemsize
     config.check_fits(dim, itemsize, segments=segmented)
-    rows_per_cta = NUM_CONSUMERS * config.block_q
+    rows_per_cta = config.rows_per_cta
     seq_q_pad = round_up(seq_q, rows_per_cta)
     seq_kv_pad = round_up(seq_kv, config.block_kv)
     st = _Static(
@@ -669,23 +679,24 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         dtype=jnp.dtype(q.dtype), group=heads // kv_heads,
         num_q_tiles=seq_q_pad // rows_per_cta, kv_padded=seq_kv_pad != seq_kv,
         overlap=config.overlap, pv_through_smem=interpret, softcap=softcap,
-        segmented=segmented)
+        segmented=segmented, num_consumers=config.num_consumers)
+    consumers = st.num_consumers
 
     transforms = _smem_transforms(itemsize)
     scratch = dict(
-        q_smem=plgpu.SMEM((NUM_CONSUMERS, st.block_q, dim), q.dtype, transforms=transforms),
+        q_smem=plgpu.SMEM((consumers, st.block_q, dim), q.dtype, transforms=transforms),
         k_smem=plgpu.SMEM((st.num_stages, st.block_kv, dim), q.dtype, transforms=transforms),
         v_smem=plgpu.SMEM((st.num_stages, st.block_kv, dim), q.dtype, transforms=transforms),
-        lse_smem=plgpu.SMEM((NUM_CONSUMERS, st.block_q), jnp.float32),
-        q_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+        lse_smem=plgpu.SMEM((consumers, st.block_q), jnp.float32),
+        q_ready=plgpu.Barrier(num_barriers=consumers),
         # One TMA arrival per copy: K, and with segment ids the keys' ids.
         k_ready=plgpu.Barrier(num_arrivals=1 + segmented, num_barriers=st.num_stages),
         v_ready=plgpu.Barrier(num_barriers=st.num_stages),
-        k_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=st.num_stages),
-        v_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=st.num_stages),
+        k_free=plgpu.Barrier(num_arrivals=consumers, num_barriers=st.num_stages),
+        v_free=plgpu.Barrier(num_arrivals=consumers, num_barriers=st.num_stages),
         # Serial schedule: one barrier both consumers meet at; overlapped: one per consumer.
-        turn=(plgpu.Barrier(num_barriers=NUM_CONSUMERS) if st.overlap
-              else plgpu.Barrier(num_arrivals=NUM_CONSUMERS)),
+        turn=(plgpu.Barrier(num_barriers=consumers) if st.overlap
+              else plgpu.Barrier(num_arrivals=consumers)),
     )
     operands = [_pad(q, seq_q_pad, dim), _pad(k, seq_kv_pad, dim), _pad(v, seq_kv_pad, dim)]
     if segmented:
@@ -695,7 +706,7 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         scratch["kv_ids_smem"] = plgpu.SMEM((st.num_stages, st.block_kv), jnp.int32)
     if st.pv_through_smem:
         scratch["p_smem"] = plgpu.SMEM(
-            (NUM_CONSUMERS, st.block_q, st.block_kv), q.dtype, transforms=transforms)
+            (consumers, st.block_q, st.block_kv), q.dtype, transforms=transforms)
 
     call = plgpu.kernel(
         functools.partial(_kernel, st=st),
@@ -706,7 +717,7 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         scratch_types=scratch,
         grid=(heads, st.num_q_tiles, batch),
         grid_names=("heads", "q_tiles", "batch"),
-        num_threads=NUM_CONSUMERS + 1,
+        num_threads=consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
