@@ -4,10 +4,11 @@ FlashAttention-2, Algorithm 2, on FlashAttention-3's machinery (Shah et al. 2024
 P is never stored; it is recomputed tile by tile from Q, K and the forward's LSE, in base 2
 with the softmax scale folded into the exponent (``P = exp2(S·scale·log2e − lse·log2e)``),
 and ``delta = rowsum(dO ∘ O)`` (minus the lse cotangent) comes precomputed from
-:mod:`pallas_flash.autodiff`. Each kernel runs one TMA **producer** warpgroup (``setmaxnreg``
-down to 40) that streams tiles through a ``num_stages``-deep SMEM ring with *ready*
-mbarriers (arrived by the TMA engine) and *free* mbarriers (arrived by the consumers), and
-two **consumer** warpgroups (``setmaxnreg`` up to 232) that run the GEMMs with wgmma and
+:mod:`pallas_flash.autodiff`. Each kernel runs one TMA **producer** warpgroup
+(``setmaxnreg`` down to 40, or 24 above head_dim 64: :func:`_registers`) that streams
+tiles through a ``num_stages``-deep SMEM ring with *ready* mbarriers (arrived by the TMA
+engine) and *free* mbarriers (arrived by the consumers), and two **consumer** warpgroups
+(``setmaxnreg`` up to 232, or 240) that run the GEMMs with wgmma and
 keep their accumulators in registers.
 
 * :func:`_dkdv_kernel` — one CTA per ``2·block_kv`` keys of one KV head; each consumer owns
@@ -60,7 +61,7 @@ so dS is multiplied by the cap's derivative ``1 − tanh²`` before the dK and d
 
 **Fallback**: float32 and head dims above 128 go to the Triton backward (:func:`unsupported`
 says why). Head dim 256 does not fit: dK and dV of 64 keys are 256 f32 registers per thread
-on their own, above the 232 a consumer can hold.
+on their own, above the 240 a consumer can hold.
 
 **CPU testing**: Mosaic GPU interpret mode cannot run a wgmma whose A operand is in
 registers. With ``interpret=True`` the A operands (Pᵀ, dSᵀ, dS) are stored to an SMEM
@@ -103,6 +104,19 @@ from pallas_flash.segments import cut_to_span, pad_segment_ids, tile_spans
 #: Largest head dim of the dK/dV kernel: dK + dV of 64 keys cost ``head_dim`` f32 registers
 #: per thread (128 at head dim 128), next to the S and dP tiles.
 MAX_BACKWARD_HEAD_DIM = 128
+
+
+def _registers(head_dim: int) -> tuple[int, int]:
+    """``setmaxnreg`` of the (consumer, producer) warpgroups; 2 x consumer + producer <= 512.
+
+    At head_dim 128 dK and dV alone hold 128 f32 registers per thread, and the dK/dV
+    kernel spills: FA3's split, 240 + 24, ran 0-10 % faster than 232 + 40 on an H200; at
+    head_dim 64 it was 1-7 % slower (2026-11-29, L 4096 / 16384, causal or not,
+    ``benchmarks/mosaic_bwd_probe.py --impls 'mosaic;mosaic:regs=240x24;cudnn'``).
+    """
+    if head_dim > 64:
+        return 240, 24
+    return _CONSUMER_REGISTERS, _PRODUCER_REGISTERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,9 +270,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
     def slot(t):
         return lax.rem(t, st.num_stages)
 
+    consumer_registers, producer_registers = _registers(st.head_dim)
+
     @pl.when(wg == _PRODUCER)
     def _producer():
-        plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+        plgpu.set_max_registers(producer_registers, action="decrease")
 
         def load(t):  # step t = (head g of the group, query block i)
             g = lax.div(t, blocks_per_head)
@@ -279,7 +295,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+        plgpu.set_max_registers(consumer_registers, action="increase")
         k0 = cta_k0 + wg * bkv
         keys = (batch, pl.ds(k0, bkv), kv_head)
         k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
@@ -425,9 +441,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
     def slot(j):
         return lax.rem(j - cta_first, st.num_stages)
 
+    consumer_registers, producer_registers = _registers(st.head_dim)
+
     @pl.when(wg == _PRODUCER)
     def _producer():
-        plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+        plgpu.set_max_registers(producer_registers, action="decrease")
         kv_head = lax.div(head, st.group)  # GQA: K/V are indexed, never repeated
 
         def load(t):
@@ -442,7 +460,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+        plgpu.set_max_registers(consumer_registers, action="increase")
         q0 = cta_q0 + wg * bq
         rows = (batch, pl.ds(q0, bq), head)
         stats = (batch, head, pl.ds(q0, bq))

@@ -108,33 +108,50 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def default_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicConfig:
-    """Heuristic per (head_dim, causal), from H200 timings (bf16, hidden 2048).
+    """Heuristic per (head_dim, causal, length), from H200 timings (bf16, hidden 2048).
 
-    Two stages beat three in every comparison (1-9 %, L 4096, batch 4): with two
+    Two stages beat three in almost every comparison (1-9 %, L 4096, batch 4): with the
     consumers already overlapping softmax and GEMMs, a deeper ring only takes shared
-    memory. block_q = 128 per warpgroup was slower in every comparison (2-28 %; its S tile
-    alone is 128 registers per thread). At head_dim 64, block_kv 256 vs 128 (2026-11-29,
-    ``benchmarks/mosaic_probe.py``, TFLOP/s at L 4096 / 16384): dense 433 / 458 vs
-    433 / 449, causal 373 / 446 vs 397 / 455, so 256 without a mask and 128 with one
-    (narrower diagonal blocks). At head_dim 192/256 a 2-stage ring of 128-key blocks
-    exceeds 227 KiB, so block_kv = 64 (tokamax's H100 tuning picks the same 64/64/2).
+    memory. At head_dim 192/256 a 2-stage ring of 128-key blocks exceeds 227 KiB, so
+    block_kv = 64 (tokamax's H100 tuning picks the same 64/64/2).
 
     The overlapped schedule (``overlap=True``) above head_dim 64, from one run of
     ``benchmarks/mosaic_probe.py --lengths 4096 16384 --causal both`` (2026-11-29, H200,
-    TFLOP/s at L 4096 / 16384, serial → overlapped, cuDNN in the same process):
-    head_dim 128 dense 615 / 648 → 647 / 663 (cuDNN 625 / 614), causal 565 / 656 →
-    583 / 682 (509 / 603); head_dim 256 dense 660 / 662 → 711 / 730 (673 / 669), causal
-    610 / 687 → 659 / 753 (547 / 626). At head_dim 64 the serial 256-key blocks stayed
-    ahead (dense L 16384: 465 against 448 for overlapped 128-key blocks).
+    TFLOP/s at L 4096 / 16384, serial -> overlapped, cuDNN in the same process):
+    head_dim 128 dense 615 / 648 -> 647 / 663 (cuDNN 625 / 614), causal 565 / 656 ->
+    583 / 682 (509 / 603); head_dim 256 dense 660 / 662 -> 711 / 730 (673 / 669), causal
+    610 / 687 -> 659 / 753 (547 / 626).
+
+    Head dim 64 (2026-11-29, ``mosaic_probe.py --head-dims 64 --configs 64=...``, ratio to
+    cuDNN at L 1024 / 2048 / 4096 / 16384; ``c3`` = three consumers, overlapped):
+
+    ============  ===========================  ===========================
+    config        dense                        causal
+    ============  ===========================  ===========================
+    64x256x2      0.99 / 0.98 / 0.98 / 1.02    0.78 / 0.88 / 0.95 / 1.02
+    64x128x2      0.98 / 0.95 / 0.94 / 0.96    0.89 / 0.52* / 1.01 / 1.04
+    128x128x2     1.08 / 1.02 / 0.98 / 1.01    0.88 / 0.94 / 0.96 / 0.98
+    64x128x2 c3   0.84 / 0.99 / 1.04 / 1.15    0.62 / 0.80 / 0.92 / 1.10
+    ============  ===========================  ===========================
+
+    (* 0.98 in an earlier run; the card is shared and single points drift.) So: 128-row
+    warpgroups up to L 2048, where the CTA's fixed costs (Q load, epilogue) weigh most;
+    three consumers for long rows (the softmax of a block at head_dim 64 takes as long as
+    its two GEMMs, and a third warpgroup keeps the tensor cores fed); serial 64x128 for
+    causal rows of middle length, whose 192-row CTAs would cross more diagonal blocks.
     """
-    del kv_shape, dtype
+    del dtype
     head_dim = padded_head_dim(q_shape[-1])
     if head_dim > 128:
         return MosaicConfig(block_q=64, block_kv=64, num_stages=2, overlap=True)
     if head_dim > 64:
         return MosaicConfig(block_q=64, block_kv=128, num_stages=2, overlap=True)
-    if mask.is_dense:
-        return MosaicConfig(block_q=64, block_kv=256, num_stages=2)
+    seq_kv = kv_shape[1]
+    if seq_kv <= 2048:
+        return MosaicConfig(block_q=128, block_kv=128, num_stages=2)
+    if mask.is_dense or seq_kv >= 16384:
+        return MosaicConfig(block_q=64, block_kv=128, num_stages=2, overlap=True,
+                            num_consumers=3)
     return MosaicConfig(block_q=64, block_kv=128, num_stages=2)
 
 
