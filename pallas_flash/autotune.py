@@ -185,7 +185,8 @@ def candidate_configs(implementation: str, q_shape: Sequence[int], kv_shape: Seq
                       dtype, *, is_causal: bool = False) -> list:
     """The forward tilings :func:`tune` tries by default, the heuristic's first.
 
-    Mosaic: ``block_q`` × ``block_kv`` × ``num_stages`` × ``overlap``, kept where
+    Mosaic: ``block_q`` × ``block_kv`` × ``num_stages`` × ``overlap``, and three consumers
+    with ``block_kv`` 64 or 128 (192 and up spilled on the H200), kept where
     ``check_fits`` passes with a segment-id ring (so that the choice also serves calls with
     segment ids). Triton: the swept tilings, fitted to shared memory and capped at the
     sequence lengths as the kernel would, without duplicates. XLA: only the heuristic (its
@@ -201,6 +202,9 @@ def candidate_configs(implementation: str, q_shape: Sequence[int], kv_shape: Seq
         head_dim = padded_head_dim(q_shape[3])
         configs = [MosaicConfig(*fields) for fields in itertools.product(
             _MOSAIC_BLOCK_Q, _MOSAIC_BLOCK_KV, _MOSAIC_NUM_STAGES, _MOSAIC_OVERLAP)]
+        # Three consumers (160 registers each) only in the combination they allow.
+        configs += [MosaicConfig(64, block_kv, stages, overlap=True, num_consumers=3)
+                    for block_kv, stages in itertools.product((64, 128), _MOSAIC_NUM_STAGES)]
         configs = [c for c in configs if _fits_mosaic(c, head_dim, itemsize)]
     elif implementation == "triton":
         from pallas_flash.triton.config import fit_row_operands, shrink_to_sequence
