@@ -216,7 +216,7 @@ def test_interpret_segments_no_races(config):
 
 def test_api_segments_softcap_gradients_interpret():
     """pallas_flash.attention(implementation="mosaic") with segment ids, key padding
-    lengths and soft-capping: our forward, then the Triton backward on its (out, lse)."""
+    lengths and soft-capping: our forward, then the Mosaic backward on its (out, lse)."""
     pytest.importorskip("pallas_flash.triton")
     q, k, v = _inputs((1, 128, 2, 64), (1, 128, 1, 64), F16, seed=9)
     q = q * 4

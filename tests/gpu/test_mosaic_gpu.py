@@ -68,9 +68,18 @@ def test_shape_classes(head_dim, causal, dtype):
 @pytest.mark.parametrize("config", [MosaicConfig(64, 128, 2), MosaicConfig(64, 64, 3),
                                     MosaicConfig(64, 256, 2), MosaicConfig(128, 128, 2),
                                     MosaicConfig(64, 128, 2, overlap=True),
-                                    MosaicConfig(64, 64, 3, overlap=True)])
+                                    MosaicConfig(64, 64, 3, overlap=True),
+                                    MosaicConfig(64, 128, 2, overlap=True, num_consumers=3)])
 def test_configs(config):
     _check(1, 1024, 1024, 8, 8, 64, BF16, config=config, is_causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_three_consumers_long_rows_gqa_odd_lengths(causal):
+    """Three consumers (the head_dim 64 default for long dense rows: 192-row CTAs,
+    round-robin turns), at a length that is not a multiple of 192, with GQA."""
+    config = MosaicConfig(64, 128, 2, overlap=True, num_consumers=3)
+    _check(1, 4500, 4500, 8, 2, 64, F16, config=config, seed=31, is_causal=causal)
 
 
 def test_gqa_odd_lengths_bottom_right():
@@ -175,7 +184,7 @@ def test_segments_softcap_window_d256():
 
 def test_api_packed_documents_gradients():
     """pallas_flash.attention(implementation="mosaic") with segment ids, key lengths and a
-    soft-cap: the Mosaic forward's (out, lse) feed the Triton backward (its fallback)."""
+    soft-cap: the Mosaic forward's (out, lse) feed the Mosaic backward."""
     q, k, v = _inputs((2, 512, 4, 128), (2, 512, 2, 128), BF16, seed=24)
     ids = jnp.asarray(np.stack([_doc_ids(512, [100, 300]), _doc_ids(512, [250])]))
     lengths = jnp.asarray([512, 400], jnp.int32)
