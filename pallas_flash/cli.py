@@ -429,17 +429,17 @@ def _plot_memory(rows: Sequence[MemoryRow], limit: int | None, path: Path) -> No
 def kernel_blocks(impl: str, q_shape: tuple[int, ...], dtype: Any,
                   mask: MaskSpec) -> tuple[int, int, str]:
     """``(B_r, B_c, description)`` of the forward kernel's default tiles: the query rows
-    one program keeps on chip (a Mosaic CTA holds two consumers of ``block_q`` rows) and
-    the keys per K/V block."""
+    one program keeps on chip (a Mosaic CTA holds ``num_consumers`` warpgroups of
+    ``block_q`` rows) and the keys per K/V block."""
     if impl == "triton":
         from pallas_flash.triton import default_config
 
         config = default_config(q_shape, q_shape, dtype, mask)
         return config.block_q, config.block_kv, repr(config)
-    from pallas_flash.mosaic.config import NUM_CONSUMERS, default_config
+    from pallas_flash.mosaic.config import default_config
 
     config = default_config(q_shape, q_shape, dtype, mask)
-    return NUM_CONSUMERS * config.block_q, config.block_kv, repr(config)
+    return config.rows_per_cta, config.block_kv, repr(config)
 
 
 def shared_memory_bytes(device_kind: str) -> int | None:

@@ -121,8 +121,8 @@ def tiled_attention_traffic(batch: int, heads: int, seq_q: int, head_dim: int, *
                             block_q: int, block_kv: int, seq_kv: int | None = None,
                             itemsize: int = 2, causal: bool = False) -> Traffic:
     """HBM bytes of the FlashAttention-2 forward with tiles ``block_q × block_kv``
-    (B_r × B_c). Our Triton kernel (and the Mosaic one, whose CTA owns ``2·block_q`` rows:
-    pass that) works this way.
+    (B_r × B_c). Our Triton kernel (and the Mosaic one, whose CTA owns
+    ``num_consumers·block_q`` rows: pass that) works this way.
 
     Reads Q once (``T·d``), and K and V once per query block for the blocks its rows see
     (:func:`kv_keys_loaded` keys, ``2·d`` elements each); writes O (``T·d``) and the

@@ -107,7 +107,7 @@ def test_io_model_only_on_cpu(capsys):
 
 def test_io_mosaic_tiles(capsys):
     assert cli.main(["io", "--impl", "mosaic", "--seq-lens", "4096", "--head-dim", "64"]) == 0
-    assert "128×256" in capsys.readouterr().out  # CTA = 2 × 64 rows, 256-key blocks
+    assert "192×128" in capsys.readouterr().out  # CTA = 3 consumers × 64 rows, 128-key blocks
 
 
 def test_python_dash_m(tmp_path):

@@ -167,6 +167,21 @@ def _probabilities(st: _Static, scores, lse2, visible):
     return jnp.exp2(logits2 - lse2), slope
 
 
+def _visible(st: _Static, shape, q_first, k_first, q_ids, kv_ids, *, keys_are_rows: bool):
+    """The mask of a boundary tile: pairs the mask spec shows and, with segment ids, of one
+    document. ``q_first``/``k_first``: the tile's first query row and key; ``q_ids``/``kv_ids``:
+    their ids laid out along the tile's query / key axis (None without segment ids).
+    ``keys_are_rows``: the dK/dV kernel's transposed tiles (Sᵀ, keys along the rows)."""
+    def iota(axis):
+        return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
+    q_axis, k_axis = (1, 0) if keys_are_rows else (0, 1)
+    visible = st.mask.visible(iota(q_axis) + q_first, iota(k_axis) + k_first)
+    if st.segmented:  # ... and pairs of the same document
+        spread = {0: _row, 1: _col}
+        visible &= spread[q_axis](q_ids, shape) == spread[k_axis](kv_ids, shape)
+    return visible
+
+
 def _owned_ranges(st: _Static, band, spans_ref, batch, own_block):
     """The walked blocks of one owned block: the mask ``band`` (``MaskSpec.kv_blocks`` /
     ``q_blocks``), cut with segment ids to the span of blocks whose ids can meet it
@@ -334,13 +349,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
                     scores_t = plgpu.wgmma_accumulator_load(st_acc, wait_n=1)
                     visible = None
                     if masked:
-                        keys_idx = plgpu.broadcasted_iota(
-                            jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-                        rows_idx = plgpu.broadcasted_iota(
-                            jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-                        visible = st.mask.visible(rows_idx + i * bq, keys_idx + k0)
-                        if st.segmented:  # ... and pairs of different documents
-                            visible &= _row(kv_ids, shape) == _col(q_ids, shape)
+                        visible = _visible(st, shape, i * bq, k0, q_ids, kv_ids,
+                                           keys_are_rows=True)
                     p_t, slope_t = _probabilities(st, scores_t, _col(lse2, shape), visible)
                     plgpu.wgmma(dv_acc, _operand_a(p_t.astype(st.dtype), a_tile), do_tile)
                     # dPᵀ is ready once at most the dV GEMM is in flight: dSᵀ overlaps it.
@@ -499,13 +509,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
                     scores = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
                     visible = None
                     if masked:
-                        rows_idx = plgpu.broadcasted_iota(
-                            jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-                        keys_idx = plgpu.broadcasted_iota(
-                            jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-                        visible = st.mask.visible(rows_idx + q0, keys_idx + j * bkv)
-                        if st.segmented:  # ... and pairs of different documents
-                            visible &= _row(q_ids, shape) == _col(kv_ids, shape)
+                        visible = _visible(st, shape, q0, j * bkv, q_ids, kv_ids,
+                                           keys_are_rows=False)
                     p, slope = _probabilities(st, scores, _row(lse2, shape), visible)
                     dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=0)
                     ds = raw_score_gradient(p * (dp - _row(delta, shape)), slope)
