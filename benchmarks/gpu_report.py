@@ -1,0 +1,149 @@
+"""Everything the issues ask to see on the card, in one call of the device machine.
+
+Run from the repository root on the GPU machine::
+
+    PYTHONPATH=. python3 -m benchmarks.gpu_report --out $OUT --budget 560
+
+Each *part* is one or a few commands (below), run in order, each part with a share of
+``--budget`` seconds (``timeout``; what a part wrote before its time ran out is kept; the
+suite is also told its share, so that it stops starting points and still writes its
+tables). Everything lands in ``--out/gpu-report/`` — every part's log and its results
+(JSON, markdown, PNG) — and is packed into one ``gpu-report.tar.gz`` beside it, because the
+device machine returns only a few files per call. The last lines printed are one row per
+part: exit status, seconds, and the last line of its log.
+
+Parts (``--parts``, comma list, in this order by default):
+
+* ``tests``: ``pytest tests/gpu`` (every kernel against the float64 oracle at real sizes;
+  all of it takes about 7 minutes on an H200: ``--pytest-k`` selects);
+* ``suite``: the papers' benchmark grid, every implementation side by side
+  (``benchmarks.suite``, fwd / bwd / fwd+bwd, head_dim 64/128/256, causal and not);
+* ``variants``: one row per attention variant vs dense causal (``benchmarks.variants``);
+* ``training``: the small transformer, ours vs cuDNN (``benchmarks.training``);
+* ``cli``: ``pallas-flash check``, ``bench``, ``memory`` and ``io`` at GPU sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+_PY = sys.executable
+
+
+#: Stands for the part's time share (seconds, 85 %) in a command's arguments.
+TIME_LIMIT = "{time_limit}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """Commands of the report run together; ``weight``: the part's share of the budget."""
+
+    name: str
+    weight: float
+    commands: tuple[tuple[str, ...], ...]
+
+
+def parts(out: Path, pytest_k: str = "") -> dict[str, Part]:
+    """The report's parts, writing under ``out``."""
+    suite = ("-m", "benchmarks.suite", "--impls",
+             "cudnn,pallas_flash_mosaic,pallas_flash_triton,jax_pallas_triton,xla",
+             "--head-dims", "64,128,256", "--seq-lens", "512,1024,2048,4096,8192,16384",
+             "--causal", "both", "--iters", "10", "--time-limit", TIME_LIMIT,
+             "--out", str(out / "suite"))
+    select = ("-k", pytest_k) if pytest_k else ()
+    tests = (_PY, "-m", "pytest", "-q", "-rfE", "tests/gpu", *select)
+    cli = ("-m", "pallas_flash")
+    return {p.name: p for p in (
+        Part("tests", 3.0, (tests,)),
+        Part("suite", 4.0, ((_PY, *suite),)),
+        Part("variants", 1.0, ((_PY, "-m", "benchmarks.variants", "--out", str(out)),)),
+        Part("training", 2.0, ((_PY, "-m", "benchmarks.training", "--steps", "150",
+                                "--implementations", "ours,cudnn", "--out",
+                                str(out / "training")),)),
+        Part("cli", 1.0, (
+            (_PY, *cli, "check", "--dtype", "bf16", "--seq-len", "2048", "--head-dim", "128"),
+            (_PY, *cli, "bench", "--head-dim", "128", "--backward",
+             "--json", str(out / "cli-bench.json"), "--plot", str(out / "cli-bench.png")),
+            (_PY, *cli, "memory", "--causal", "--backward", "--plot",
+             str(out / "cli-memory.png")),
+            (_PY, *cli, "io", "--head-dim", "128"),
+        )),
+    )}
+
+
+def run_part(part: Part, seconds: float, log: Path) -> tuple[int, float]:
+    """Runs the part's commands one after the other within ``seconds``; returns the first
+    non-zero exit status (124: out of time) and the seconds spent."""
+    start = time.perf_counter()
+    status = 0
+    with log.open("w") as f:
+        for command in part.commands:
+            left = seconds - (time.perf_counter() - start)
+            if left <= 1:
+                status = status or 124
+                print(f"(out of time before {' '.join(command)})", file=f, flush=True)
+                break
+            command = tuple(arg.replace(TIME_LIMIT, f"{0.85 * left:.0f}") for arg in command)
+            print(f"$ {' '.join(command)}", file=f, flush=True)
+            try:
+                code = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT,
+                                      timeout=left, check=False).returncode
+            except subprocess.TimeoutExpired:
+                code = 124
+                print(f"(stopped after {left:.0f} s)", file=f, flush=True)
+            status = status or code
+    return status, time.perf_counter() - start
+
+
+def _last_line(log: Path) -> str:
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1][:120] if lines else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="e.g. $OUT on the device")
+    parser.add_argument("--budget", type=float, default=560.0,
+                        help="seconds for all parts together (default 560)")
+    parser.add_argument("--parts", default="tests,suite,variants,training,cli",
+                        help="comma list, run in this order")
+    parser.add_argument("--pytest-k", default="", help="pytest -k expression for 'tests'")
+    args = parser.parse_args(argv)
+    report = args.out / "gpu-report"
+    report.mkdir(parents=True, exist_ok=True)
+    catalogue = parts(report, args.pytest_k)
+    names = [name for name in args.parts.split(",") if name]
+    unknown = sorted(set(names) - set(catalogue))
+    if unknown:
+        parser.error(f"--parts: unknown {unknown}; choose from {sorted(catalogue)}")
+    if args.budget <= 0:
+        parser.error(f"--budget must be positive, got {args.budget}")
+
+    start = time.perf_counter()
+    rows = []
+    for i, name in enumerate(names):
+        part = catalogue[name]
+        left = args.budget - (time.perf_counter() - start)
+        # This part's share of what is left; time a part does not use goes to the next.
+        share = left * part.weight / sum(catalogue[n].weight for n in names[i:])
+        log = report / f"{name}.log"
+        status, spent = run_part(part, share, log)
+        rows.append((name, status, spent, _last_line(log)))
+        print(f"{name}: exit {status} in {spent:.0f} s", flush=True)
+
+    with tarfile.open(args.out / "gpu-report.tar.gz", "w:gz") as tar:
+        tar.add(report, arcname="gpu-report")
+    print(f"\n{'part':<9} {'exit':>4} {'s':>5}  last line of the log")
+    for name, status, spent, last in rows:
+        print(f"{name:<9} {status:>4} {spent:5.0f}  {last}")
+    return max((status for _, status, _, _ in rows), default=0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
