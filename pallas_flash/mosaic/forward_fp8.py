@@ -66,6 +66,7 @@ from pallas_flash.mosaic.forward import (
     _row,
     _sync,
 )
+from pallas_flash.mosaic.pipeline import stream_kv
 from pallas_flash.padding import pad_axis, round_up
 from pallas_flash.reference import EMPTY_ROW_LSE
 
@@ -219,23 +220,8 @@ def _kernel(q_ref, k_ref, vt_ref, q_scale_ref, k_scale_ref, v_scale_ref, out_ref
             plgpu.copy_gmem_to_smem(vt_ref.at[batch, kv_head, :, pl.ds(j * bkv, bkv)],
                                     vt_smem.at[slot(j)], v_ready.at[slot(j)])
 
-        for i in range(st.num_stages):
-            @pl.when(cta_first + i < cta_last)
-            def _fill(j=cta_first + i):
-                load_k(j)
-                load_v(j)
-
-        @pl.loop(cta_first + st.num_stages, cta_last)
-        def _refill(j):
-            plgpu.barrier_wait(k_free.at[slot(j)])
-            load_k(j)
-            plgpu.barrier_wait(v_free.at[slot(j)])
-            load_v(j)
-
-        @pl.loop(jnp.maximum(cta_first, cta_last - st.num_stages), cta_last)
-        def _drain(j):  # observe every phase of the free barriers (see the bf16 kernel)
-            plgpu.barrier_wait(k_free.at[slot(j)])
-            plgpu.barrier_wait(v_free.at[slot(j)])
+        stream_kv(num_stages=st.num_stages, first=cta_first, last=cta_last, slot=slot,
+                  load_k=load_k, load_v=load_v, k_free=k_free, v_free=v_free)
 
 
 def _consumer_warpgroup(wg, st: _Static, q_gmem, out_gmem, lse_gmem, scales, q_tile, k_smem,
