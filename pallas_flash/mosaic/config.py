@@ -9,6 +9,7 @@ the heuristic shrinks ``block_kv`` as ``head_dim`` grows.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import round_up
@@ -27,6 +28,30 @@ NUM_CONSUMERS = 2
 
 def _align(nbytes: int) -> int:
     return round_up(nbytes, SMEM_ALIGNMENT)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitRing:
+    """The SMEM ring of a ``bias`` or ``mask`` array that varies along keys: the producer
+    fills slot j next to K_j (on K's ready barrier), the consumers read it with S_j.
+
+    Attributes:
+      per_query: the array varies along queries too, so a slot holds one
+        ``[block_q, block_kv]`` tile per consumer; otherwise one ``[block_kv]`` row that
+        every row of the CTA shares.
+      itemsize: bytes per element: the bias's dtype, 1 for a mask (read as int8).
+    """
+
+    per_query: bool
+    itemsize: int
+
+    def shape(self, config: MosaicConfig) -> tuple[int, ...]:
+        if self.per_query:
+            return (config.num_stages, config.num_consumers, config.block_q, config.block_kv)
+        return (config.num_stages, config.block_kv)
+
+    def nbytes(self, config: MosaicConfig) -> int:
+        return math.prod(self.shape(config)) * self.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +101,11 @@ class MosaicConfig:
     def rows_per_cta(self) -> int:
         return self.num_consumers * self.block_q
 
-    def smem_bytes(self, head_dim: int, itemsize: int = 2, *, segments: bool = False) -> int:
+    def smem_bytes(self, head_dim: int, itemsize: int = 2, *, segments: bool = False,
+                   logit_rings: tuple[LogitRing, ...] = ()) -> int:
         """Shared memory of the GPU kernel: Q/O tiles, the K and V rings, LSE, barriers,
-        and with ``segments`` the ring of the keys' segment ids (int32, next to K's).
+        with ``segments`` the ring of the keys' segment ids (int32, next to K's), and the
+        rings of the bias / mask arrays (``logit_rings``, next to K's too).
 
         Matches what Mosaic GPU's lowering counts (checked by tests/test_mosaic.py).
         """
@@ -86,20 +113,53 @@ class MosaicConfig:
         kv = 2 * _align(self.num_stages * self.block_kv * head_dim * itemsize)
         lse = _align(self.rows_per_cta * 4)
         kv_ids = _align(self.num_stages * self.block_kv * 4) if segments else 0
+        logits = sum(_align(ring.nbytes(self)) for ring in logit_rings)
         # 8-byte mbarriers: Q ready per consumer; K/V ready and K/V free per slot; turn
         # (one per consumer with the overlapped schedule, one shared without).
         turns = self.num_consumers if self.overlap else 1
         barriers = 8 * (self.num_consumers + 4 * self.num_stages + turns)
-        return q_o + kv + lse + kv_ids + barriers
+        return q_o + kv + lse + kv_ids + logits + barriers
 
-    def check_fits(self, head_dim: int, itemsize: int = 2, *, segments: bool = False) -> None:
+    def check_fits(self, head_dim: int, itemsize: int = 2, *, segments: bool = False,
+                   logit_rings: tuple[LogitRing, ...] = ()) -> None:
         """Raises ValueError when this config cannot run at ``head_dim`` on an sm90 CTA."""
-        need = self.smem_bytes(head_dim, itemsize, segments=segments)
+        need = self.smem_bytes(head_dim, itemsize, segments=segments, logit_rings=logit_rings)
         if need > SMEM_BUDGET:
             raise ValueError(
                 f"MosaicConfig {self} needs {need} bytes of shared memory at "
                 f"head_dim={head_dim}, more than the {SMEM_BUDGET} an sm90 CTA has; "
                 "lower block_kv or num_stages")
+
+
+def fit_logit_rings(config: MosaicConfig, head_dim: int, itemsize: int, *,
+                    segments: bool, logit_rings: tuple[LogitRing, ...]) -> MosaicConfig:
+    """The forward's config, shrunk until the bias / mask rings fit next to K and V.
+
+    A tile that varies along queries is read into registers next to S (``block_q *
+    block_kv / 128`` more per thread, 128 for a float32 128 x 128 tile), so such a tile
+    takes 64-row warpgroups. Then ``num_stages``, then ``block_kv``, go down until the
+    shared memory fits: a float32 tile ring of two 128-row CTAs x 128 keys x 2 stages alone
+    is 128 KiB. Block sizes change the speed, never the result. Without rings the config
+    is returned as it is, and ``check_fits`` still raises for one that does not fit (as it
+    does if even 64 x 64 x 2 does not: :func:`.forward.unsupported` keeps such head dims out).
+    """
+    if not logit_rings:
+        return config
+    if any(ring.per_query for ring in logit_rings) and config.block_q > 64:
+        config = dataclasses.replace(config, block_q=64)
+
+    def fits(c: MosaicConfig) -> bool:
+        need = c.smem_bytes(head_dim, itemsize, segments=segments, logit_rings=logit_rings)
+        return need <= SMEM_BUDGET
+
+    while not fits(config):
+        if config.num_stages > 2:
+            config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+        elif config.block_kv > 64:
+            config = dataclasses.replace(config, block_kv=config.block_kv - 64)
+        else:
+            break
+    return config
 
 
 def padded_head_dim(head_dim: int) -> int:
