@@ -46,6 +46,17 @@ comparing its rows' ids (loaded once) with the block's key ids (a ``num_stages``
 slot is freed). **Soft-capping**: logits become ``c·tanh(scale·s/c)`` (``tanh.approx``, as
 FA3) before the mask and the base-2 softmax.
 
+**Bias and mask arrays** (as ``jax.nn``; canonical ``[B', N', T', S']``, see
+:mod:`pallas_flash.bias`) are read where they vary (:class:`_LogitArray`), never expanded
+along a broadcast dim: a tile that varies along queries and keys rides in an SMEM ring next
+to K (one ``[block_q, block_kv]`` tile per consumer and block, TMA'd on K's ready barrier and
+read, like the key ids, before K's slot is freed), one that varies along keys only is a
+``[block_kv]`` row per block in such a ring, and one that varies along queries only is a
+``[block_q]`` column loaded once per consumer. A bias is added to the scaled (and capped)
+logits in base 2; a mask that broadcasts to the bias's shape is folded into it as -inf,
+otherwise it is read as int8 and makes every block take the masked path. Every block
+guards its softmax against rows that have seen only -inf so far.
+
 CPU testing: Mosaic GPU interpret mode cannot run ``pl.run_state`` nor a wgmma whose A
 operand is in registers, which is how FA3 feeds P to the P·V GEMM. With
 ``interpret=True`` the kernel takes one documented detour (:func:`_pv_through_smem`):
@@ -58,6 +69,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -65,11 +77,14 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_flash.logits import log2_logits
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic.config import (
     MAX_HEAD_DIM,
     NUM_CONSUMERS,
+    LogitRing,
     MosaicConfig,
+    fit_logit_rings,
     padded_head_dim,
 )
 from pallas_flash.padding import pad_axis, round_up
@@ -79,6 +94,9 @@ from pallas_flash.segments import cut_to_span, pad_segment_ids, tile_spans
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# With a bias or mask array up to head_dim 192: at 256 the Q/O tiles and a 64-key K/V ring
+# already take 192 KiB, and a float32 bias tile ring (64 KiB) no longer fits in 227 KiB.
+_MAX_LOGIT_ARRAY_HEAD_DIM = 192
 # Registers per thread (setmaxnreg): 2 x 232 (consumers) + 40 (producer) = 504 <= 512,
 # i.e. the 64 K registers of an SM for 3 x 128 threads.
 _CONSUMER_REGISTERS = 232
@@ -89,6 +107,98 @@ _REGISTERS = {2: (_CONSUMER_REGISTERS, _PRODUCER_REGISTERS), 3: (160, 32)}
 # 128-byte swizzle: one swizzle row is 64 16-bit elements, so every SMEM tile is stored in
 # (8, 64) tiles, the layout wgmma reads without bank conflicts.
 _SWIZZLE = 128
+
+
+class _ScoreInputs(NamedTuple):
+    """What a consumer combines with S = Q·Kᵀ besides the band, per row or per block; each
+    None when absent: segment ids, the bias array's part, the mask array's part.
+
+    Per row: values loaded once per consumer ([block_q], the rows of S). Per block: the
+    SMEM rings filled next to K (refs), or what :func:`_release_k` read from a slot.
+    """
+
+    ids: Any = None
+    bias: Any = None
+    mask: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _LogitArray:
+    """How the kernel reads a ``bias`` or ``mask`` array (operand from :func:`_logit_operand`).
+
+    ``kind``, what the array varies along, decides where it lives:
+
+    * ``"tile"``: queries and keys (operand ``[B', N', T, S]``): a ``[block_q, block_kv]`` tile
+      per consumer and K/V block, in an SMEM ring filled next to K;
+    * ``"keys"``: keys only (``[B', N', S]``): a ``[block_kv]`` row per block in such a ring,
+      spread over the rows in registers;
+    * ``"rows"``: queries only (``[B', N', T]``): a ``[block_q]`` column per consumer, loaded
+      once from GMEM and spread over the keys.
+
+    ``B'`` / ``N'`` are full or 1; a size-1 dim is read at index 0 (:func:`_batch_head`).
+    ``is_mask``: int8, 0 hides the pair; otherwise a float bias added to the logits.
+    """
+
+    kind: str
+    is_mask: bool
+    dtype: jnp.dtype
+
+    @property
+    def ring(self) -> LogitRing | None:
+        if self.kind == "rows":
+            return None
+        return LogitRing(per_query=self.kind == "tile", itemsize=self.dtype.itemsize)
+
+    def copies_per_block(self, num_consumers: int) -> int:
+        """TMA copies, hence arrivals on K's ready barrier, per K/V block."""
+        return {"tile": num_consumers, "keys": 1, "rows": 0}[self.kind]
+
+    def smem(self, config: MosaicConfig) -> plgpu.SMEM:
+        """The ring's scratch; tiles swizzled as wgmma's operands, to spare bank conflicts
+        when each consumer reads its tile in the WGMMA layout."""
+        transforms = ()
+        if self.kind == "tile":
+            swizzle = min(_SWIZZLE, config.block_kv * self.dtype.itemsize)
+            transforms = _smem_transforms(self.dtype.itemsize, swizzle)
+        return plgpu.SMEM(self.ring.shape(config), self.dtype, transforms=transforms)
+
+    def load_block(self, ref, smem, barrier, *, batch, head, rows, keys) -> None:
+        """Producer: TMA of K/V block ``keys`` (``pl.ds``) into ring slot ``smem``; ``rows``:
+        the ``pl.ds`` of each consumer's query rows, in order."""
+        b, n = _batch_head(ref, batch, head)
+        if self.kind == "keys":
+            plgpu.copy_gmem_to_smem(ref.at[b, n, keys], smem, barrier)
+            return
+        for consumer, consumer_rows in enumerate(rows):
+            plgpu.copy_gmem_to_smem(ref.at[b, n, consumer_rows, keys], smem.at[consumer],
+                                    barrier)
+
+    def read_slot(self, smem, wg) -> jax.Array:
+        """Consumer ``wg``: its part of a ring slot, laid out as S (tile) or its columns."""
+        if self.kind == "tile":
+            return plgpu.load(smem.at[wg], layout=plgpu.Layout.WGMMA)
+        return plgpu.load(smem, layout=plgpu.Layout.WGMMA.reduce(0))
+
+    def read_rows(self, ref, *, batch, head, rows) -> jax.Array:
+        """Consumer: its rows' values (``rows``: a ``pl.ds``), laid out as the rows of S.
+        A plain load from GMEM (Mosaic GPU vectorises SMEM loads only), once per CTA."""
+        b, n = _batch_head(ref, batch, head)
+        return plgpu.load(ref.at[b, n, rows], layout=plgpu.Layout.WGMMA.reduce(1),
+                          optimized=False)
+
+    def tile(self, row_part, block_part, shape: tuple[int, int]) -> jax.Array:
+        """This array's ``shape`` = [block_q, block_kv] values for S_j, from the consumer's
+        rows (kind ``rows``) or from block j's slot."""
+        if self.kind == "rows":
+            return _row(row_part, shape)
+        if self.kind == "keys":
+            return lax.broadcast_in_dim(block_part, shape, [1])
+        return block_part
+
+
+def _batch_head(ref, batch, head):
+    """(batch, head) index into a bias / mask operand: 0 along a broadcast (size-1) dim."""
+    return (batch if ref.shape[0] > 1 else 0, head if ref.shape[1] > 1 else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +220,31 @@ class _Static:
     softcap: float | None = None  # logits become softcap * tanh(scale * s / softcap)
     segmented: bool = False  # segment ids: a pair is visible only if its ids are equal
     num_consumers: int = NUM_CONSUMERS  # consumer warpgroups; the producer comes after
+    bias: _LogitArray | None = None  # added to the scaled logits
+    attn_mask: _LogitArray | None = None  # 0 hides a pair
+
+    @property
+    def logits_in_base2(self) -> bool:
+        # A soft-cap or a bias changes the tile itself, so the tile is taken to base 2
+        # first; otherwise the scale is folded into exp2's FMA.
+        return self.softcap is not None or self.bias is not None
+
+    @property
+    def masks_every_block(self) -> bool:
+        # Segment ids and a mask array can hide pairs anywhere in the band.
+        return self.segmented or self.attn_mask is not None
+
+    @property
+    def reads_key_slots(self) -> bool:
+        # Consumers read more than K from K's ring slots (through the generic proxy).
+        return self.segmented or any(
+            x is not None and x.ring is not None for x in (self.bias, self.attn_mask))
+
+    @property
+    def key_slot_copies(self) -> int:
+        """TMA copies (arrivals) on a K ready barrier: K, and what rides along it."""
+        return 1 + self.segmented + sum(x.copies_per_block(self.num_consumers)
+                                        for x in (self.bias, self.attn_mask) if x is not None)
 
     @property
     def reverse_q_tiles(self) -> bool:
@@ -119,15 +254,15 @@ class _Static:
 
     @property
     def has_lower_band(self) -> bool:
-        # Only a window or segment ids hide keys *before* a query; otherwise every row
-        # starts at key 0 and the leading skip/masked loops are statically empty.
-        return self.mask.window is not None or self.segmented
+        # Only a window, segment ids or a mask array hide keys *before* a query; otherwise
+        # every row starts at key 0 and the leading skip/masked loops are statically empty.
+        return self.mask.window is not None or self.masks_every_block
 
     @property
     def has_unmasked_blocks(self) -> bool:
-        # With segment ids every visited block compares ids: a consumer's ranges are
-        # (first, last, last, last) and its leading masked loop runs all of its blocks.
-        return not self.segmented
+        # With segment ids or a mask array every visited block is masked: a consumer's
+        # ranges are (first, last, last, last) and its leading masked loop runs all blocks.
+        return not self.masks_every_block
 
     @property
     def has_upper_mask(self) -> bool:
@@ -141,8 +276,8 @@ class _Static:
         return self.has_lower_band or self.has_upper_mask
 
 
-def _smem_transforms(itemsize: int):
-    return (plgpu.TilingTransform((8, _SWIZZLE // itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
+def _smem_transforms(itemsize: int, swizzle: int = _SWIZZLE):
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def _row(x: jax.Array, shape: tuple[int, int]) -> jax.Array:
@@ -161,12 +296,16 @@ def _consumer_ranges(st: _Static, spans_ref, batch, q_block):
 
     With segment ids the band is cut to the span of KV blocks whose ids can meet the
     block's (``spans_ref``: [B, 2, num_q_blocks] from :func:`segments.tile_spans`), and
-    every block of it needs the mask: ``(first, last, last, last)``.
+    every block of it needs the mask: ``(first, last, last, last)``; so does every block of
+    the band with a mask array.
     """
     ranges = st.mask.kv_blocks(q_block * st.block_q, st.block_q, st.block_kv)
-    if not st.segmented:
-        return ranges
-    return cut_to_span(ranges, spans_ref[batch, 0, q_block], spans_ref[batch, 1, q_block])
+    if st.segmented:
+        return cut_to_span(ranges, spans_ref[batch, 0, q_block], spans_ref[batch, 1, q_block])
+    if st.attn_mask is not None:
+        first, *_, last = ranges
+        return first, last, last, last
+    return ranges
 
 
 def _hull(a, b):
@@ -179,32 +318,44 @@ def _hull(a, b):
     return first, last
 
 
-def _release_k(k_free, kv_ids_smem, s):
-    """S_j is in registers: K_j's ring slot may be refilled.
+def _release_k(st: _Static, k_free, key_rings: _ScoreInputs, s, wg) -> _ScoreInputs:
+    """S_j is in registers: K_j's ring slot ``s`` may be refilled.
 
-    Returns the slot's key segment ids ([block_kv] int32, laid out as the columns of S),
-    read before the slot is released, or None without segment ids.
+    Returns what else the slot holds, read by consumer ``wg`` before the slot is released
+    (None where absent): the keys' segment ids ([block_kv] int32, laid out as the columns
+    of S) and its part of the bias / mask (:meth:`_LogitArray.read_slot`).
     """
-    kv_ids = None
-    if kv_ids_smem is not None:
-        kv_ids = plgpu.load(kv_ids_smem.at[s], layout=plgpu.Layout.WGMMA.reduce(0))
+    ids = bias = mask = None
+    if key_rings.ids is not None:
+        ids = plgpu.load(key_rings.ids.at[s], layout=plgpu.Layout.WGMMA.reduce(0))
+    if key_rings.bias is not None:
+        bias = st.bias.read_slot(key_rings.bias.at[s], wg)
+    if key_rings.mask is not None:
+        mask = st.attn_mask.read_slot(key_rings.mask.at[s], wg)
     plgpu.barrier_arrive(k_free.at[s])
-    return kv_ids
+    return _ScoreInputs(ids, bias, mask)
 
 
 def _kernel(q_ref, k_ref, v_ref, *refs, st: _Static, q_smem, k_smem, v_smem, lse_smem,
-            q_ready, k_ready, v_ready, k_free, v_free, turn, kv_ids_smem=None, p_smem=None):
+            q_ready, k_ready, v_ready, k_free, v_free, turn, kv_ids_smem=None, bias_smem=None,
+            mask_smem=None, p_smem=None):
     """One CTA. Refs: q/out [B, Tq, N, D], k/v [B, Tk, K, D], lse [B, N, Tq] (GMEM);
-    q_smem [2, block_q, D], k_smem/v_smem [num_stages, block_kv, D], lse_smem [2, block_q].
+    q_smem [C, block_q, D], k_smem/v_smem [num_stages, block_kv, D], lse_smem [C, block_q]
+    (C consumers).
 
-    With segment ids ``refs`` starts with q_ids [B, Tq], kv_ids [B, Tk] and spans
-    [B, 2, Tq / block_q] (GMEM), and kv_ids_smem [num_stages, block_kv] rides along K's
-    ring (one more TMA arrival on ``k_ready``).
+    ``refs`` is ``out_ref, lse_ref`` preceded by, when present: with segment ids q_ids
+    [B, Tq], kv_ids [B, Tk] and spans [B, 2, Tq / block_q] (GMEM), and kv_ids_smem
+    [num_stages, block_kv] rides along K's ring; the bias operand, then the mask operand
+    (:class:`_LogitArray`), whose rings bias_smem / mask_smem ride along K's ring too (one
+    more TMA arrival on ``k_ready`` per copy: ``st.key_slot_copies``).
     """
-    if st.segmented:
-        q_ids_ref, kv_ids_ref, spans_ref, out_ref, lse_ref = refs
-    else:
-        (out_ref, lse_ref), q_ids_ref, kv_ids_ref, spans_ref = refs, None, None, None
+    *inputs, out_ref, lse_ref = refs
+    inputs = iter(inputs)
+    q_ids_ref, kv_ids_ref, spans_ref = (
+        (next(inputs), next(inputs), next(inputs)) if st.segmented else (None, None, None))
+    bias_ref = next(inputs) if st.bias is not None else None
+    mask_ref = next(inputs) if st.attn_mask is not None else None
+    key_rings = _ScoreInputs(kv_ids_smem, bias_smem, mask_smem)
     bq, bkv = st.block_q, st.block_kv
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
     q_tile = lax.axis_index("q_tiles")
@@ -236,16 +387,21 @@ def _kernel(q_ref, k_ref, v_ref, *refs, st: _Static, q_smem, k_smem, v_smem, lse
         ranges = tuple(jnp.clip(x, cta_first, cta_last) for x in _consumer_ranges(
             st, spans_ref, batch, q_tile * consumers + wg))
         q0 = cta_q0 + wg * bq
-        q_ids = None
-        if st.segmented:  # this warpgroup's query ids, laid out as the rows of S, once
-            # (plain loads from GMEM: Mosaic GPU vectorises ("optimizes") SMEM loads only)
-            q_ids = plgpu.load(q_ids_ref.at[batch, pl.ds(q0, bq)],
-                               layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+        # This warpgroup's per-row inputs, laid out as the rows of S, loaded once.
+        rows = pl.ds(q0, bq)
+        q_ids = bias_rows = mask_rows = None
+        if st.segmented:  # (plain loads from GMEM: Mosaic GPU vectorises SMEM loads only)
+            q_ids = plgpu.load(q_ids_ref.at[batch, rows], layout=plgpu.Layout.WGMMA.reduce(1),
+                               optimized=False)
+        if st.bias is not None and st.bias.kind == "rows":
+            bias_rows = st.bias.read_rows(bias_ref, batch=batch, head=head, rows=rows)
+        if st.attn_mask is not None and st.attn_mask.kind == "rows":
+            mask_rows = st.attn_mask.read_rows(mask_ref, batch=batch, head=head, rows=rows)
         _consumer_warpgroup(
             wg, st, q_ref, out_ref, lse_ref, q_smem.at[wg], k_smem, v_smem, lse_smem.at[wg],
             q_ready.at[wg], k_ready, v_ready, k_free, v_free, turn,
-            None if p_smem is None else p_smem.at[wg], kv_ids_smem,
-            batch=batch, head=head, q0=q0, q_ids=q_ids, ranges=ranges,
+            None if p_smem is None else p_smem.at[wg], key_rings, batch=batch, head=head,
+            q0=q0, row_inputs=_ScoreInputs(q_ids, bias_rows, mask_rows), ranges=ranges,
             cta_first=cta_first, cta_last=cta_last, slot=slot)
 
     @pl.when(wg == consumers)  # the last warpgroup
@@ -257,11 +413,19 @@ def _kernel(q_ref, k_ref, v_ref, *refs, st: _Static, q_smem, k_smem, v_smem, lse
             rows = (batch, pl.ds(j * bkv, bkv), kv_head)
             plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot(j)], ready.at[slot(j)])
 
+        consumer_rows = [pl.ds(cta_q0 + c * bq, bq) for c in range(consumers)]
+
         def load_k(j):
             load(k_ref, k_smem, k_ready, j)
+            keys, ready = pl.ds(j * bkv, bkv), k_ready.at[slot(j)]
             if st.segmented:  # the keys' ids, 4 * block_kv bytes, on K's barrier
-                plgpu.copy_gmem_to_smem(kv_ids_ref.at[batch, pl.ds(j * bkv, bkv)],
-                                        kv_ids_smem.at[slot(j)], k_ready.at[slot(j)])
+                plgpu.copy_gmem_to_smem(kv_ids_ref.at[batch, keys], kv_ids_smem.at[slot(j)],
+                                        ready)
+            for array, ref, ring in ((st.bias, bias_ref, bias_smem),
+                                     (st.attn_mask, mask_ref, mask_smem)):
+                if ring is not None:  # bias / mask tiles or rows of block j, on K's barrier
+                    array.load_block(ref, ring.at[slot(j)], ready, batch=batch, head=head,
+                                     rows=consumer_rows, keys=keys)
         load_v = functools.partial(load, v_ref, v_smem, v_ready)
 
         # Prologue: fill the ring.
@@ -276,9 +440,10 @@ def _kernel(q_ref, k_ref, v_ref, *refs, st: _Static, q_smem, k_smem, v_smem, lse
         @pl.loop(cta_first + st.num_stages, cta_last)
         def _refill(j):
             plgpu.barrier_wait(k_free.at[slot(j)])
-            if st.segmented:
-                # The consumers read the slot's key ids through the generic proxy; the
-                # proxy fence orders those reads before the TMA (async proxy) overwrites.
+            if st.reads_key_slots:
+                # The consumers read the slot's key ids / bias / mask through the generic
+                # proxy; the proxy fence orders those reads before the TMA (async proxy)
+                # overwrites them.
                 plgpu.commit_smem()
             load_k(j)
             plgpu.barrier_wait(v_free.at[slot(j)])
@@ -294,43 +459,50 @@ def _kernel(q_ref, k_ref, v_ref, *refs, st: _Static, q_smem, k_smem, v_smem, lse
 
 def _consumer_warpgroup(wg, st: _Static, q_ref, out_ref, lse_ref, q_tile, k_smem, v_smem,
                         lse_tile, q_ready, k_ready, v_ready, k_free, v_free, turn, p_tile,
-                        kv_ids_smem, *, batch, head, q0, q_ids, ranges, cta_first, cta_last,
+                        key_rings, *, batch, head, q0, row_inputs, ranges, cta_first, cta_last,
                         slot):
     """Rows [q0, q0 + block_q) of one head: Algorithm 1 of FA3 for one consumer warpgroup.
 
     ``ranges``: this warpgroup's (first, full_first, full_last, last) KV blocks, inside the
-    CTA's [cta_first, cta_last); ``q_ids``: its rows' segment ids ([block_q] int32) or None.
+    CTA's [cta_first, cta_last); ``row_inputs``: its rows' segment ids, bias and mask
+    ([block_q] each, None where absent); ``key_rings``: the SMEM rings next to K's.
     """
     bq, bkv, d = st.block_q, st.block_kv, st.head_dim
     q_rows = (batch, pl.ds(q0, bq), head)
     plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_tile, q_ready)
     shape = (bq, bkv)
 
-    def softmax(scores, m_i, j, kv_ids, *, masked: bool):
+    def softmax(scores, m_i, j, block: _ScoreInputs, *, masked: bool):
         """Online softmax of S_j in base 2 (FA3 Alg. 1 lines 9-11).
 
         m is kept in log2 units so that p = exp2(s * scale_log2 - m) is one FMA + ex2 per
-        element. ``kv_ids``: the segment ids of block j's keys (from :func:`_release_k`).
+        element. ``block``: block j's key ids, bias and mask (from :func:`_release_k`).
         Returns P_j in the input dtype, the new m and alpha, the factor that rescales O
         (and l) to the new m.
         """
         def to_log2(x):  # scale * log2(e), applied in exp2's FMA rather than to the tile
-            return x if st.softcap is not None else x * st.scale_log2
+            return x if st.logits_in_base2 else x * st.scale_log2
 
-        if st.softcap is not None:  # soft-capping: c * tanh(scale * s / c), in base 2
-            scale = st.scale_log2 / _LOG2E
-            scores = jnp.tanh(scores * (scale / st.softcap)) * (st.softcap * _LOG2E)
+        if st.logits_in_base2:  # c * tanh(scale * s / c) and/or + bias, in base 2
+            bias = None
+            if st.bias is not None:
+                bias = st.bias.tile(row_inputs.bias, block.bias, shape)
+            scores, _ = log2_logits(scores, st.scale_log2 / _LOG2E, st.softcap, bias)
         if masked:  # boundary block: hide pairs outside the band and keys >= seq_kv
             rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
             cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
             visible = st.mask.visible(rows + q0, cols + j * bkv)
             if st.segmented:  # ... and pairs of different documents
-                visible &= _row(q_ids, shape) == lax.broadcast_in_dim(kv_ids, shape, [1])
+                visible &= (_row(row_inputs.ids, shape)
+                            == lax.broadcast_in_dim(block.ids, shape, [1]))
+            if st.attn_mask is not None:  # ... and pairs the mask array hides
+                visible &= st.attn_mask.tile(row_inputs.mask, block.mask, shape) != 0
             scores = jnp.where(visible, scores, -jnp.inf)
         m_new = jnp.maximum(m_i, to_log2(scores.max(axis=1)))
-        if masked:
-            # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead so
-            # that exp2(-inf - m) stays 0 rather than NaN (empty rows end with l = 0).
+        if masked or st.bias is not None:
+            # A row that has seen no visible key yet (or only -inf biases) keeps m = -inf;
+            # subtract 0 instead so that exp2(-inf - m) stays 0 rather than NaN (empty rows
+            # end with l = 0).
             m_new_finite = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         else:
             m_new_finite = m_new
@@ -347,7 +519,7 @@ def _consumer_warpgroup(wg, st: _Static, q_ref, out_ref, lse_ref, q_tile, k_smem
     loop = _overlapped_loop if st.overlap else _serial_loop
     o, m_i, l_i = loop(
         wg, st, carry, ranges, softmax, q_tile, k_smem, v_smem, k_ready, v_ready, k_free,
-        v_free, turn, p_tile, kv_ids_smem, cta_first=cta_first, cta_last=cta_last, slot=slot)
+        v_free, turn, p_tile, key_rings, cta_first=cta_first, cta_last=cta_last, slot=slot)
 
     # Epilogue (Alg. 1 lines 12-14): normalise once, O and LSE leave through SMEM + TMA.
     empty = l_i == 0.0  # rows that saw no key: O = 0, lse = EMPTY_ROW_LSE
@@ -363,7 +535,7 @@ def _consumer_warpgroup(wg, st: _Static, q_ref, out_ref, lse_ref, q_tile, k_smem
 
 
 def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem, k_ready,
-                 v_ready, k_free, v_free, turn, p_tile, kv_ids_smem, *, cta_first, cta_last,
+                 v_ready, k_free, v_free, turn, p_tile, key_rings, *, cta_first, cta_last,
                  slot):
     """Per block: S = Q·K_jᵀ, wait, softmax, O += P·V_j, wait (no intra-warpgroup overlap).
 
@@ -398,8 +570,8 @@ def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem
             _sync(turn)
             return s_acc[...]
         scores = pl.run_scoped(qk, plgpu.ACC((st.block_q, st.block_kv), jnp.float32))
-        kv_ids = _release_k(k_free, kv_ids_smem, s)
-        p, m_new, alpha = softmax(scores, m_i, j, kv_ids, masked=masked)
+        block = _release_k(st, k_free, key_rings, s, wg)
+        p, m_new, alpha = softmax(scores, m_i, j, block, masked=masked)
         o = o * _row(alpha, o.shape)
         p16 = p.astype(st.dtype)
 
@@ -452,7 +624,7 @@ def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem
 
 
 def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem,
-                     k_ready, v_ready, k_free, v_free, turn, p_tile, kv_ids_smem, *, cta_first,
+                     k_ready, v_ready, k_free, v_free, turn, p_tile, key_rings, *, cta_first,
                      cta_last, slot):
     """FA3's intra-warpgroup pipelining (Sec. 3.2, Algorithm 2), inside the ping-pong.
 
@@ -495,8 +667,8 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_
             pass_turn()
             return s_acc[...]
         scores = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
-        kv_ids = _release_k(k_free, kv_ids_smem, s)
-        p, m_new, _ = softmax(scores, m_i, first, kv_ids, masked=st.has_mask)
+        block = _release_k(st, k_free, key_rings, s, wg)
+        p, m_new, _ = softmax(scores, m_i, first, block, masked=st.has_mask)
         return o, m_new, p.sum(axis=1), p.astype(st.dtype)
 
     def step(j, carry, *, masked: bool):
@@ -514,8 +686,8 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_
             return plgpu.wgmma_accumulator_load(s_acc, wait_n=1)  # S_j; P·V still runs
 
         def softmax_of(scores):
-            kv_ids = _release_k(k_free, kv_ids_smem, s)
-            p, m_new, alpha = softmax(scores, m_i, j, kv_ids, masked=masked)
+            block = _release_k(st, k_free, key_rings, s, wg)
+            p, m_new, alpha = softmax(scores, m_i, j, block, masked=masked)
             return p, m_new, l_i * alpha + p.sum(axis=1), alpha
 
         if st.pv_through_smem:  # interpret mode: P·V into a fresh accumulator, then added
@@ -624,20 +796,68 @@ def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
     """Why the Mosaic GPU forward cannot run this call, or None if it can.
 
     Every mask, segment ids (hence padding lengths) and soft-capping are supported (and by
-    the backward too, see :mod:`.backward`).
+    the backward too, see :mod:`.backward`); bias and mask arrays up to head_dim 192 (their
+    gradients come from the Triton backward).
     """
     del kv_shape, mask, has_segments, softcap
-    if has_bias or has_mask:
-        return "bias and mask arrays are not supported by the Mosaic GPU kernel yet"
     if jnp.dtype(dtype) not in _DTYPES:
         return f"the Mosaic GPU kernel takes bfloat16 or float16 inputs, got {jnp.dtype(dtype)}"
     if q_shape[-1] > MAX_HEAD_DIM:
         return f"head_dim {q_shape[-1]} is above the kernel's maximum {MAX_HEAD_DIM}"
+    if (has_bias or has_mask) and padded_head_dim(q_shape[-1]) > _MAX_LOGIT_ARRAY_HEAD_DIM:
+        return (f"bias and mask arrays need head_dim <= {_MAX_LOGIT_ARRAY_HEAD_DIM} in the "
+                f"Mosaic GPU kernel (got {q_shape[-1]}): above it the K/V rings leave no "
+                "shared memory for a bias tile")
     return None
 
 
+def _fold_mask(bias, attn_mask):
+    """(bias, attn_mask) with the mask folded into the bias as -inf where the mask
+    broadcasts to the bias's shape: one array to read, no larger than the bias."""
+    if bias is None or attn_mask is None:
+        return bias, attn_mask
+    if jnp.broadcast_shapes(bias.shape, attn_mask.shape) != bias.shape:
+        return bias, attn_mask
+    return jnp.where(attn_mask, bias, -jnp.inf).astype(bias.dtype), None
+
+
+def _logit_array(x, *, is_mask: bool) -> _LogitArray | None:
+    """How the kernel reads canonical ``x`` [B', N', T', S'] (None for None): a mask as
+    int8, a bias in its own dtype if 16 or 32 bits wide, else as float32."""
+    if x is None:
+        return None
+    if is_mask:
+        dtype = jnp.dtype(jnp.int8)
+    elif x.dtype in (*_DTYPES, jnp.dtype(jnp.float32)):
+        dtype = jnp.dtype(x.dtype)
+    else:
+        dtype = jnp.dtype(jnp.float32)
+    t, s = x.shape[2:]
+    kind = "tile" if t > 1 and s > 1 else "keys" if s > 1 else "rows"
+    return _LogitArray(kind=kind, is_mask=is_mask, dtype=dtype)
+
+
+def _logit_operand(x, array: _LogitArray, seq_q_pad: int, seq_kv_pad: int) -> jax.Array:
+    """The kernel operand of canonical ``x`` [B', N', T', S']: [B', N', Tp, Sp] (tile),
+    [B', N', Sp] (keys) or [B', N', Tp] (rows), zero-padded to whole blocks (padded keys
+    are hidden by the MaskSpec, padded rows dropped).
+
+    An array constant over queries and keys ([B', N', 1, 1]) is expanded along the queries
+    (B'·N'·T elements, small), so that it is read as rows.
+    """
+    x = x.astype(array.dtype)
+    b, n = x.shape[:2]
+    if array.kind == "tile":
+        return pad_axis(pad_axis(x, 2, seq_q_pad), 3, seq_kv_pad)
+    if array.kind == "keys":
+        return pad_axis(x.reshape(b, n, -1), 2, seq_kv_pad)
+    rows = jnp.broadcast_to(x, (b, n, x.shape[2] if x.shape[2] > 1 else seq_q_pad, 1))
+    return pad_axis(rows.reshape(b, n, -1), 2, seq_q_pad)
+
+
 def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: MaskSpec,
-            scale: float, config: MosaicConfig, interpret: bool, softcap: float | None = None
+            scale: float, config: MosaicConfig, interpret: bool, softcap: float | None = None,
+            bias: jax.Array | None = None, attn_mask: jax.Array | None = None
             ) -> tuple[jax.Array, jax.Array]:
     """Attention forward on Hopper.
 
@@ -649,9 +869,17 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         visits the KV blocks whose id range can meet its rows' (:mod:`pallas_flash.segments`).
       mask: visibility; its ``seq_q``/``seq_kv`` are the real lengths.
       scale: logit scale.
-      config: block sizes; ``config.check_fits`` must pass at the padded head dim.
+      config: block sizes; ``config.check_fits`` must pass at the padded head dim. With
+        bias / mask arrays it is first shrunk to fit their rings
+        (:func:`~pallas_flash.mosaic.config.fit_logit_rings`).
       interpret: run in Mosaic GPU interpret mode on the CPU.
       softcap: ``c``: logits become ``c * tanh(scale * q·k / c)`` before the softmax.
+      bias: None or canonical ``[B', N', T', S']`` (:mod:`pallas_flash.bias`), floating,
+        added to the scaled (and capped) logits; read where it varies, broadcast dims never
+        expanded (:class:`_LogitArray`; only a ``[B', N', 1, 1]`` one is expanded to
+        ``[B', N', T]``).
+      attn_mask: None or canonical ``[B', N', T', S']`` bool, False hides a pair; folded
+        into the bias as -inf when it broadcasts to the bias's shape, else read as int8.
 
     Returns:
       ``out`` like ``q`` and ``lse: [batch, heads, seq_q]`` float32 (natural log); rows
@@ -662,14 +890,22 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
     multiple of 64 (zero columns change neither Q·Kᵀ nor the kept columns of P·V).
     """
     segmented = segment_ids is not None
-    reason = unsupported(q.shape, k.shape, q.dtype, mask, segmented, softcap)
+    reason = unsupported(q.shape, k.shape, q.dtype, mask, segmented, softcap,
+                         has_bias=bias is not None, has_mask=attn_mask is not None)
     if reason is not None:
         raise ValueError(reason)
     batch, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     dim = padded_head_dim(head_dim)
     itemsize = jnp.dtype(q.dtype).itemsize
-    config.check_fits(dim, itemsize, segments=segmented)
+    bias, attn_mask = _fold_mask(bias, attn_mask)
+    bias_array = _logit_array(bias, is_mask=False)
+    mask_array = _logit_array(attn_mask, is_mask=True)
+    logit_arrays = [(x, a) for x, a in ((bias, bias_array), (attn_mask, mask_array))
+                    if a is not None]
+    rings = tuple(a.ring for _, a in logit_arrays if a.ring is not None)
+    config = fit_logit_rings(config, dim, itemsize, segments=segmented, logit_rings=rings)
+    config.check_fits(dim, itemsize, segments=segmented, logit_rings=rings)
     rows_per_cta = config.rows_per_cta
     seq_q_pad = round_up(seq_q, rows_per_cta)
     seq_kv_pad = round_up(seq_kv, config.block_kv)
@@ -679,7 +915,8 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         dtype=jnp.dtype(q.dtype), group=heads // kv_heads,
         num_q_tiles=seq_q_pad // rows_per_cta, kv_padded=seq_kv_pad != seq_kv,
         overlap=config.overlap, pv_through_smem=interpret, softcap=softcap,
-        segmented=segmented, num_consumers=config.num_consumers)
+        segmented=segmented, num_consumers=config.num_consumers, bias=bias_array,
+        attn_mask=mask_array)
     consumers = st.num_consumers
 
     transforms = _smem_transforms(itemsize)
@@ -689,8 +926,8 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         v_smem=plgpu.SMEM((st.num_stages, st.block_kv, dim), q.dtype, transforms=transforms),
         lse_smem=plgpu.SMEM((consumers, st.block_q), jnp.float32),
         q_ready=plgpu.Barrier(num_barriers=consumers),
-        # One TMA arrival per copy: K, and with segment ids the keys' ids.
-        k_ready=plgpu.Barrier(num_arrivals=1 + segmented, num_barriers=st.num_stages),
+        # One TMA arrival per copy: K, and what rides along (key ids, bias / mask tiles).
+        k_ready=plgpu.Barrier(num_arrivals=st.key_slot_copies, num_barriers=st.num_stages),
         v_ready=plgpu.Barrier(num_barriers=st.num_stages),
         k_free=plgpu.Barrier(num_arrivals=consumers, num_barriers=st.num_stages),
         v_free=plgpu.Barrier(num_arrivals=consumers, num_barriers=st.num_stages),
@@ -704,6 +941,10 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         operands += [q_ids, kv_ids,
                      tile_spans(q_ids, kv_ids, st.block_q, st.block_kv, walk_kv=True)]
         scratch["kv_ids_smem"] = plgpu.SMEM((st.num_stages, st.block_kv), jnp.int32)
+    for x, array in logit_arrays:  # the bias, then the mask, as _kernel unpacks them
+        operands.append(_logit_operand(x, array, seq_q_pad, seq_kv_pad))
+        if array.ring is not None:
+            scratch["mask_smem" if array.is_mask else "bias_smem"] = array.smem(config)
     if st.pv_through_smem:
         scratch["p_smem"] = plgpu.SMEM(
             (consumers, st.block_q, st.block_kv), q.dtype, transforms=transforms)
