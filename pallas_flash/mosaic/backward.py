@@ -59,9 +59,10 @@ key has lse = ``EMPTY_ROW_LSE`` and only hidden (−inf) logits, so its P, dS an
 so dS is multiplied by the cap's derivative ``1 − tanh²`` before the dK and dQ GEMMs
 (:func:`pallas_flash.logits.log2_logits`); hidden pairs are masked after the cap.
 
-**Fallback**: float32 and head dims above 128 go to the Triton backward (:func:`unsupported`
-says why). Head dim 256 does not fit: dK and dV of 64 keys are 256 f32 registers per thread
-on their own, above the 240 a consumer can hold.
+**Fallback**: float32, head dims above 128 (:func:`unsupported` says why) and calls with
+``bias`` / ``mask`` arrays go to the Triton backward, which also computes dbias. Head dim
+256 does not fit: dK and dV of 64 keys are 256 f32 registers per thread on their own,
+above the 240 a consumer can hold.
 
 **CPU testing**: Mosaic GPU interpret mode cannot run a wgmma whose A operand is in
 registers. With ``interpret=True`` the A operands (Pᵀ, dSᵀ, dS) are stored to an SMEM
@@ -558,21 +559,23 @@ def unsupported(q_shape, dtype, has_segments: bool, softcap: float | None = None
 
 
 def _triton_backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask, scale, interpret,
-                     softcap):
+                     softcap, bias, attn_mask, bias_grad):
+    """Triton's backward on the Mosaic forward's (out, lse), dbias included."""
     from pallas_flash import triton as triton_backend  # lazy: only for the fallback cases
 
     kwargs = {} if softcap is None else dict(softcap=softcap)
     config = triton_backend.default_config(q.shape, k.shape, q.dtype, mask)
     return triton_backend.KERNELS.backward(
         q, k, v, segment_ids, out, lse, d_out, delta, mask=mask, scale=scale, config=config,
-        interpret=interpret, **kwargs)
+        interpret=interpret, bias=bias, attn_mask=attn_mask, bias_grad=bias_grad, **kwargs)
 
 
 def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Array,
              lse: jax.Array, d_out: jax.Array, delta: jax.Array, *, mask: MaskSpec,
-             scale: float, config, interpret: bool, softcap: float | None = None
-             ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(dq, dk, dv) of attention on Hopper.
+             scale: float, config, interpret: bool, softcap: float | None = None,
+             bias: jax.Array | None = None, attn_mask: jax.Array | None = None,
+             bias_grad: bool = False) -> tuple[jax.Array, ...]:
+    """(dq, dk, dv) of attention on Hopper, and dbias when ``bias_grad``.
 
     Args:
       q, d_out: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_kv, kv_heads, head_dim].
@@ -583,6 +586,9 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         tiling comes from :func:`default_backward_config`), or a ``MosaicBackwardConfig``
         to choose the backward tiling explicitly.
       interpret: run in Mosaic GPU interpret mode on the CPU.
+      bias, attn_mask: None or canonical ``[B', N', T', S']`` (:mod:`pallas_flash.bias`);
+        with either, the Triton backward runs (these kernels do not read them) and returns
+        dbias (float32, shaped like ``bias``) after dq, dk, dv when ``bias_grad``.
 
     Calls that :func:`unsupported` refuses go to the Triton backward. Any lengths work:
     sequences are zero-padded to whole CTAs (padded rows get lse = +inf, so P = 0; padded
@@ -590,9 +596,11 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
     """
     del out
     segmented = segment_ids is not None
-    if unsupported(q.shape, q.dtype, segmented, softcap) is not None:
+    if (bias is not None or attn_mask is not None
+            or unsupported(q.shape, q.dtype, segmented, softcap) is not None):
         return _triton_backward(q, k, v, segment_ids, None, lse, d_out, delta, mask=mask,
-                                scale=scale, interpret=interpret, softcap=softcap)
+                                scale=scale, interpret=interpret, softcap=softcap, bias=bias,
+                                attn_mask=attn_mask, bias_grad=bias_grad)
     if not isinstance(config, MosaicBackwardConfig):
         config = default_backward_config(q.shape, k.shape, q.dtype, mask)
     _, seq_q, heads, head_dim = q.shape
