@@ -818,7 +818,7 @@ def _fold_mask(bias, attn_mask):
         return bias, attn_mask
     if jnp.broadcast_shapes(bias.shape, attn_mask.shape) != bias.shape:
         return bias, attn_mask
-    return jnp.where(attn_mask, bias, -jnp.inf).astype(bias.dtype), None
+    return jnp.where(attn_mask, bias, -jnp.inf), None  # -inf is weakly typed: bias's dtype
 
 
 def _logit_array(x, *, is_mask: bool) -> _LogitArray | None:
