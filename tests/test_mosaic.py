@@ -11,7 +11,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import re
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +28,7 @@ from pallas_flash import mosaic
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import MosaicConfig
 from pallas_flash.mosaic import config as mosaic_config
+from pallas_flash.mosaic.config import LogitRing
 from pallas_flash.reference import EMPTY_ROW_LSE, attention_float64
 
 BF16, F16 = jnp.bfloat16, jnp.float16
@@ -42,9 +46,10 @@ def _inputs(shape_q, shape_kv, dtype, seed):
 
 
 def _assert_matches_oracle(q, k, v, out, lse, mask: MaskSpec, scale: float, *,
-                           segment_ids=None, softcap=None):
+                           segment_ids=None, softcap=None, bias=None, attn_mask=None):
     ref_out, ref_lse = attention_float64(q, k, v, scale=scale, mask=mask,
-                                         segment_ids=segment_ids, softcap=softcap)
+                                         segment_ids=segment_ids, softcap=softcap, bias=bias,
+                                         attn_mask=attn_mask)
     out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
     assert out.shape == q.shape and lse.shape == ref_lse.shape
     assert not np.isnan(out).any() and not np.isnan(lse).any()
@@ -261,18 +266,163 @@ def test_api_forward_and_gradients_interpret():
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
 
 
+# --- bias and mask arrays --------------------------------------------------------------
+# Shapes as strings over B N T S (batch, heads, seq_q, seq_kv), 1 for a broadcast dim.
+
+
+def _shape(spec: str, sizes: dict) -> tuple[int, ...]:
+    return tuple(sizes.get(c, 1) for c in spec)
+
+
+def _logit_arrays(bias_spec, mask_spec, sizes, seed, bias_dtype=jnp.float32):
+    """A N(0, 2²) bias and a mask keeping ~70 % of the pairs, fresh per case (None for
+    None)."""
+    rng = np.random.default_rng(seed)
+    bias = attn_mask = None
+    if bias_spec is not None:
+        bias = jnp.asarray(2 * rng.standard_normal(_shape(bias_spec, sizes)), bias_dtype)
+    if mask_spec is not None:
+        attn_mask = jnp.asarray(rng.random(_shape(mask_spec, sizes)) < 0.7)
+    return bias, attn_mask
+
+
+def _seed(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+# (batch, seq_q, seq_kv, heads, kv_heads, dtype, bias, mask, mask kwargs, config). Bias tiles
+# ride in a ring next to K ("tile": ..TS, "keys": ..1S), per-row ones are loaded once (..T1,
+# and 1111 expanded to ..T1); a mask is int8 unless it broadcasts to the bias's shape
+# (then folded into it as -inf).
+LOGIT_CASES = {
+    "bias_BNTS": (2, 128, 128, 2, 1, BF16, "BNTS", None, {}, SMALL),
+    "bias_11TS_overlap": (1, 128, 192, 2, 1, F16, "11TS", None, {}, OVERLAP),
+    "bias_B11S_three": (2, 192, 128, 2, 2, BF16, "B11S", None, {}, THREE),
+    "bias_BNT1_causal": (2, 128, 128, 2, 1, BF16, "BNT1", None, dict(is_causal=True), SMALL),
+    "bias_1111_overlap": (2, 128, 128, 2, 1, BF16, "1111", None, {}, OVERLAP),
+    "mask_B1TS": (2, 128, 128, 2, 1, BF16, None, "B1TS", {}, SMALL),
+    "mask_B11S_overlap_odd": (2, 100, 130, 2, 1, F16, None, "B11S", {}, OVERLAP),
+    "mask_1NT1_three": (1, 192, 128, 2, 1, BF16, None, "1NT1", {}, THREE),
+    # Two rings (tile bias, key-row mask), causal, GQA, odd lengths.
+    "bias_mask_causal_gqa_odd": (2, 100, 170, 2, 1, F16, "1NTS", "B11S",
+                                 dict(is_causal=True), SMALL),
+    "bias_mask_causal_gqa_odd_overlap": (2, 100, 170, 2, 1, BF16, "B1TS", "1N1S",
+                                         dict(is_causal=True), OVERLAP),
+    "bias_mask_window_three": (1, 200, 150, 2, 1, BF16, "B11S", "11TS", dict(window=(60, 20)),
+                               THREE),
+    # Folded: the mask broadcasts to the bias's shape.
+    "bias_mask_folded_causal": (2, 128, 160, 2, 1, BF16, "B1TS", "B11S",
+                                dict(is_causal=True), SMALL),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOGIT_CASES))
+def test_interpret_bias_mask_match_oracle(case):
+    batch, seq_q, seq_kv, heads, kv_heads, dtype, bias_spec, mask_spec, mask_kwargs, config = (
+        LOGIT_CASES[case])
+    head_dim = 64
+    q, k, v = _inputs((batch, seq_q, heads, head_dim), (batch, seq_kv, kv_heads, head_dim),
+                      dtype, seed=_seed(case))
+    sizes = dict(B=batch, N=heads, T=seq_q, S=seq_kv)
+    bias, attn_mask = _logit_arrays(bias_spec, mask_spec, sizes, _seed(case) + 1)
+    mask = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, **mask_kwargs)
+    scale = head_dim ** -0.5
+    out, lse = mosaic.forward(q, k, v, None, mask=mask, scale=scale, config=config,
+                              interpret=True, bias=bias, attn_mask=attn_mask)
+    _assert_matches_oracle(q, k, v, out, lse, mask, scale, bias=bias, attn_mask=attn_mask)
+
+
+@pytest.mark.parametrize(("config", "folded"), [
+    (SMALL, False), (OVERLAP, True), (THREE, False), (THREE, True)],
+    ids=["serial_int8_mask", "overlap_folded", "three_int8_mask", "three_folded"])
+def test_interpret_fully_masked_rows(config, folded):
+    """Rows the mask hides entirely give out 0 and lse EMPTY_ROW_LSE, never NaN: through the
+    int8 mask (every block masked), or folded into a bias as -inf, where the unmasked
+    blocks' softmax must also survive rows that have seen only -inf."""
+    seq = 192
+    q, k, v = _inputs((1, seq, 2, 64), (1, seq, 1, 64), BF16, seed=_seed(f"rows{folded}"))
+    keep = np.ones((1, 2, seq, seq), bool)
+    keep[:, 0, 10:80] = False           # head 0: rows over two consumers' tiles
+    keep[:, 1, 150:] = False            # head 1: the last rows
+    keep[:, 1, :, 64:128] = False       # and a whole key block for everyone
+    bias = None
+    if folded:
+        bias = jnp.asarray(np.random.default_rng(3).standard_normal((1, 2, seq, seq)),
+                           jnp.float32)
+    mask = MaskSpec(seq_q=seq, seq_kv=seq)
+    out, lse = mosaic.forward(q, k, v, None, mask=mask, scale=0.125, config=config,
+                              interpret=True, bias=bias, attn_mask=jnp.asarray(keep))
+    assert np.all(np.asarray(out[0, 10:80, 0]) == 0)
+    assert np.all(np.asarray(lse[0, 1, 150:]) == np.float32(EMPTY_ROW_LSE))
+    _assert_matches_oracle(q, k, v, out, lse, mask, 0.125, bias=bias, attn_mask=keep)
+
+
+@pytest.mark.parametrize("config", [SMALL, OVERLAP], ids=["serial", "overlap"])
+def test_interpret_bias_mask_no_races(config):
+    """A bias tile ring and a mask key-row ring on K's barrier (read before K's slot is
+    freed, fenced before the producer refills it) under the race detector."""
+    q, k, v = _inputs((1, 128, 2, 64), (1, 192, 1, 64), BF16, seed=13)
+    sizes = dict(B=1, N=2, T=128, S=192)
+    bias, attn_mask = _logit_arrays("1NTS", "B11S", sizes, seed=14)
+    mask = MaskSpec(seq_q=128, seq_kv=192, is_causal=True, causal_alignment="bottom_right")
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
+        out, lse = mosaic.forward(q, k, v, None, mask=mask, scale=0.125, config=config,
+                                  interpret=True, bias=bias, attn_mask=attn_mask)
+        out.block_until_ready()
+    assert not interpret_pallas_call.get_races().races_found
+    _assert_matches_oracle(q, k, v, out, lse, mask, 0.125, bias=bias, attn_mask=attn_mask)
+
+
+def test_api_bias_mask_gradients_interpret():
+    """pallas_flash.attention(implementation="mosaic") with a differentiated per-head bias
+    and a padding mask: the Mosaic forward's (out, lse) feed the Triton backward, which
+    returns dbias (summed over the batch the bias broadcasts over)."""
+    pytest.importorskip("pallas_flash.triton")
+    batch, seq_q, seq_kv, heads, kv_heads = 2, 70, 130, 4, 2
+    q, k, v = _inputs((batch, seq_q, heads, 64), (batch, seq_kv, kv_heads, 64), F16, seed=41)
+    sizes = dict(B=batch, N=heads, T=seq_q, S=seq_kv)
+    bias, attn_mask = _logit_arrays("1NTS", "B11S", sizes, seed=42)
+    d_out = np.random.default_rng(43).standard_normal(q.shape)
+
+    def f(q, k, v, bias):
+        return pallas_flash.attention(q, k, v, bias, attn_mask, is_causal=True,
+                                      implementation="mosaic", interpret=True, config=SMALL)
+
+    out, vjp = jax.vjp(f, q, k, v, bias)
+    grads = vjp(jnp.asarray(d_out, F16))
+    assert grads[3].shape == bias.shape and grads[3].dtype == bias.dtype
+    ref_out, _, ref_grads = attention_float64(
+        q, k, v, mask=MaskSpec(seq_q=seq_q, seq_kv=seq_kv, is_causal=True), bias=bias,
+        attn_mask=attn_mask, d_out=d_out)
+    for got, want in zip((out, *grads), (ref_out, *ref_grads), strict=True):
+        got = np.asarray(got, np.float64)
+        assert not np.isnan(got).any()
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+    # The float32 jax.nn reference agrees too (its fully masked rows differ: none here).
+    want = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), bias,
+                                        attn_mask, is_causal=True)
+    assert np.linalg.norm(np.asarray(out, np.float32) - want) / np.linalg.norm(want) < 1e-2
+
+
 # --- the GPU kernel, lowered for CUDA on the CPU ----------------------------------------
 
 
 def _lower_for_cuda(shape_q, shape_kv, dtype, mask: MaskSpec, config: MosaicConfig, *,
-                    segments: bool = False, softcap: float | None = None):
-    def f(q, k, v, q_ids, kv_ids):
+                    segments: bool = False, softcap: float | None = None,
+                    bias: str | None = None, bias_dtype=jnp.float32, attn_mask: str | None = None):
+    """``bias`` / ``attn_mask``: None or the array's shape spec over ``BNTS1``."""
+    def f(q, k, v, q_ids, kv_ids, bias, attn_mask):
         return mosaic.forward(q, k, v, (q_ids, kv_ids) if segments else None, mask=mask,
-                              scale=0.1, config=config, interpret=False, softcap=softcap)
+                              scale=0.1, config=config, interpret=False, softcap=softcap,
+                              bias=bias, attn_mask=attn_mask)
+    sizes = dict(B=shape_q[0], N=shape_q[2], T=shape_q[1], S=shape_kv[1])
     args = (jax.ShapeDtypeStruct(shape_q, dtype), jax.ShapeDtypeStruct(shape_kv, dtype),
             jax.ShapeDtypeStruct(shape_kv, dtype),
             jax.ShapeDtypeStruct(shape_q[:2], jnp.int32),
-            jax.ShapeDtypeStruct(shape_kv[:2], jnp.int32))
+            jax.ShapeDtypeStruct(shape_kv[:2], jnp.int32),
+            None if bias is None else jax.ShapeDtypeStruct(_shape(bias, sizes), bias_dtype),
+            None if attn_mask is None else jax.ShapeDtypeStruct(_shape(attn_mask, sizes),
+                                                                jnp.bool_))
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
 
 
@@ -323,28 +473,76 @@ def test_variants_lower_for_cuda(head_dim, overlap):
     _lower_for_cuda(shape_q, shape_kv, F16, mask, config, softcap=30.0)
 
 
-@pytest.mark.parametrize(("head_dim", "config", "segments"), [
-    (128, MosaicConfig(64, 128, 3), False),   # fits, 1.9 KiB to spare
-    (128, MosaicConfig(64, 128, 3), True),    # fits: the key ids' ring takes 1 KiB
-    (128, MosaicConfig(64, 128, 4), False),   # does not fit
-    (256, MosaicConfig(64, 128, 2), False),   # does not fit: why head_dim 256 needs block_kv 64
-    (256, MosaicConfig(64, 128, 2), True),
-    (256, MosaicConfig(64, 128, 2, overlap=True), False),  # a turn barrier per consumer
-    (64, MosaicConfig(64, 256, 4, overlap=True, num_consumers=3), True),
+@pytest.mark.parametrize("head_dim", [64, 128, 192])
+@pytest.mark.parametrize(("bias", "bias_dtype", "attn_mask"), [
+    ("1NTS", jnp.float32, "B11S"),   # float32 tile ring + int8 key-row ring
+    ("BNT1", BF16, "B1TS"),          # per-row bias (GMEM, once) + int8 tile ring
+    ("B11S", F16, "1NT1"),           # 16-bit key-row ring + int8 per-row mask
+    ("B1TS", jnp.float32, "B11S"),   # the mask folded into the bias
 ])
-def test_smem_accounting_matches_lowering(head_dim, config, segments, monkeypatch):
+def test_bias_mask_lower_for_cuda(head_dim, bias, bias_dtype, attn_mask):
+    """Every kind of bias / mask operand (WGMMA-layout loads of swizzled f32 / 16-bit / int8
+    tiles, key rows, row columns) at each head-dim class's default config, shrunk to fit:
+    the serial schedule at head_dim 64, the overlapped one above."""
+    shape_q, shape_kv = (2, 1000, 4, head_dim), (2, 900, 2, head_dim)
+    mask = MaskSpec(seq_q=1000, seq_kv=900, is_causal=True)
+    config = mosaic.default_config(shape_q, shape_kv, BF16, mask)
+    _lower_for_cuda(shape_q, shape_kv, BF16, mask, config, bias=bias, bias_dtype=bias_dtype,
+                    attn_mask=attn_mask)
+
+
+@pytest.mark.parametrize("block_kv", [64, 128])
+def test_bias_mask_three_consumers_and_segments_lower_for_cuda(block_kv):
+    """Three consumers (a tile per consumer, 3 copies per block on K's barrier), with segment
+    ids and a soft-cap alongside a bias tile and an int8 mask tile."""
+    shape = (2, 1000, 4, 64)
+    mask = MaskSpec(seq_q=1000, seq_kv=1000, is_causal=True)
+    config = MosaicConfig(64, block_kv, 2, overlap=True, num_consumers=3)
+    _lower_for_cuda(shape, shape, F16, mask, config, segments=True, softcap=30.0, bias="BNTS",
+                    attn_mask="1NTS")
+
+
+@pytest.mark.parametrize(("head_dim", "config", "segments", "logits"), [
+    (128, MosaicConfig(64, 128, 3), False, None),   # fits, 1.9 KiB to spare
+    (128, MosaicConfig(64, 128, 3), True, None),    # fits: the key ids' ring takes 1 KiB
+    (128, MosaicConfig(64, 128, 4), False, None),   # does not fit
+    (256, MosaicConfig(64, 128, 2), False, None),   # does not fit: why head_dim 256 needs 64
+    (256, MosaicConfig(64, 128, 2), True, None),
+    (256, MosaicConfig(64, 128, 2, overlap=True), False, None),  # a turn barrier per consumer
+    (64, MosaicConfig(64, 256, 4, overlap=True, num_consumers=3), True, None),
+    # (bias, bias dtype, mask): a float32 tile ring and an int8 key-row ring; fits.
+    (128, MosaicConfig(64, 64, 2), False, ("1NTS", jnp.float32, "B11S")),
+    # ... does not fit at 128 keys (fit_logit_rings would shrink it; here it must not).
+    (128, MosaicConfig(64, 128, 2), True, ("1NTS", jnp.float32, "B11S")),
+    # an int8 tile per consumer (64-byte swizzle) and a 16-bit key-row ring.
+    (192, MosaicConfig(64, 64, 2, overlap=True, num_consumers=3), False, ("B11S", BF16, "1NTS")),
+])
+def test_smem_accounting_matches_lowering(head_dim, config, segments, logits, monkeypatch):
     """config.smem_bytes is exactly what Mosaic GPU allocates (its error message says)."""
     mask = MaskSpec(seq_q=1024, seq_kv=1024)
-    shape = (1, 1024, 2, head_dim)
-    need = config.smem_bytes(head_dim, segments=segments)
+    shape = (2, 1024, 2, head_dim)  # batch 2: a B11S mask must not fold into a 1NTS bias
+    arrays, rings = {}, ()
+    if logits is not None:
+        bias, bias_dtype, attn_mask = logits
+        arrays = dict(bias=bias, bias_dtype=bias_dtype, attn_mask=attn_mask)
+        tile = LogitRing(per_query=True, itemsize=jnp.dtype(bias_dtype).itemsize)
+        keys = LogitRing(per_query=False, itemsize=jnp.dtype(bias_dtype).itemsize)
+        mask_tile, mask_keys = LogitRing(True, 1), LogitRing(False, 1)
+        rings = {"1NTS": (tile, mask_keys), "B11S": (keys, mask_tile)}[bias]
+        # The config under test, not the one the forward would shrink it to.
+        forward_module = importlib.import_module("pallas_flash.mosaic.forward")
+        monkeypatch.setattr(forward_module, "fit_logit_rings", lambda config, *_, **__: config)
+    need = config.smem_bytes(head_dim, segments=segments, logit_rings=rings)
+    lower = functools.partial(_lower_for_cuda, shape, shape, BF16, mask, config,
+                                segments=segments, **arrays)
     if need <= mosaic_config.SMEM_BUDGET:
-        _lower_for_cuda(shape, shape, BF16, mask, config, segments=segments)
+        lower()
         return
     with pytest.raises(ValueError, match="shared memory"):
-        _lower_for_cuda(shape, shape, BF16, mask, config, segments=segments)
+        lower()
     monkeypatch.setattr(MosaicConfig, "check_fits", lambda *_, **__: None)
     with pytest.raises(ValueError, match="exceeds available shared memory") as error:
-        _lower_for_cuda(shape, shape, BF16, mask, config, segments=segments)
+        lower()
     assert int(re.search(r"smem_bytes=(\d+)", str(error.value)).group(1)) == need
 
 
@@ -381,10 +579,37 @@ def test_default_config_fits(head_dim, causal):
         assert config.block_kv == 64
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 192])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seq", [1024, 4096, 16384])
+def test_fit_logit_rings(head_dim, causal, seq):
+    """The default configs, shrunk for the largest rings (a float32 tile, an int8 tile and
+    the key ids), fit; a per-query tile takes 64-row warpgroups; key rows alone (small)
+    leave the default as it is."""
+    mask = MaskSpec(seq_q=seq, seq_kv=seq, is_causal=causal)
+    default = mosaic.default_config((1, seq, 8, head_dim), (1, seq, 8, head_dim), BF16, mask)
+    worst = (LogitRing(True, 4), LogitRing(True, 1))
+    config = mosaic_config.fit_logit_rings(default, head_dim, 2, segments=True,
+                                           logit_rings=worst)
+    config.check_fits(head_dim, segments=True, logit_rings=worst)
+    assert config.block_q == 64 and config.num_consumers == default.num_consumers
+    keys = (LogitRing(False, 4),)
+    assert mosaic_config.fit_logit_rings(default, head_dim, 2, segments=False,
+                                         logit_rings=keys) == default
+    assert mosaic_config.fit_logit_rings(default, head_dim, 2, segments=False,
+                                         logit_rings=()) == default
+
+
 def test_unsupported_reasons():
     mask = MaskSpec(seq_q=128, seq_kv=128)
     shape = (1, 128, 2, 64)
     assert mosaic.unsupported(shape, shape, BF16, mask, False) is None
+    assert mosaic.unsupported(shape, shape, BF16, mask, True, has_bias=True,
+                              has_mask=True) is None
+    assert mosaic.unsupported((1, 128, 2, 192), shape, F16, mask, False, has_bias=True) is None
+    for kwargs in (dict(has_bias=True), dict(has_mask=True)):
+        assert "192" in mosaic.unsupported((1, 128, 2, 200), shape, BF16, mask, False,
+                                           **kwargs)
     assert mosaic.unsupported(shape, shape, F16, mask, False) is None
     assert mosaic.unsupported(shape, shape, BF16, mask, True, softcap=30.0) is None
     assert "float32" in mosaic.unsupported(shape, shape, jnp.float32, mask, False)
@@ -397,3 +622,7 @@ def test_api_rejects_unsupported_when_forced():
     q = jnp.zeros((1, 64, 2, 64), jnp.float32)
     with pytest.raises(ValueError, match="mosaic"):
         pallas_flash.attention(q, q, q, implementation="mosaic", interpret=True)
+    q = jnp.zeros((1, 64, 2, 256), BF16)
+    with pytest.raises(ValueError, match=r"mosaic.*head_dim <= 192"):
+        pallas_flash.attention(q, q, q, jnp.zeros((64, 64)), implementation="mosaic",
+                               interpret=True)
