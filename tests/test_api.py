@@ -64,3 +64,21 @@ def test_default_scale_is_inverse_sqrt_head_dim():
     q, k, v = (x * jnp.arange(16.0)[None, :, None, None] / 16 for x in _qkv())
     assert jnp.allclose(pf.attention(q, k, v), pf.attention(q, k, v, scale=32 ** -0.5))
     assert not jnp.allclose(pf.attention(q, k, v), pf.attention(q, k, v, scale=1.0))
+
+
+@pytest.mark.parametrize(("features", "chosen"), [
+    (dict(has_segments=True, softcap=30.0, has_bias=False, has_mask=False), "mosaic"),
+    (dict(has_segments=False, softcap=None, has_bias=True, has_mask=False), "triton"),
+    (dict(has_segments=False, softcap=None, has_bias=False, has_mask=True), "triton"),
+])
+def test_automatic_choice_skips_features_not_yet_checked_on_a_gpu(monkeypatch, features,
+                                                                  chosen):
+    """On a Hopper GPU ``implementation=None`` picks Mosaic, except for what its kernels
+    have only run in interpret mode so far (bias / mask arrays): those go to Triton."""
+    from pallas_flash import api
+    from pallas_flash.masking import MaskSpec
+
+    monkeypatch.setattr(api, "available_implementations", lambda: ("mosaic", "triton", "xla"))
+    q = jnp.zeros((1, 256, 4, 64), jnp.bfloat16)
+    spec = MaskSpec(seq_q=256, seq_kv=256, is_causal=True)
+    assert api._choose(q, q, spec, features, interpret=False) == chosen

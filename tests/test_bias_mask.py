@@ -245,11 +245,15 @@ def test_bad_inputs(kwargs, message):
         pf.attention(q, q, q, **kwargs)
 
 
-def test_mosaic_reports_bias_and_mask_unsupported():
+def test_mosaic_reports_bias_and_mask_unsupported_above_head_dim_192():
+    """The Mosaic forward takes bias / mask arrays up to head_dim 192 (at 256 the K/V rings
+    leave no shared memory for a bias tile); above, the API names the reason."""
     spec = MaskSpec(128, 128)
-    shape = (1, 128, 2, 64)
-    assert "bias" in mosaic.unsupported(shape, shape, jnp.bfloat16, spec, False, has_bias=True)
-    assert "mask" in mosaic.unsupported(shape, shape, jnp.bfloat16, spec, False, has_mask=True)
-    q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+    for head_dim, supported in ((64, True), (192, True), (256, False)):
+        shape = (1, 128, 2, head_dim)
+        for kwargs in (dict(has_bias=True), dict(has_mask=True)):
+            reason = mosaic.unsupported(shape, shape, jnp.bfloat16, spec, False, **kwargs)
+            assert (reason is None) == supported, (head_dim, kwargs, reason)
+    q = jnp.zeros((1, 64, 2, 256), jnp.bfloat16)
     with pytest.raises(ValueError, match="implementation='mosaic' cannot run this call: bias"):
         pf.attention(q, q, q, jnp.zeros((64, 64)), implementation="mosaic", interpret=True)
