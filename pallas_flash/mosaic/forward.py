@@ -5,8 +5,9 @@ one (batch, head) and runs three warpgroups (``lax.axis_index("wg")``):
 
 * **producer** (wg 2, Sec. 3.1 "warp specialization"): gives its registers away
   (``setmaxnreg`` 40) and only issues TMA copies of K_j and V_j into a ``num_stages``-deep
-  SMEM ring. Each slot has a *ready* mbarrier (arrived by the TMA engine) and a *free*
-  mbarrier (arrived by both consumers once they no longer read the slot).
+  SMEM ring (:func:`pallas_flash.mosaic.pipeline.stream_kv`). Each slot has a *ready*
+  mbarrier (arrived by the TMA engine) and a *free* mbarrier (arrived by both consumers
+  once they no longer read the slot).
 * **two consumers** (wg 0 and 1, ``setmaxnreg`` 232): each owns ``block_q`` rows, keeps
   O, m and l in registers and runs, per K/V block j (Algorithm 1):
   S = Q·K_jᵀ (wgmma) → online softmax in base 2 with the scale folded into the exponent →
@@ -87,6 +88,7 @@ from pallas_flash.mosaic.config import (
     fit_logit_rings,
     padded_head_dim,
 )
+from pallas_flash.mosaic.pipeline import stream_kv
 from pallas_flash.padding import pad_axis, round_up
 from pallas_flash.reference import EMPTY_ROW_LSE
 from pallas_flash.segments import cut_to_span, pad_segment_ids, tile_spans
@@ -428,33 +430,11 @@ def _kernel(q_ref, k_ref, v_ref, *refs, st: _Static, q_smem, k_smem, v_smem, lse
                                      rows=consumer_rows, keys=keys)
         load_v = functools.partial(load, v_ref, v_smem, v_ready)
 
-        # Prologue: fill the ring.
-        for i in range(st.num_stages):
-            @pl.when(cta_first + i < cta_last)
-            def _fill(j=cta_first + i):
-                load_k(j)
-                load_v(j)
-
-        # Steady state: a slot is refilled once both consumers freed it. K is reloaded
-        # before V because consumers free K_j first (right after S = Q·K_jᵀ).
-        @pl.loop(cta_first + st.num_stages, cta_last)
-        def _refill(j):
-            plgpu.barrier_wait(k_free.at[slot(j)])
-            if st.reads_key_slots:
-                # The consumers read the slot's key ids / bias / mask through the generic
-                # proxy; the proxy fence orders those reads before the TMA (async proxy)
-                # overwrites them.
-                plgpu.commit_smem()
-            load_k(j)
-            plgpu.barrier_wait(v_free.at[slot(j)])
-            load_v(j)
-
-        # Observe the last releases too: a thread that waits on an mbarrier must see every
-        # phase of it (the phase bit would otherwise be out of step; interpret mode checks).
-        @pl.loop(jnp.maximum(cta_first, cta_last - st.num_stages), cta_last)
-        def _drain(j):
-            plgpu.barrier_wait(k_free.at[slot(j)])
-            plgpu.barrier_wait(v_free.at[slot(j)])
+        # The consumers read the slots' key ids / bias / mask through the generic proxy:
+        # a proxy fence orders those reads before the TMA (async proxy) overwrites them.
+        stream_kv(num_stages=st.num_stages, first=cta_first, last=cta_last, slot=slot,
+                  load_k=load_k, load_v=load_v, k_free=k_free, v_free=v_free,
+                  before_k_refill=plgpu.commit_smem if st.reads_key_slots else None)
 
 
 def _consumer_warpgroup(wg, st: _Static, q_ref, out_ref, lse_ref, q_tile, k_smem, v_smem,
