@@ -574,18 +574,8 @@ def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem
         plgpu.barrier_arrive(v_free.at[s])
         return o, m_new, l_i
 
-    def skip_step(j, carry):
-        """A block another row range of this CTA needs: same barriers as `step`, no math."""
-        s = slot(j)
-        _sync(turn)
-        plgpu.barrier_arrive(k_free.at[s])
-        plgpu.barrier_arrive(turn)
-        plgpu.barrier_wait(v_ready.at[s])
-        plgpu.barrier_wait(turn)
-        wait_k(j + 1)
-        plgpu.barrier_arrive(v_free.at[s])
-        return carry
-
+    skip_step = functools.partial(_serial_skip_step, slot=slot, turn=turn, k_free=k_free,
+                                  v_ready=v_ready, v_free=v_free, wait_k=wait_k)
     wait_k(cta_first)
     # Consumer 1 starts one turn late, so the two alternate on the tensor cores.
     pl.when(wg == 1)(functools.partial(_sync, turn))
@@ -600,6 +590,20 @@ def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem
         carry = lax.fori_loop(full_last, last, masked_step, carry)
     carry = lax.fori_loop(last, cta_last, skip_step, carry)
     pl.when(wg == 0)(functools.partial(_sync, turn))  # ... and consumer 0 ends one late
+    return carry
+
+
+def _serial_skip_step(j, carry, *, slot, turn, k_free, v_ready, v_free, wait_k):
+    """The serial schedule's step for block j when another row range of the CTA needs it
+    and this one does not: the same barriers and turns as a real step, no math."""
+    s = slot(j)
+    _sync(turn)
+    plgpu.barrier_arrive(k_free.at[s])
+    plgpu.barrier_arrive(turn)
+    plgpu.barrier_wait(v_ready.at[s])
+    plgpu.barrier_wait(turn)
+    wait_k(j + 1)
+    plgpu.barrier_arrive(v_free.at[s])
     return carry
 
 

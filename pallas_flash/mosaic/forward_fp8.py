@@ -64,6 +64,7 @@ from pallas_flash.mosaic.forward import (
     _PRODUCER,
     _PRODUCER_REGISTERS,
     _row,
+    _serial_skip_step,
     _sync,
 )
 from pallas_flash.mosaic.pipeline import stream_kv
@@ -290,17 +291,8 @@ def _consumer_warpgroup(wg, st: _Static, q_gmem, out_gmem, lse_gmem, scales, q_t
         plgpu.barrier_arrive(v_free.at[s])
         return o, m_new, l_i, v_scale
 
-    def skip_step(j, carry):
-        """A block only the other consumer needs: the same barriers as `step`, no math."""
-        s = slot(j)
-        _sync(turn)
-        plgpu.barrier_arrive(k_free.at[s])
-        plgpu.barrier_arrive(turn)
-        plgpu.barrier_wait(v_ready.at[s])
-        plgpu.barrier_wait(turn)
-        wait_k(j + 1)
-        plgpu.barrier_arrive(v_free.at[s])
-        return carry
+    skip_step = functools.partial(_serial_skip_step, slot=slot, turn=turn, k_free=k_free,
+                                  v_ready=v_ready, v_free=v_free, wait_k=wait_k)
 
     carry = (
         plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA),
