@@ -1,9 +1,9 @@
 """Wall-clock timing of jitted JAX functions: the package's timer, shared with the autotuner.
 
-``time_fn`` lives in :mod:`pallas_flash.autotune` (the package may not import the benchmarks);
+``time_fn`` lives in :mod:`pallas_flash.tuning` (the package may not import the benchmarks);
 see its module docstring for how samples are taken.
 """
 
-from pallas_flash.autotune import Timing, time_fn
+from pallas_flash.tuning import Timing, time_fn
 
 __all__ = ["Timing", "time_fn"]

@@ -5,8 +5,8 @@ from pallas_flash.api import (
     available_implementations,
     default_implementation,
 )
-from pallas_flash.autotune import autotune
 from pallas_flash.masking import MaskSpec
+from pallas_flash.tuning import autotune
 
 __all__ = ["MaskSpec", "attention", "autotune", "available_implementations",
            "default_implementation"]

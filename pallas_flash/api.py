@@ -217,7 +217,7 @@ def _resolve_config(config, implementation: str, query, key, value, spec: MaskSp
         return default
     if isinstance(config, str) and config == "autotune":
         # autotune calls attention, so it is imported here rather than at the top.
-        from pallas_flash.autotune import config_for_attention
+        from pallas_flash.tuning import config_for_attention
 
         return config_for_attention(query, key, value, implementation=implementation,
                                     is_causal=spec.is_causal, interpret=interpret)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,20 +12,18 @@ import pytest
 
 import pallas_flash as pf
 import pallas_flash.triton as triton_backend
+from pallas_flash import tuning as tuning_module
 from pallas_flash.autodiff import Kernels
-from pallas_flash.autotune import (
+from pallas_flash.masking import MaskSpec
+from pallas_flash.mosaic.config import SMEM_BUDGET, padded_head_dim
+from pallas_flash.triton import TritonConfig
+from pallas_flash.tuning import (
     cache_key,
     cache_path,
     candidate_configs,
     tune,
 )
-from pallas_flash.masking import MaskSpec
-from pallas_flash.mosaic.config import SMEM_BUDGET, padded_head_dim
-from pallas_flash.triton import TritonConfig
 from pallas_flash.xla import XlaConfig
-
-# `pallas_flash.autotune` is the function (exported by the package); this is the module.
-autotune_module = sys.modules["pallas_flash.autotune"]
 
 Q_SHAPE, KV_SHAPE = (1, 32, 2, 16), (1, 32, 1, 16)  # a GQA group of 2
 DEFAULT = triton_backend.default_config(Q_SHAPE, KV_SHAPE, jnp.float32, MaskSpec(32, 32))
@@ -166,7 +163,7 @@ def test_a_corrupt_cache_file_is_ignored_with_a_warning():
 def test_attention_autotune_tunes_under_jit_and_matches_the_reference(monkeypatch,
                                                                        faulty_kernels):
     # Two forward candidates instead of the full table keep the test fast.
-    monkeypatch.setattr(autotune_module, "_TRITON_FORWARD", ((16, 16, 4, 2),))
+    monkeypatch.setattr(tuning_module, "_TRITON_FORWARD", ((16, 16, 4, 2),))
     q, k, v = inputs()
 
     @jax.jit
