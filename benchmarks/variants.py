@@ -81,9 +81,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=16384)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--impls", default="cudnn,pallas_flash,pallas_flash_triton",
+    parser.add_argument("--impls", default="cudnn,pallas_flash,pallas_flash_mosaic,"
+                        "pallas_flash_triton",
                         help="comma list of cudnn, pallas_flash (API's choice), "
-                             "pallas_flash_triton, xla (pallas-flash's XLA path)")
+                             "pallas_flash_mosaic, pallas_flash_triton, xla (pallas-flash's "
+                             "XLA path)")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
 
@@ -95,18 +97,21 @@ def main(argv: list[str] | None = None) -> None:
     makers = {
         "cudnn": _cudnn,
         "pallas_flash": lambda kw: _ours(None, kw),
+        "pallas_flash_mosaic": lambda kw: _ours("mosaic", kw),
         "pallas_flash_triton": lambda kw: _ours("triton", kw),
         "xla": lambda kw: _ours("xla", kw),
     }
+    header = (f"{jax.devices()[0].device_kind}, jax {jax.__version__}, "
+              f"{datetime.date.today()}, L={seq}, D={head_dim}, {jnp.dtype(dtype).name}")
     rows = []
     for impl in args.impls.split(","):
         dense_ms = {}
         for name, kwargs in variants(seq, heads).items():
-            attn = makers[impl](kwargs)
             row = {"impl": impl, "variant": name, "seq_len": seq, "head_dim": head_dim}
+            rows.append(row)
+            attn = makers[impl](kwargs)
             if attn is None:
                 row["error"] = "not expressible"
-                rows.append(row)
                 continue
             fwd = jax.jit(attn)
             fwd_bwd = jax.jit(lambda q, k, v, g, attn=attn: jax.vjp(attn, q, k, v)[1](g))
@@ -115,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
                 t_bwd = time_fn(fwd_bwd, [(q, k, v, g)], iters=args.iters).median_ms - t_fwd
             except Exception as e:
                 row["error"] = str(e).splitlines()[0][:160]
-                rows.append(row)
+                print(json.dumps(row), flush=True)
                 continue
             flops = 4.0 * heads * visible_pairs(seq, kwargs) * head_dim
             dense_ms.setdefault("fwd", t_fwd)
@@ -124,31 +129,35 @@ def main(argv: list[str] | None = None) -> None:
                        fwd_tflops=tflops_per_s(flops, t_fwd),
                        bwd_tflops=tflops_per_s(BWD_FACTOR * flops, max(t_bwd, 1e-9)),
                        fwd_vs_dense=t_fwd / dense_ms["fwd"], bwd_vs_dense=t_bwd / dense_ms["bwd"])
-            rows.append(row)
             print(json.dumps(row), flush=True)
+            if args.out:  # after every row: a run cut short by a time limit keeps its rows
+                _write(args.out, header, rows)
+    print(_table(header, rows))
+    if args.out:
+        _write(args.out, header, rows)
 
-    header = (f"{jax.devices()[0].device_kind}, jax {jax.__version__}, "
-              f"{datetime.date.today()}, L={seq}, D={head_dim}, {jnp.dtype(dtype).name}")
+
+def _table(header: str, rows: list[dict]) -> str:
     lines = [f"# Variants: {header}", "",
              "| impl | variant | fwd ms | fwd TF/s | fwd vs dense | bwd ms | bwd TF/s | "
              "bwd vs dense |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['impl']} | {r['variant']} | {r['error']} ||||||")
-        else:
+        elif "fwd_ms" in r:
             lines.append(f"| {r['impl']} | {r['variant']} | {r['fwd_ms']:.3f} | "
                          f"{r['fwd_tflops']:.1f} | {r['fwd_vs_dense']:.2f} | {r['bwd_ms']:.3f} | "
                          f"{r['bwd_tflops']:.1f} | {r['bwd_vs_dense']:.2f} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, f"variants-{datetime.date.today()}")
-        with open(stem + ".json", "w") as f:
-            json.dump({"device": header, "rows": rows}, f, indent=1)
-        with open(stem + ".md", "w") as f:
-            f.write(table + "\n")
+    return "\n".join(lines)
 
+
+def _write(out: str, header: str, rows: list[dict]) -> None:
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, f"variants-{datetime.date.today()}")
+    with open(stem + ".json", "w") as f:
+        json.dump({"device": header, "rows": rows}, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(_table(header, rows) + "\n")
 
 if __name__ == "__main__":
     main()

@@ -48,20 +48,10 @@ def _unsupported(name: str, query, key, spec: MaskSpec, features: dict) -> str |
     return _backend(name).unsupported(query.shape, key.shape, query.dtype, spec, **features)
 
 
-#: Features a backend runs correctly on CPU (interpret mode) but that have not yet been
-#: checked on the GPU itself: ``implementation=None`` does not pick that backend for them
-#: (``implementation=`` names it explicitly). The Mosaic forward's bias / mask arrays
-#: (2026-11-29) await ``tests/gpu/test_mosaic_gpu.py -k bias`` on a Hopper GPU.
-_NOT_YET_CHECKED_ON_GPU = {"mosaic": ("has_bias", "has_mask")}
-
-
 def _choose(query, key, spec, features, interpret) -> str:
-    """The first implementation, fastest first, that supports this call (and has run it on
-    a GPU: see ``_NOT_YET_CHECKED_ON_GPU``)."""
+    """The first implementation, fastest first, that supports this call."""
     candidates = ("triton", "xla") if interpret else available_implementations()
     for name in candidates:
-        if any(features.get(f) for f in _NOT_YET_CHECKED_ON_GPU.get(name, ())):
-            continue
         if _unsupported(name, query, key, spec, features) is None:
             return name
     return "xla"

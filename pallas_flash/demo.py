@@ -60,11 +60,23 @@ class Row:
     error: str | None = None  # the exception, when the candidate raised
 
 
+def _loop_block(seq_len: int) -> int:
+    """Block size of the papers' loops at ``seq_len``: 32, doubled (while it divides) until
+    at most 8 blocks per sequence, because the loops unroll into the jitted program and
+    64 x 64 tiles of 32 take minutes to compile."""
+    block = 32
+    while seq_len // block > 8 and seq_len % (2 * block) == 0:
+        block *= 2
+    return block
+
+
 def _loops(version: int) -> AttentionFn:
     loop = flash_attention_v1 if version == 1 else flash_attention_v2
 
     def fn(q, k, v, causal):
-        return loop(q, k, v, mask=MaskSpec(q.shape[1], k.shape[1], is_causal=causal))[0]
+        block = _loop_block(q.shape[1])
+        return loop(q, k, v, mask=MaskSpec(q.shape[1], k.shape[1], is_causal=causal),
+                    block_q=block, block_kv=block)[0]
 
     return fn
 

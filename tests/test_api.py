@@ -66,19 +66,21 @@ def test_default_scale_is_inverse_sqrt_head_dim():
     assert not jnp.allclose(pf.attention(q, k, v), pf.attention(q, k, v, scale=1.0))
 
 
-@pytest.mark.parametrize(("features", "chosen"), [
-    (dict(has_segments=True, softcap=30.0, has_bias=False, has_mask=False), "mosaic"),
-    (dict(has_segments=False, softcap=None, has_bias=True, has_mask=False), "triton"),
-    (dict(has_segments=False, softcap=None, has_bias=False, has_mask=True), "triton"),
+@pytest.mark.parametrize(("head_dim", "features", "chosen"), [
+    (64, dict(has_segments=True, softcap=30.0, has_bias=False, has_mask=False), "mosaic"),
+    (128, dict(has_segments=False, softcap=None, has_bias=True, has_mask=False), "mosaic"),
+    (192, dict(has_segments=False, softcap=None, has_bias=False, has_mask=True), "mosaic"),
+    # Above head_dim 192 the Mosaic forward has no shared memory left for a bias tile.
+    (256, dict(has_segments=False, softcap=None, has_bias=True, has_mask=True), "triton"),
+    (256, dict(has_segments=True, softcap=None, has_bias=False, has_mask=False), "mosaic"),
 ])
-def test_automatic_choice_skips_features_not_yet_checked_on_a_gpu(monkeypatch, features,
-                                                                  chosen):
-    """On a Hopper GPU ``implementation=None`` picks Mosaic, except for what its kernels
-    have only run in interpret mode so far (bias / mask arrays): those go to Triton."""
+def test_automatic_choice_on_hopper(monkeypatch, head_dim, features, chosen):
+    """On a Hopper GPU ``implementation=None`` picks Mosaic for every call its kernels
+    support, and Triton for the rest."""
     from pallas_flash import api
     from pallas_flash.masking import MaskSpec
 
     monkeypatch.setattr(api, "available_implementations", lambda: ("mosaic", "triton", "xla"))
-    q = jnp.zeros((1, 256, 4, 64), jnp.bfloat16)
+    q = jnp.zeros((1, 256, 4, head_dim), jnp.bfloat16)
     spec = MaskSpec(seq_q=256, seq_kv=256, is_causal=True)
     assert api._choose(q, q, spec, features, interpret=False) == chosen

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import math
 import re
 import zlib
 
@@ -577,6 +578,22 @@ def test_default_config_fits(head_dim, causal):
     config.check_fits(mosaic_config.padded_head_dim(head_dim))
     if head_dim > 128:
         assert config.block_kv == 64
+
+
+@pytest.mark.parametrize("block_kv", [64, 128, 192, 256])
+@pytest.mark.parametrize("itemsize", [1, 2, 4])
+@pytest.mark.parametrize("per_query", [False, True])
+def test_logit_ring_slots_are_tma_aligned(block_kv, itemsize, per_query):
+    """Every slot of a bias / mask ring starts at a 128-byte boundary, where TMA can write
+    (an int8 row of 64 keys in 64-byte slots faulted on the H200: misaligned address)."""
+    config = MosaicConfig(64, block_kv, 2)
+    ring = LogitRing(per_query=per_query, itemsize=itemsize)
+    shape = ring.shape(config)
+    slot_bytes = math.prod(shape[1:]) * itemsize
+    assert slot_bytes % mosaic_config.TMA_SMEM_ALIGNMENT == 0
+    assert shape[-1] == block_kv and ring.nbytes(config) == shape[0] * slot_bytes
+    if not per_query:  # no more padding rows than alignment needs
+        assert slot_bytes == math.lcm(mosaic_config.TMA_SMEM_ALIGNMENT, block_kv * itemsize)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 192])

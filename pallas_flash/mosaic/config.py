@@ -24,6 +24,9 @@ HEAD_DIM_MULTIPLE = 64
 MAX_HEAD_DIM = 256
 #: Consumer warpgroups per CTA (FlashAttention-3's ping-pong pair).
 NUM_CONSUMERS = 2
+#: A TMA copy writes shared memory at 128-byte aligned addresses only (a misaligned one
+#: faults at run time: CUDA_ERROR_MISALIGNED_ADDRESS).
+TMA_SMEM_ALIGNMENT = 128
 
 
 def _align(nbytes: int) -> int:
@@ -38,17 +41,24 @@ class LogitRing:
     Attributes:
       per_query: the array varies along queries too, so a slot holds one
         ``[block_q, block_kv]`` tile per consumer; otherwise one ``[block_kv]`` row that
-        every row of the CTA shares.
+        every row of the CTA shares, in row 0 of a slot of ``row_slot_rows`` rows.
       itemsize: bytes per element: the bias's dtype, 1 for a mask (read as int8).
     """
 
     per_query: bool
     itemsize: int
 
+    def row_slot_rows(self, config: MosaicConfig) -> int:
+        """Rows per slot of a key-row ring: the fewest whose bytes are a multiple of
+        ``TMA_SMEM_ALIGNMENT``, so that every slot's TMA destination is aligned (two for
+        an int8 mask of 64 or 192 keys, one from 128 bytes up in powers of two)."""
+        return TMA_SMEM_ALIGNMENT // math.gcd(TMA_SMEM_ALIGNMENT,
+                                              config.block_kv * self.itemsize)
+
     def shape(self, config: MosaicConfig) -> tuple[int, ...]:
         if self.per_query:
             return (config.num_stages, config.num_consumers, config.block_q, config.block_kv)
-        return (config.num_stages, config.block_kv)
+        return (config.num_stages, self.row_slot_rows(config), config.block_kv)
 
     def nbytes(self, config: MosaicConfig) -> int:
         return math.prod(self.shape(config)) * self.itemsize

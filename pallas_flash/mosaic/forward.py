@@ -168,8 +168,8 @@ class _LogitArray:
         """Producer: TMA of K/V block ``keys`` (``pl.ds``) into ring slot ``smem``; ``rows``:
         the ``pl.ds`` of each consumer's query rows, in order."""
         b, n = _batch_head(ref, batch, head)
-        if self.kind == "keys":
-            plgpu.copy_gmem_to_smem(ref.at[b, n, keys], smem, barrier)
+        if self.kind == "keys":  # row 0 of the slot (LogitRing.row_slot_rows)
+            plgpu.copy_gmem_to_smem(ref.at[b, n, keys], smem.at[0], barrier)
             return
         for consumer, consumer_rows in enumerate(rows):
             plgpu.copy_gmem_to_smem(ref.at[b, n, consumer_rows, keys], smem.at[consumer],
@@ -179,7 +179,7 @@ class _LogitArray:
         """Consumer ``wg``: its part of a ring slot, laid out as S (tile) or its columns."""
         if self.kind == "tile":
             return plgpu.load(smem.at[wg], layout=plgpu.Layout.WGMMA)
-        return plgpu.load(smem, layout=plgpu.Layout.WGMMA.reduce(0))
+        return plgpu.load(smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
 
     def read_rows(self, ref, *, batch, head, rows) -> jax.Array:
         """Consumer: its rows' values (``rows``: a ``pl.ds``), laid out as the rows of S.

@@ -261,9 +261,7 @@ def test_bias_and_mask_causal(head_dim, bias_spec, bias_dtype, mask_spec, config
 
 def test_api_bias_mask_dispatch_and_gradients():
     """implementation="mosaic" with bias / mask: dq, dk, dv and dbias (from the Triton
-    backward on its out, lse) match the XLA path. ``implementation=None`` still takes Triton
-    for these calls until this file has passed on a Hopper GPU (``api._NOT_YET_CHECKED_ON_GPU``;
-    once it has, empty that entry and expect "mosaic" below)."""
+    backward on its out, lse) match the XLA path; ``implementation=None`` picks Mosaic."""
     batch, seq, heads, kv_heads, head_dim = 2, 1024, 8, 2, 128
     q, k, v = _inputs((batch, seq, heads, head_dim), (batch, seq, kv_heads, head_dim), BF16,
                       seed=44)
@@ -273,7 +271,7 @@ def test_api_bias_mask_dispatch_and_gradients():
     assert pallas_flash.api._choose(
         q, k, MaskSpec(seq_q=seq, seq_kv=seq, is_causal=True),
         dict(has_segments=False, softcap=None, has_bias=True, has_mask=True),
-        interpret=False) == "triton"
+        interpret=False) == "mosaic"
 
     def loss(impl):
         return lambda q, k, v, b: jnp.sum(pallas_flash.attention(
