@@ -15,12 +15,18 @@ part: exit status, seconds, and the last line of its log.
 Parts (``--parts``, comma list, in this order by default):
 
 * ``tests``: ``pytest tests/gpu`` (every kernel against the float64 oracle at real sizes;
-  all of it takes about 7 minutes on an H200: ``--pytest-k`` selects);
+  all of it takes about 7 minutes on an H200, ``test_mosaic_gpu.py`` alone 150 s:
+  ``--pytest-k`` selects);
 * ``suite``: the papers' benchmark grid, every implementation side by side
-  (``benchmarks.suite``, fwd / bwd / fwd+bwd, head_dim 64/128/256, causal and not);
-* ``variants``: one row per attention variant vs dense causal (``benchmarks.variants``);
-* ``training``: the small transformer, ours vs cuDNN (``benchmarks.training``);
-* ``cli``: ``pallas-flash check``, ``bench``, ``memory`` and ``io`` at GPU sizes.
+  (``benchmarks.suite``, fwd / bwd / fwd+bwd, causal and not, L 512…16384, the head dims of
+  ``--suite-head-dims``: about 4 minutes each for the five implementations, so the whole
+  grid takes two or three calls);
+* ``variants``: one row per attention variant vs dense causal (``benchmarks.variants``;
+  about 150 s for Mosaic and cuDNN);
+* ``training``: the small transformer, ours vs cuDNN (``benchmarks.training``; 100 steps of
+  both took 140 s);
+* ``cli``: ``pallas-flash io``, ``memory``, ``check`` and ``bench`` at GPU sizes, cheapest
+  first.
 """
 
 from __future__ import annotations
@@ -49,11 +55,12 @@ class Part:
     commands: tuple[tuple[str, ...], ...]
 
 
-def parts(out: Path, pytest_k: str = "") -> dict[str, Part]:
+def parts(out: Path, pytest_k: str = "", suite_head_dims: str = "64,128,256"
+          ) -> dict[str, Part]:
     """The report's parts, writing under ``out``."""
     suite = ("-m", "benchmarks.suite", "--impls",
              "cudnn,pallas_flash_mosaic,pallas_flash_triton,jax_pallas_triton,xla",
-             "--head-dims", "64,128,256", "--seq-lens", "512,1024,2048,4096,8192,16384",
+             "--head-dims", suite_head_dims, "--seq-lens", "512,1024,2048,4096,8192,16384",
              "--causal", "both", "--iters", "10", "--time-limit", TIME_LIMIT,
              "--out", str(out / "suite"))
     select = ("-k", pytest_k) if pytest_k else ()
@@ -67,12 +74,13 @@ def parts(out: Path, pytest_k: str = "") -> dict[str, Part]:
                                 "--implementations", "ours,cudnn", "--out",
                                 str(out / "training")),)),
         Part("cli", 1.0, (
-            (_PY, *cli, "check", "--dtype", "bf16", "--seq-len", "2048", "--head-dim", "128"),
-            (_PY, *cli, "bench", "--head-dim", "128", "--backward",
-             "--json", str(out / "cli-bench.json"), "--plot", str(out / "cli-bench.png")),
+            (_PY, *cli, "io", "--head-dim", "128"),
             (_PY, *cli, "memory", "--causal", "--backward", "--plot",
              str(out / "cli-memory.png")),
-            (_PY, *cli, "io", "--head-dim", "128"),
+            (_PY, *cli, "check", "--dtype", "bf16", "--seq-len", "2048", "--head-dim", "128"),
+            (_PY, *cli, "bench", "--head-dim", "128", "--backward", "--impls",
+             "standard,cudnn,pallas_flash_mosaic,pallas_flash_xla", "--time-limit", TIME_LIMIT,
+             "--json", str(out / "cli-bench.json"), "--plot", str(out / "cli-bench.png")),
         )),
     )}
 
@@ -114,10 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default="tests,suite,variants,training,cli",
                         help="comma list, run in this order")
     parser.add_argument("--pytest-k", default="", help="pytest -k expression for 'tests'")
+    parser.add_argument("--suite-head-dims", default="64,128,256",
+                        help="comma list of head dims for 'suite'")
     args = parser.parse_args(argv)
     report = args.out / "gpu-report"
     report.mkdir(parents=True, exist_ok=True)
-    catalogue = parts(report, args.pytest_k)
+    catalogue = parts(report, args.pytest_k, args.suite_head_dims)
     names = [name for name in args.parts.split(",") if name]
     unknown = sorted(set(names) - set(catalogue))
     if unknown:

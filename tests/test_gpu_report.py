@@ -10,8 +10,8 @@ import pytest
 from benchmarks import gpu_report
 
 
-def _fake_parts(out, pytest_k=""):
-    del pytest_k
+def _fake_parts(out, pytest_k="", suite_head_dims=""):
+    del pytest_k, suite_head_dims
     say = (sys.executable, "-c")
     return {
         "fast": gpu_report.Part("fast", 1.0, (
@@ -43,10 +43,13 @@ def test_runs_parts_in_order_and_packs_everything(tmp_path, monkeypatch, capsys)
 
 
 def test_real_catalogue_and_bad_options(tmp_path):
-    catalogue = gpu_report.parts(tmp_path, pytest_k="mosaic")
+    catalogue = gpu_report.parts(tmp_path, pytest_k="mosaic", suite_head_dims="128,256")
     assert list(catalogue) == ["tests", "suite", "variants", "training", "cli"]
     assert catalogue["tests"].commands[0][-2:] == ("-k", "mosaic")
-    assert gpu_report.TIME_LIMIT in catalogue["suite"].commands[0]
+    suite = catalogue["suite"].commands[0]
+    assert gpu_report.TIME_LIMIT in suite
+    assert suite[suite.index("--head-dims") + 1] == "128,256"
+    assert gpu_report.TIME_LIMIT in catalogue["cli"].commands[-1]  # bench stops in time
     with pytest.raises(SystemExit):
         gpu_report.main(["--out", str(tmp_path), "--parts", "tests,nope"])
     with pytest.raises(SystemExit):
