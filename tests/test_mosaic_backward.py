@@ -72,6 +72,55 @@ def test_interpret_matches_oracle(case):
         assert rel_err(got, ref) < 1e-2, f"d{name}: {rel_err(got, ref)}"
 
 
+# (batch, seq_q, seq_kv, heads, kv_heads, dtype, mask kwargs, segment ids kind, softcap)
+D256_CASES = {
+    "dense_gqa": (1, 128, 192, 4, 2, BF16, {}, None, None),
+    "causal_odd_bottom_right_f16": (1, 200, 130, 2, 1, F16,
+                                    dict(is_causal=True, causal_alignment="bottom_right"),
+                                    None, None),
+    "window": (1, 192, 192, 2, 1, BF16, dict(window=(40, 20)), None, None),
+    "segments_softcap_causal": (2, 200, 130, 2, 1, BF16, dict(is_causal=True),
+                                "docs_empty_rows", 20.0),
+}
+
+
+def _backward_d256(case: str, *, races: bool = False):
+    """The head_dim 256 kernels (split dK/dV, 32-key dQ) on a D256_CASES case, with the
+    explicit config that selects them; returns (grads, oracle grads, inputs)."""
+    batch, seq_q, seq_kv, heads, kv_heads, dtype, mask_kwargs, ids_kind, softcap = (
+        D256_CASES[case])
+    q, k, v, d_out = random_qkv(batch, seq_q, seq_kv, heads, kv_heads, 256, dtype)
+    if softcap is not None:  # logits of several softcaps, where tanh bends them
+        q = q * 8
+    mask = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, **mask_kwargs)
+    segment_ids = _variant_ids(ids_kind, batch, seq_q, seq_kv)
+    out, lse, delta, want = _residuals(q, k, v, d_out, mask, 0.05, segment_ids, softcap)
+    config = default_backward_config(q.shape, k.shape, dtype, mask)
+    params = plgpu.InterpretGPUParams(detect_races=races)
+    with plgpu.force_gpu_interpret_mode(params):
+        grads = jax.block_until_ready(mosaic_backward.backward(
+            q, k, v, segment_ids, out, lse, d_out, delta, mask=mask, scale=0.05,
+            config=config, interpret=True, softcap=softcap))
+    return grads, want, (q, k, v)
+
+
+@pytest.mark.parametrize("case", sorted(D256_CASES))
+def test_interpret_head_dim_256_matches_oracle(case):
+    grads, want, inputs = _backward_d256(case)
+    for name, got, ref, x in zip("qkv", grads, want, inputs, strict=True):
+        assert got.shape == x.shape and got.dtype == x.dtype, name
+        assert rel_err(got, ref) < 1e-2, f"d{name}: {rel_err(got, ref)}"
+
+
+def test_interpret_head_dim_256_no_races():
+    """The split dK/dV kernel's exchange of Pᵀ / dSᵀ halves between its consumers, under
+    the interpreter's race detector."""
+    grads, want, _ = _backward_d256("causal_odd_bottom_right_f16", races=True)
+    assert not interpret_pallas_call.get_races().races_found
+    for got, ref in zip(grads, want, strict=True):
+        assert rel_err(got, ref) < 1e-2
+
+
 def test_interpret_no_races():
     """Both kernels' producer/consumer protocols under the interpreter's race detector."""
     q, k, v, d_out = random_qkv(1, 128, 192, 2, 1, 64, BF16)
@@ -214,19 +263,32 @@ def test_api_packed_documents_train_with_the_mosaic_backward(monkeypatch):
         assert rel_err(got, ref) < 1e-2
 
 
-def test_fallback_to_triton_for_head_dim_256():
-    """unsupported() names the reason, and backward() still gives the right gradients."""
-    assert "head_dim 256" in mosaic_backward.unsupported((1, 64, 1, 256), BF16, True, 5.0)
+@pytest.mark.parametrize("head_dim", [192, 256])
+def test_fallback_to_triton(head_dim, monkeypatch):
+    """unsupported() names the reason for head_dim 192; head_dim 256 without an explicit
+    MosaicBackwardConfig (its kernels have not run on a GPU yet) also takes the Triton
+    backward, which gives the right gradients."""
+    assert "head_dim 192" in mosaic_backward.unsupported((1, 64, 1, 192), BF16, True, 5.0)
     assert "float32" in mosaic_backward.unsupported((1, 64, 1, 64), jnp.float32, True)
     assert mosaic_backward.unsupported((1, 64, 1, 128), F16, False) is None
-    assert mosaic_backward.unsupported((1, 64, 1, 128), BF16, True, 5.0) is None
-    q, k, v, d_out = random_qkv(1, 40, 40, 1, 1, 256, BF16)
+    assert mosaic_backward.unsupported((1, 64, 1, 256), BF16, True, 5.0) is None
+    calls = []
+    triton_backward = mosaic_backward._triton_backward
+    monkeypatch.setattr(mosaic_backward, "_triton_backward",
+                        lambda *a, **kw: calls.append(1) or triton_backward(*a, **kw))
+    q, k, v, d_out = random_qkv(1, 40, 40, 1, 1, head_dim, BF16)
     mask = MaskSpec(seq_q=40, seq_kv=40, is_causal=True)
     out, lse, delta, want = _residuals(q, k, v, d_out, mask, 0.06)
     grads = mosaic_backward.backward(q, k, v, None, out, lse, d_out, delta, mask=mask,
                                      scale=0.06, config=MosaicConfig(), interpret=True)
+    assert calls == [1]
     for got, ref in zip(grads, want, strict=True):
         assert rel_err(got, ref) < 1e-2
+
+
+def test_head_dim_256_needs_the_deterministic_dq():
+    with pytest.raises(ValueError, match="deterministic"):
+        MosaicBackwardConfig(deterministic=False).check_fits(256)
 
 
 # --- the GPU kernels, lowered for CUDA on the CPU ----------------------------------------
@@ -247,7 +309,7 @@ def _lower_for_cuda(shape_q, shape_kv, dtype, mask: MaskSpec, config, *,
 
 @pytest.mark.parametrize(("head_dim", "deterministic", "causal"), [
     (64, True, False), (64, True, True), (128, True, False), (128, True, True),
-    (64, False, False), (128, False, True),
+    (64, False, False), (128, False, True), (256, True, False), (256, True, True),
 ])
 def test_default_configs_lower_for_cuda(head_dim, deterministic, causal):
     shape_q, shape_kv = (2, 1024, 8, head_dim), (2, 1024, 2, head_dim)
@@ -259,12 +321,14 @@ def test_default_configs_lower_for_cuda(head_dim, deterministic, causal):
 
 @pytest.mark.parametrize(("head_dim", "deterministic", "causal"), [
     (64, True, False), (128, True, True), (64, False, True), (128, False, False),
+    (256, True, True),
 ])
 def test_segments_softcap_lower_for_cuda(head_dim, deterministic, causal):
     """Packed documents + soft-capping: both kernels' ids rings, fused dQ included."""
     shape_q, shape_kv = (2, 1000, 8, head_dim), (2, 1000, 2, head_dim)
     mask = MaskSpec(seq_q=1000, seq_kv=1000, is_causal=causal)
-    config = MosaicBackwardConfig(deterministic=deterministic)
+    config = MosaicBackwardConfig(
+        deterministic=deterministic, dq_block_kv=32 if head_dim > 128 else 128)
     _lower_for_cuda(shape_q, shape_kv, BF16, mask, config, segments=True, softcap=30.0)
 
 
@@ -290,6 +354,11 @@ def test_masked_odd_shapes_lower_for_cuda():
     (128, MosaicBackwardConfig(num_stages=2, deterministic=False), True),  # fits
     (128, MosaicBackwardConfig(num_stages=3), True),  # dQ over: its keys' ids ring counted
     (64, MosaicBackwardConfig(block_q=128, num_stages=3, deterministic=False), True),  # dK/dV
+    # Head dim 256: the split dK/dV kernel (226 KiB with the ids ring) and 32-key dQ blocks.
+    (256, MosaicBackwardConfig(dq_block_kv=32), False),  # fits
+    (256, MosaicBackwardConfig(dq_block_kv=32), True),  # fits
+    (256, MosaicBackwardConfig(dq_block_kv=32, num_stages=3), False),  # dK/dV over
+    (256, MosaicBackwardConfig(dq_block_kv=64), False),  # dQ's K/V ring: over
 ])
 def test_smem_accounting_matches_lowering(head_dim, config, segments, monkeypatch):
     """The config's SMEM bytes are exactly what Mosaic GPU allocates (its error says)."""
@@ -331,7 +400,7 @@ def test_config_is_frozen_and_hashable():
     assert hash(config) == hash(MosaicBackwardConfig())
 
 
-@pytest.mark.parametrize("head_dim", [16, 64, 96, 128])
+@pytest.mark.parametrize("head_dim", [16, 64, 96, 128, 256])
 def test_default_backward_config_fits(head_dim):
     mask = MaskSpec(seq_q=4096, seq_kv=4096, is_causal=True)
     config = default_backward_config((1, 4096, 8, head_dim), (1, 4096, 8, head_dim), BF16,

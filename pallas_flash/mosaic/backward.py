@@ -59,10 +59,15 @@ key has lse = ``EMPTY_ROW_LSE`` and only hidden (−inf) logits, so its P, dS an
 so dS is multiplied by the cap's derivative ``1 − tanh²`` before the dK and dQ GEMMs
 (:func:`pallas_flash.logits.log2_logits`); hidden pairs are masked after the cap.
 
-**Fallback**: float32, head dims above 128 (:func:`unsupported` says why) and calls with
-``bias`` / ``mask`` arrays go to the Triton backward, which also computes dbias. Head dim
-256 does not fit: dK and dV of 64 keys are 256 f32 registers per thread on their own,
-above the 240 a consumer can hold.
+**Head dim 256**: dK and dV of 64 keys are 256 f32 registers per thread on their own,
+above the 240 a consumer can hold, so the two consumers of a CTA split one key block
+(:mod:`pallas_flash.mosaic.backward_d256`), and the dQ kernel streams 32-key blocks (Q and
+dO of its two consumers fill 128 KiB), with 64-byte swizzled tiles (:class:`_Static`).
+Until these have run on a GPU, only an explicit :class:`MosaicBackwardConfig` selects them.
+
+**Fallback**: float32, head dims 129-192 (:func:`unsupported` says why), head_dim 256
+without an explicit config, and calls with ``bias`` / ``mask`` arrays go to the Triton
+backward, which also computes dbias.
 
 **CPU testing**: Mosaic GPU interpret mode cannot run a wgmma whose A operand is in
 registers. With ``interpret=True`` the A operands (Pᵀ, dSᵀ, dS) are stored to an SMEM
@@ -83,6 +88,7 @@ from jax import lax
 from pallas_flash.logits import log2_logits, raw_score_gradient
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic.config import (
+    MAX_PER_CONSUMER_HEAD_DIM,
     NUM_CONSUMERS,
     MosaicBackwardConfig,
     default_backward_config,
@@ -94,6 +100,7 @@ from pallas_flash.mosaic.forward import (
     _LOG2E,
     _PRODUCER,
     _PRODUCER_REGISTERS,
+    _SWIZZLE,
     _hull,
     _pad,
     _row,
@@ -101,10 +108,6 @@ from pallas_flash.mosaic.forward import (
 )
 from pallas_flash.padding import pad_axis, round_up
 from pallas_flash.segments import cut_to_span, pad_segment_ids, tile_spans
-
-#: Largest head dim of the dK/dV kernel: dK + dV of 64 keys cost ``head_dim`` f32 registers
-#: per thread (128 at head dim 128), next to the S and dP tiles.
-MAX_BACKWARD_HEAD_DIM = 128
 
 
 def _registers(head_dim: int) -> tuple[int, int]:
@@ -138,6 +141,10 @@ class _Static:
     fuse_dq: bool  # the dK/dV kernel also reduce-adds dS·K into a float32 dQ (FA3)
     softcap: float | None = None  # logits become softcap * tanh(scale * s / softcap)
     segmented: bool = False  # segment ids: a pair is visible only if its ids are equal
+    # Swizzle (bytes) of every SMEM tile. wgmma steps through K one swizzle width at a
+    # time and wants both SMEM operands equally swizzled, so a GEMM that contracts over
+    # 32 rows (32-key blocks of the dQ kernel at head_dim 256) takes 64 bytes throughout.
+    swizzle: int = _SWIZZLE
 
 
 def _col(x: jax.Array, shape: tuple[int, int]) -> jax.Array:
@@ -552,9 +559,11 @@ def unsupported(q_shape, dtype, has_segments: bool, softcap: float | None = None
     del has_segments, softcap
     if jnp.dtype(dtype) not in _DTYPES:
         return f"the Mosaic GPU backward takes bfloat16 or float16, got {jnp.dtype(dtype)}"
-    if padded_head_dim(q_shape[-1]) > MAX_BACKWARD_HEAD_DIM:
+    dim = padded_head_dim(q_shape[-1])
+    if MAX_PER_CONSUMER_HEAD_DIM < dim < 256:
         return (f"head_dim {q_shape[-1]}: dK and dV of 64 keys do not fit a consumer "
-                "warpgroup's registers above head_dim 128")
+                f"warpgroup's registers above head_dim {MAX_PER_CONSUMER_HEAD_DIM}, and "
+                "only head_dim 256 splits into two 128-column halves")
     return None
 
 
@@ -596,7 +605,13 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
     """
     del out
     segmented = segment_ids is not None
-    if (bias is not None or attn_mask is not None
+    dim = padded_head_dim(q.shape[-1])
+    # The head_dim 256 kernels (backward_d256, 32-key dQ blocks) match the oracle in
+    # interpret mode and lower for CUDA, but have not run on a GPU yet (2026-11-29): only
+    # an explicit MosaicBackwardConfig selects them.
+    unchecked_on_gpu = (dim > MAX_PER_CONSUMER_HEAD_DIM
+                        and not isinstance(config, MosaicBackwardConfig))
+    if (bias is not None or attn_mask is not None or unchecked_on_gpu
             or unsupported(q.shape, q.dtype, segmented, softcap) is not None):
         return _triton_backward(q, k, v, segment_ids, None, lse, d_out, delta, mask=mask,
                                 scale=scale, interpret=interpret, softcap=softcap, bias=bias,
@@ -605,8 +620,8 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         config = default_backward_config(q.shape, k.shape, q.dtype, mask)
     _, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
-    dim = padded_head_dim(head_dim)
-    config.check_fits(dim, jnp.dtype(q.dtype).itemsize, segments=segmented)
+    itemsize = jnp.dtype(q.dtype).itemsize
+    config.check_fits(dim, itemsize, segments=segmented)
     # One padded length serves both kernels: whole dK/dV query blocks and dQ CTAs, whole
     # dK/dV CTAs and dQ key blocks (all block sizes are powers of two times 64).
     seq_q_pad = round_up(seq_q, max(config.block_q, NUM_CONSUMERS * config.dq_block_q))
@@ -633,20 +648,33 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         return (*operands, *ids,
                 tile_spans(*ids, st.block_q, st.block_kv, walk_kv=walk_kv))
 
-    dkdv_static = _Static(block_q=config.block_q, block_kv=config.block_kv,
-                          num_q_blocks=seq_q_pad // config.block_q,
-                          num_tiles=seq_kv_pad // (NUM_CONSUMERS * config.block_kv), **common)
+    # Up to head_dim 128 a dK/dV CTA holds one key block per consumer; at 256 its two
+    # consumers split one block (backward_d256).
+    split = dim > MAX_PER_CONSUMER_HEAD_DIM
+    dkdv_static = _Static(
+        block_q=config.block_q, block_kv=config.block_kv,
+        num_q_blocks=seq_q_pad // config.block_q,
+        num_tiles=seq_kv_pad // ((1 if split else NUM_CONSUMERS) * config.block_kv),
+        # Split: dV/dK contract over the 32 rows of a consumer's half of the query block.
+        swizzle=min(_SWIZZLE, config.block_q // NUM_CONSUMERS * itemsize) if split
+        else _SWIZZLE, **common)
     dkdv_operands = with_ids(dkdv_static, walk_kv=False)  # owns key tiles, walks queries
     if fuse_dq:
         dq_acc = jax.new_ref(jnp.zeros(q_p.shape, jnp.float32))  # the reduce-adds' target
         dk, dv = _call_dkdv(dkdv_static, dkdv_operands, dq_acc, interpret=interpret)
         dq = (jax.freeze(dq_acc) * scale).astype(q.dtype)
     else:
-        dk, dv = _call_dkdv(dkdv_static, dkdv_operands, None, interpret=interpret)
+        if split:
+            from pallas_flash.mosaic import backward_d256  # it imports this module
+
+            dk, dv = backward_d256.call_dkdv(dkdv_static, dkdv_operands,
+                                             interpret=interpret)
+        else:
+            dk, dv = _call_dkdv(dkdv_static, dkdv_operands, None, interpret=interpret)
         dq_static = _Static(block_q=config.dq_block_q, block_kv=config.dq_block_kv,
                             num_q_blocks=seq_q_pad // config.dq_block_q,
                             num_tiles=seq_q_pad // (NUM_CONSUMERS * config.dq_block_q),
-                            **common)
+                            swizzle=min(_SWIZZLE, config.dq_block_kv * itemsize), **common)
         dq = _call_dq(dq_static, with_ids(dq_static, walk_kv=True), interpret=interpret)
     return (dq[:, :seq_q, :, :head_dim], dk[:, :seq_kv, :, :head_dim],
             dv[:, :seq_kv, :, :head_dim])
@@ -661,7 +689,8 @@ def _kernel_params(interpret: bool) -> dict:
 def _tiles(st: _Static, *shape, dtype=None):
     """A swizzled SMEM buffer (the layout TMA writes and wgmma reads)."""
     dtype = jnp.dtype(dtype or st.dtype)
-    return plgpu.SMEM(shape, dtype, transforms=_smem_transforms(dtype.itemsize))
+    swizzle = min(st.swizzle, shape[-1] * dtype.itemsize)  # float32 staging: 128 bytes
+    return plgpu.SMEM(shape, dtype, transforms=_smem_transforms(dtype.itemsize, swizzle))
 
 
 def _call_dkdv(st: _Static, operands, dq_acc, *, interpret: bool):

@@ -24,6 +24,10 @@ HEAD_DIM_MULTIPLE = 64
 MAX_HEAD_DIM = 256
 #: Consumer warpgroups per CTA (FlashAttention-3's ping-pong pair).
 NUM_CONSUMERS = 2
+#: Largest head dim at which a backward consumer warpgroup holds dK and dV of its own 64
+#: keys (``head_dim`` f32 registers per thread); at 256 two consumers split one key block
+#: (:mod:`pallas_flash.mosaic.backward_d256`).
+MAX_PER_CONSUMER_HEAD_DIM = 128
 #: A TMA copy writes shared memory at 128-byte aligned addresses only (a misaligned one
 #: faults at run time: CUDA_ERROR_MISALIGNED_ADDRESS).
 TMA_SMEM_ALIGNMENT = 128
@@ -231,7 +235,9 @@ class MosaicBackwardConfig:
 
     dK/dV kernel: one CTA owns ``NUM_CONSUMERS * block_kv`` keys of one KV head, each
     consumer warpgroup ``block_kv`` of them (dK and dV accumulators: ``block_kv * D / 64``
-    f32 registers per thread), and streams ``block_q`` query rows per step.
+    f32 registers per thread), and streams ``block_q`` query rows per step. At head_dim
+    256 a CTA owns ``block_kv`` keys and its two consumers split them by rows of Sᵀ and
+    columns of dK/dV (:mod:`pallas_flash.mosaic.backward_d256`; deterministic dQ only).
     dQ kernel: one CTA owns ``NUM_CONSUMERS * dq_block_q`` query rows and streams
     ``dq_block_kv`` keys per step. Both rings are ``num_stages`` deep.
 
@@ -239,7 +245,8 @@ class MosaicBackwardConfig:
       block_q: query rows per step of the dK/dV kernel (N of Sᵀ = K·Qᵀ); 64 or 128.
       block_kv: keys per consumer warpgroup of the dK/dV kernel (wgmma M); 64.
       dq_block_q: query rows per consumer warpgroup of the dQ kernel (wgmma M); 64.
-      dq_block_kv: keys per step of the dQ kernel; 64 or 128.
+      dq_block_kv: keys per step of the dQ kernel; 32, 64 or 128 (32 leaves room for a
+        2-stage K/V ring at head_dim 256).
       num_stages: depth of both kernels' SMEM rings, 2 to 4.
       deterministic: compute dQ in the separate dQ kernel (every dQ tile written by one
         CTA; the default). Otherwise the dK/dV kernel also adds each step's dS·K_j into a
@@ -262,8 +269,8 @@ class MosaicBackwardConfig:
             raise ValueError(f"block_kv must be 64, got {self.block_kv}")
         if self.dq_block_q != 64:
             raise ValueError(f"dq_block_q must be 64, got {self.dq_block_q}")
-        if self.dq_block_kv not in (64, 128):
-            raise ValueError(f"dq_block_kv must be 64 or 128, got {self.dq_block_kv}")
+        if self.dq_block_kv not in (32, 64, 128):
+            raise ValueError(f"dq_block_kv must be 32, 64 or 128, got {self.dq_block_kv}")
         if not 2 <= self.num_stages <= 4:
             raise ValueError(f"num_stages must be in [2, 4], got {self.num_stages}")
 
@@ -271,6 +278,8 @@ class MosaicBackwardConfig:
                         segments: bool = False) -> int:
         """dK/dV kernel: resident K/V tiles, the Q/dO ring, the lse/delta ring, barriers,
         and with ``segments`` the ring of the rows' segment ids (int32, next to lse's)."""
+        if head_dim > MAX_PER_CONSUMER_HEAD_DIM:
+            return self._split_dkdv_smem_bytes(head_dim, itemsize, segments=segments)
         k_v = 2 * _align(NUM_CONSUMERS * self.block_kv * head_dim * itemsize)
         q_do = 2 * _align(self.num_stages * self.block_q * head_dim * itemsize)
         stats = 2 * _align(self.num_stages * self.block_q * 4)
@@ -282,6 +291,19 @@ class MosaicBackwardConfig:
             fused_dq = (_align(NUM_CONSUMERS * self.block_kv * self.block_q * itemsize)
                         + _align(NUM_CONSUMERS * self.block_q * head_dim * 4))
         return k_v + q_do + stats + q_ids + barriers + fused_dq
+
+    def _split_dkdv_smem_bytes(self, head_dim: int, itemsize: int, *, segments: bool
+                               ) -> int:
+        """The head-dim-256 dK/dV kernel: K/V of one block, the Q/dO ring, one lse+delta
+        ring, the Pᵀ/dSᵀ exchange ring (one [block_kv, block_q] tile each per slot)."""
+        k_v = 2 * _align(self.block_kv * head_dim * itemsize)
+        q_do = 2 * _align(self.num_stages * self.block_q * head_dim * itemsize)
+        stats = _align(self.num_stages * 2 * self.block_q * 4)
+        exchange = 2 * _align(self.num_stages * self.block_kv * self.block_q * itemsize)
+        q_ids = _align(self.num_stages * self.block_q * 4) if segments else 0
+        # K, V ready per half; Q, dO, stats ready, free and exchanged per slot.
+        barriers = 8 * (2 * NUM_CONSUMERS + 5 * self.num_stages)
+        return k_v + q_do + stats + exchange + q_ids + barriers
 
     def dq_smem_bytes(self, head_dim: int, itemsize: int = 2, *, segments: bool = False
                       ) -> int:
@@ -299,6 +321,9 @@ class MosaicBackwardConfig:
                    ) -> None:
         """Raises ValueError when either kernel cannot run at ``head_dim`` on an sm90 CTA
         (``segments``: with segment ids)."""
+        if head_dim > MAX_PER_CONSUMER_HEAD_DIM and not self.deterministic:
+            raise ValueError(f"deterministic=False (the fused dQ) needs head_dim <= "
+                             f"{MAX_PER_CONSUMER_HEAD_DIM}, got head_dim={head_dim}")
         need = self.dkdv_smem_bytes(head_dim, itemsize, segments=segments)
         if self.deterministic:
             need = max(need, self.dq_smem_bytes(head_dim, itemsize, segments=segments))
@@ -322,5 +347,8 @@ def default_backward_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicB
     spill stores for it against 560 for the deterministic dK/dV kernel), so the
     deterministic mode is also the fast one.
     """
-    del q_shape, kv_shape, dtype, mask
+    del kv_shape, dtype, mask
+    if padded_head_dim(q_shape[-1]) > MAX_PER_CONSUMER_HEAD_DIM:
+        # Q and dO of two 64-row consumers fill 128 KiB: 32-key blocks keep a 2-stage ring.
+        return MosaicBackwardConfig(block_q=64, dq_block_kv=32, num_stages=2)
     return MosaicBackwardConfig(block_q=64, dq_block_kv=128, num_stages=2)

@@ -4,8 +4,10 @@ Skipped unless the default device is a GPU of compute capability 9.0. Every case
 fresh inputs, computes ``(out, lse)`` with the Mosaic forward and ``(dq, dk, dv)`` with
 :func:`pallas_flash.mosaic.backward.backward`, and compares all three with
 ``reference.attention_float64`` (‖got − ref‖ / ‖ref‖ < 1e-2; NaN never passes). Head dim
-256 checks the documented fallback to the Triton backward. Packed documents (segment ids,
-padding lengths) and soft-capping run the Mosaic backward too.
+256 checks the fallback to the Triton backward (no explicit config) and, with an explicit
+``MosaicBackwardConfig``, its own kernels (``test_head_dim_256_kernels``: once these pass,
+the fallback can go). Packed documents (segment ids, padding lengths) and soft-capping run
+the Mosaic backward too.
 """
 
 from __future__ import annotations
@@ -116,6 +118,23 @@ def _packed_ids(batch: int, seq: int, seed: int) -> jax.Array:
         starts = np.sort(rng.choice(np.arange(1, seq), rng.integers(2, 8), replace=False))
         rows.append(np.searchsorted(starts, np.arange(seq), side="right"))
     return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+D256 = MosaicBackwardConfig(dq_block_kv=32)  # the head_dim 256 default, made explicit
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_head_dim_256_kernels(causal, dtype):
+    """The split dK/dV kernel (backward_d256) and the 32-key dQ blocks, GQA, odd lengths."""
+    _check(2, 1000, 1100, 4, 2, 256, dtype, config=D256, is_causal=causal,
+           causal_alignment="bottom_right")
+
+
+def test_head_dim_256_packed_documents_softcap_window():
+    ids = _packed_ids(2, 2048, seed=256)
+    _check(2, 2048, 2048, 4, 1, 256, BF16, segment_ids=(ids, ids), softcap=30.0,
+           config=D256, is_causal=True, window=(700, 0))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
