@@ -230,6 +230,13 @@ def _walk(st: _Static, step, skip, cta_range, ranges, carry):
     return lax.fori_loop(last, cta_last, skip, carry)
 
 
+def _walked_head_and_block(st: _Static, t, first, blocks_per_head, kv_head):
+    """Step t of a dK/dV producer, which streams ``blocks_per_head`` query blocks from
+    ``first`` for each query head of the GQA group in turn: (query head, query block)."""
+    g = lax.div(t, blocks_per_head)
+    return kv_head * st.group + g, first + lax.rem(t, blocks_per_head)
+
+
 def _stream(st: _Static, free, num_steps, load) -> None:
     """Producer loop: ``load(t)`` for steps ``0 .. num_steps-1`` into slot ``t % stages``.
 
@@ -299,10 +306,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
     def _producer():
         plgpu.set_max_registers(producer_registers, action="decrease")
 
-        def load(t):  # step t = (head g of the group, query block i)
-            g = lax.div(t, blocks_per_head)
-            i = cta_first + lax.rem(t, blocks_per_head)
-            head = kv_head * st.group + g
+        def load(t):
+            head, i = _walked_head_and_block(st, t, cta_first, blocks_per_head, kv_head)
             rows, s = pl.ds(i * bq, bq), slot(t)
             plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[s], q_ready.at[s])
             plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem.at[s],

@@ -52,6 +52,7 @@ from pallas_flash.mosaic.backward import (
     _visible,
     _wait_all,
     _walk,
+    _walked_head_and_block,
 )
 from pallas_flash.mosaic.config import NUM_CONSUMERS
 from pallas_flash.mosaic.forward import _PRODUCER
@@ -98,10 +99,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
     def _producer():
         plgpu.set_max_registers(producer_registers, action="decrease")
 
-        def load(t):  # step t = (head g of the group, query block i)
-            g = lax.div(t, blocks_per_head)
-            i = first + lax.rem(t, blocks_per_head)
-            head = kv_head * st.group + g
+        def load(t):
+            head, i = _walked_head_and_block(st, t, first, blocks_per_head, kv_head)
             s = slot(t)
             for r in halves:  # one TMA copy per (row half, column half)
                 rows = pl.ds(i * bq + r * half_q, half_q)
