@@ -21,10 +21,14 @@ Parts (``--parts``, comma list, in this order by default):
   (``benchmarks.suite``, fwd / bwd / fwd+bwd, causal and not, L 512…16384, the head dims of
   ``--suite-head-dims``: about 4 minutes each for the five implementations, so the whole
   grid takes two or three calls);
+* ``probes``: the Mosaic forward and backward against cuDNN at the points of the speed
+  bars (``benchmarks/mosaic_probe.py``, ``benchmarks/mosaic_bwd_probe.py``; the backward at
+  head_dim 256 runs the split dK/dV kernel, the probe passing an explicit config);
 * ``variants``: one row per attention variant vs dense causal (``benchmarks.variants``;
   about 150 s for Mosaic and cuDNN);
-* ``training``: the small transformer, ours vs cuDNN (``benchmarks.training``; 100 steps of
-  both took 140 s);
+* ``training``: the small transformer, ours vs cuDNN vs XLA attention
+  (``benchmarks.training``, 300 steps; 100 steps of ours and cuDNN took 140 s, jax.nn's XLA
+  attention runs out of memory at this size and pallas-flash's XLA path is ~5x slower);
 * ``cli``: ``pallas-flash io``, ``memory``, ``check`` and ``bench`` at GPU sizes, cheapest
   first.
 """
@@ -69,9 +73,17 @@ def parts(out: Path, pytest_k: str = "", suite_head_dims: str = "64,128,256"
     return {p.name: p for p in (
         Part("tests", 3.0, (tests,)),
         Part("suite", 4.0, ((_PY, *suite),)),
+        Part("probes", 3.0, (
+            (_PY, "benchmarks/mosaic_probe.py", "--lengths", "2048", "4096", "8192", "16384",
+             "--head-dims", "64", "128", "256", "--iters", "10", "--repeats", "3",
+             "--out", str(out / "fwd-probe.json")),
+            (_PY, "benchmarks/mosaic_bwd_probe.py", "--head-dims", "64,128,256",
+             "--seq-lens", "2048,4096,16384", "--impls", "mosaic;triton;cudnn",
+             "--out", str(out / "bwd-probe.json")),
+        )),
         Part("variants", 1.0, ((_PY, "-m", "benchmarks.variants", "--out", str(out)),)),
-        Part("training", 2.0, ((_PY, "-m", "benchmarks.training", "--steps", "150",
-                                "--implementations", "ours,cudnn", "--out",
+        Part("training", 2.0, ((_PY, "-m", "benchmarks.training", "--steps", "300",
+                                "--implementations", "ours,cudnn,xla,xla_dense", "--out",
                                 str(out / "training")),)),
         Part("cli", 1.0, (
             (_PY, *cli, "io", "--head-dim", "128"),
@@ -119,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="e.g. $OUT on the device")
     parser.add_argument("--budget", type=float, default=560.0,
                         help="seconds for all parts together (default 560)")
-    parser.add_argument("--parts", default="tests,suite,variants,training,cli",
+    parser.add_argument("--parts", default="tests,suite,probes,variants,training,cli",
                         help="comma list, run in this order")
     parser.add_argument("--pytest-k", default="", help="pytest -k expression for 'tests'")
     parser.add_argument("--suite-head-dims", default="64,128,256",
