@@ -29,6 +29,7 @@ import pallas_flash
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import MosaicBackwardConfig, MosaicConfig, default_backward_config
 from pallas_flash.mosaic import config as mosaic_config
+from pallas_flash.mosaic.config import LogitRing
 from pallas_flash.reference import attention_float64
 
 mosaic_backward = importlib.import_module("pallas_flash.mosaic.backward")
@@ -119,6 +120,87 @@ def test_interpret_head_dim_256_no_races():
     assert not interpret_pallas_call.get_races().races_found
     for got, ref in zip(grads, want, strict=True):
         assert rel_err(got, ref) < 1e-2
+
+
+def _logit_array(spec: str, sizes: dict, seed: int, *, mask: bool, dtype=jnp.float32):
+    """A ``spec``-shaped array over ``BNTS1``: N(0, 2²) bias, or a mask keeping ~80 %."""
+    shape = tuple(sizes.get(c, 1) for c in spec)
+    if mask:
+        return jax.random.bernoulli(jax.random.key(seed), 0.8, shape)
+    return (2 * jax.random.normal(jax.random.key(seed), shape, jnp.float32)).astype(dtype)
+
+
+# (bias spec, bias dtype, mask spec, mask kwargs): every reader kind in both kernels (the
+# dK/dV kernel reads the arrays transposed, so a key row there is a query row in dQ).
+LOGIT_CASES = {
+    # A per-head float32 tile ring; a key-row int8 mask (rows read once in dK/dV).
+    "tile_bias_key_mask_causal": ("1NTS", jnp.float32, "B11S", dict(is_causal=True)),
+    # A bf16 key-row bias ring; an int8 tile mask (rows with no key: lse EMPTY_ROW_LSE).
+    "key_bias_tile_mask_causal": ("B11S", BF16, "B1TS", dict(is_causal=True)),
+    # Query-row bias and mask: read once in dQ, key-row rings in dK/dV; window.
+    "row_bias_row_mask_window": ("BNT1", jnp.float32, "1NT1", dict(window=(50, 30))),
+    # A mask that broadcasts to the bias's shape is folded into it as -inf.
+    "folded_mask": ("BNTS", BF16, "B1TS", {}),
+}
+
+
+def _backward_with_logits(case: str, *, races: bool = False):
+    bias_spec, bias_dtype, mask_spec, mask_kwargs = LOGIT_CASES[case]
+    batch, seq_q, seq_kv, heads, kv_heads, head_dim = 2, 200, 130, 2, 1, 64
+    q, k, v, d_out = random_qkv(batch, seq_q, seq_kv, heads, kv_heads, head_dim, BF16)
+    sizes = dict(B=batch, N=heads, T=seq_q, S=seq_kv)
+    bias = _logit_array(bias_spec, sizes, 1, mask=False, dtype=bias_dtype)
+    attn_mask = _logit_array(mask_spec, sizes, 2, mask=True)
+    mask = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, **mask_kwargs)
+    scale = head_dim ** -0.5
+    out, lse, grads = attention_float64(q, k, v, scale=scale, mask=mask, bias=bias,
+                                        attn_mask=attn_mask,
+                                        d_out=np.asarray(d_out, np.float64))
+    out = jnp.asarray(out, q.dtype)
+    delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
+    # An explicit config selects the Mosaic kernels for bias / mask (until GPU-checked).
+    config = default_backward_config(q.shape, k.shape, BF16, mask)
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=races)):
+        got = jax.block_until_ready(mosaic_backward.backward(
+            q, k, v, None, out, jnp.asarray(lse, jnp.float32), d_out, delta, mask=mask,
+            scale=scale, config=config, interpret=True, bias=bias, attn_mask=attn_mask))
+    return got, grads[:3], (q, k, v)  # the oracle's dbias is not computed here
+
+
+@pytest.mark.parametrize("case", sorted(LOGIT_CASES))
+def test_interpret_bias_mask_match_oracle(case, monkeypatch):
+    """Bias and mask arrays in both Mosaic kernels (no Triton fallback), vs the oracle."""
+    monkeypatch.setattr(mosaic_backward, "_triton_backward", None)  # any fallback fails
+    got, want, inputs = _backward_with_logits(case)
+    for name, g, ref, x in zip("qkv", got, want, inputs, strict=True):
+        assert g.shape == x.shape and g.dtype == x.dtype, name
+        assert rel_err(g, ref) < 1e-2, f"d{name}: {rel_err(g, ref)}"
+
+
+def test_interpret_bias_mask_no_races():
+    """The bias / mask rings (on lse's / K's ready barrier, read before the slot is freed)
+    under the interpreter's race detector."""
+    got, want, _ = _backward_with_logits("key_bias_tile_mask_causal", races=True)
+    assert not interpret_pallas_call.get_races().races_found
+    for g, ref in zip(got, want, strict=True):
+        assert rel_err(g, ref) < 1e-2
+
+
+def test_bias_gradient_and_default_config_take_triton(monkeypatch):
+    """dbias is Triton's; so are bias / mask calls without an explicit config (the API's),
+    until the Mosaic kernels' bias / mask path has run on a GPU."""
+    calls = []
+    monkeypatch.setattr(mosaic_backward, "_triton_backward",
+                        lambda *a, **kw: calls.append(kw["bias_grad"]) or "triton")
+    q, k, v, d_out = random_qkv(1, 64, 64, 1, 1, 64, BF16)
+    lse = delta = jnp.zeros((1, 1, 64), jnp.float32)
+    bias = jnp.zeros((1, 1, 64, 64), jnp.float32)
+    mask = MaskSpec(seq_q=64, seq_kv=64)
+    for config, bias_grad in ((MosaicBackwardConfig(), True), (MosaicConfig(), False)):
+        assert mosaic_backward.backward(
+            q, k, v, None, None, lse, d_out, delta, mask=mask, scale=0.1, config=config,
+            interpret=True, bias=bias, bias_grad=bias_grad) == "triton"
+    assert calls == [True, False]
 
 
 def test_interpret_no_races():
@@ -295,16 +377,58 @@ def test_head_dim_256_needs_the_deterministic_dq():
 
 
 def _lower_for_cuda(shape_q, shape_kv, dtype, mask: MaskSpec, config, *,
-                    segments: bool = False, softcap: float | None = None):
-    def f(q, k, v, out, lse, d_out, delta, q_ids, kv_ids):
+                    segments: bool = False, softcap: float | None = None,
+                    bias: str | None = None, bias_dtype=jnp.float32,
+                    attn_mask: str | None = None):
+    """``bias`` / ``attn_mask``: None or the array's shape spec over ``BNTS1``."""
+    def f(q, k, v, out, lse, d_out, delta, q_ids, kv_ids, bias, attn_mask):
         return mosaic_backward.backward(
             q, k, v, (q_ids, kv_ids) if segments else None, out, lse, d_out, delta,
-            mask=mask, scale=0.1, config=config, interpret=False, softcap=softcap)
+            mask=mask, scale=0.1, config=config, interpret=False, softcap=softcap, bias=bias,
+            attn_mask=attn_mask)
     q, kv = jax.ShapeDtypeStruct(shape_q, dtype), jax.ShapeDtypeStruct(shape_kv, dtype)
     stats = jax.ShapeDtypeStruct((shape_q[0], shape_q[2], shape_q[1]), jnp.float32)
     q_ids, kv_ids = (jax.ShapeDtypeStruct(shape[:2], jnp.int32) for shape in (shape_q, shape_kv))
-    return jax.jit(f).trace(q, kv, kv, q, stats, q, stats, q_ids, kv_ids).lower(
+    sizes = dict(B=shape_q[0], N=shape_q[2], T=shape_q[1], S=shape_kv[1])
+
+    def spec(s, dtype):
+        return None if s is None else jax.ShapeDtypeStruct(
+            tuple(sizes.get(c, 1) for c in s), dtype)
+    return jax.jit(f).trace(q, kv, kv, q, stats, q, stats, q_ids, kv_ids,
+                            spec(bias, bias_dtype), spec(attn_mask, jnp.bool_)).lower(
         lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize(("head_dim", "bias", "bias_dtype", "attn_mask", "segments"), [
+    (64, "1NTS", jnp.float32, "B11S", False),
+    (128, "1NTS", jnp.float32, "B11S", True),
+    (128, "B11S", BF16, "B1TS", False),
+    (128, "BNT1", jnp.float32, "1NT1", False),
+])
+def test_bias_mask_lower_for_cuda(head_dim, bias, bias_dtype, attn_mask, segments):
+    """Both kernels' bias / mask rings (fitted: 64-key dQ blocks beside a float32 tile
+    ring) lower for CUDA within the shared memory budget."""
+    shape_q, shape_kv = (2, 1000, 8, head_dim), (2, 1000, 2, head_dim)
+    mask = MaskSpec(seq_q=1000, seq_kv=1000, is_causal=True)
+    config = default_backward_config(shape_q, shape_kv, BF16, mask)
+    _lower_for_cuda(shape_q, shape_kv, BF16, mask, config, segments=segments, bias=bias,
+                    bias_dtype=bias_dtype, attn_mask=attn_mask)
+
+
+def test_bias_mask_smem_accounting_matches_lowering(monkeypatch):
+    """Unfitted (128-key dQ blocks beside a float32 tile ring: over the budget), the
+    config's count with the rings is what Mosaic GPU reports."""
+    config = MosaicBackwardConfig()
+    dq_rings = (LogitRing(per_query=True, itemsize=4), LogitRing(per_query=False, itemsize=1))
+    need = config.dq_smem_bytes(128, logit_rings=dq_rings)
+    assert need > mosaic_config.SMEM_BUDGET
+    monkeypatch.setattr(mosaic_backward, "fit_backward_logit_rings", lambda c, *_, **__: c)
+    monkeypatch.setattr(MosaicBackwardConfig, "check_fits", lambda *_, **__: None)
+    shape = (2, 1024, 2, 128)
+    with pytest.raises(ValueError, match="exceeds available shared memory") as error:
+        _lower_for_cuda(shape, shape, BF16, MaskSpec(seq_q=1024, seq_kv=1024), config,
+                        bias="1NTS", attn_mask="B11S")
+    assert int(re.search(r"smem_bytes=(\d+)", str(error.value)).group(1)) == need
 
 
 @pytest.mark.parametrize(("head_dim", "deterministic", "causal"), [

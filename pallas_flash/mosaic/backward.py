@@ -65,9 +65,18 @@ above the 240 a consumer can hold, so the two consumers of a CTA split one key b
 dO of its two consumers fill 128 KiB), with 64-byte swizzled tiles (:class:`_Static`).
 Until these have run on a GPU, only an explicit :class:`MosaicBackwardConfig` selects them.
 
-**Fallback**: float32, head dims 129-192 (:func:`unsupported` says why), head_dim 256
-without an explicit config, and calls with ``bias`` / ``mask`` arrays go to the Triton
-backward, which also computes dbias.
+**Bias / mask arrays** are read with the forward's readers
+(:class:`~pallas_flash.mosaic.forward._LogitArray`): the dQ kernel as the forward does (tiles
+or key rows in rings next to K, query rows once), the dK/dV kernel on the arrays transposed
+to ``[B', N', S, T]``, so that its tiles come laid out as Sᵀ (tiles or query rows in rings
+next to lse, key rows once per head). A mask that broadcasts to the bias's shape is folded
+into it as −inf; any other mask makes every block take the masked path. The rings are fitted
+to shared memory by :func:`~pallas_flash.mosaic.config.fit_backward_logit_rings`. dbias is not
+computed here: calls that need it take the Triton backward.
+
+**Fallback**: float32, head dims 129-192 (:func:`unsupported` says why), dbias, bias / mask
+arrays at head_dim 256, and — until they have run on a GPU — head_dim 256 and bias / mask
+arrays without an explicit :class:`MosaicBackwardConfig` go to the Triton backward.
 
 **CPU testing**: Mosaic GPU interpret mode cannot run a wgmma whose A operand is in
 registers. With ``interpret=True`` the A operands (Pᵀ, dSᵀ, dS) are stored to an SMEM
@@ -91,7 +100,9 @@ from pallas_flash.mosaic.config import (
     MAX_PER_CONSUMER_HEAD_DIM,
     NUM_CONSUMERS,
     MosaicBackwardConfig,
+    MosaicConfig,
     default_backward_config,
+    fit_backward_logit_rings,
     padded_head_dim,
 )
 from pallas_flash.mosaic.forward import (
@@ -101,7 +112,11 @@ from pallas_flash.mosaic.forward import (
     _PRODUCER,
     _PRODUCER_REGISTERS,
     _SWIZZLE,
+    _fold_mask,
     _hull,
+    _logit_array,
+    _logit_operand,
+    _LogitArray,
     _pad,
     _row,
     _smem_transforms,
@@ -145,6 +160,24 @@ class _Static:
     # time and wants both SMEM operands equally swizzled, so a GEMM that contracts over
     # 32 rows (32-key blocks of the dQ kernel at head_dim 256) takes 64 bytes throughout.
     swizzle: int = _SWIZZLE
+    # Bias / mask arrays (the forward's reader), in this kernel's orientation: the dK/dV
+    # kernel reads them transposed ([B', N', S, T]: its rows are keys, its ring walks
+    # queries), the dQ kernel as they are.
+    bias: _LogitArray | None = None
+    attn_mask: _LogitArray | None = None
+
+    @property
+    def logit_arrays(self) -> tuple[_LogitArray, ...]:
+        return tuple(a for a in (self.bias, self.attn_mask) if a is not None)
+
+    @property
+    def reads_walked_slots(self) -> bool:
+        # Consumers read ids / bias / mask from the walked ring's slots (generic proxy).
+        return self.segmented or any(a.ring is not None for a in self.logit_arrays)
+
+    def logit_copies(self) -> int:
+        """TMA copies of bias / mask per walked block (arrivals on its ready barrier)."""
+        return sum(a.copies_per_block(NUM_CONSUMERS) for a in self.logit_arrays)
 
 
 def _col(x: jax.Array, shape: tuple[int, int]) -> jax.Array:
@@ -161,21 +194,23 @@ def _operand_a(x: jax.Array, scratch):
     return scratch
 
 
-def _probabilities(st: _Static, scores, lse2, visible):
+def _probabilities(st: _Static, scores, lse2, visible, bias=None):
     """P = exp2(logits·log2e − lse·log2e) of one tile, and the soft-cap's slope (or None).
 
     ``scores``: raw Q·Kᵀ (or K·Qᵀ) in f32; ``lse2``: the forward's lse in base 2, already
-    broadcast over the tile; ``visible``: None (a full block) or the tile's mask. Hidden
-    pairs become −inf after the cap (before it, tanh would make them finite): P = 0 even
-    for a row that sees no key (lse = ``EMPTY_ROW_LSE``, finite).
+    broadcast over the tile; ``visible``: None (a full block) or the tile's mask; ``bias``:
+    None or the tile's bias, added after the cap. Hidden pairs become −inf after the cap
+    (before it, tanh would make them finite): P = 0 even for a row that sees no key (lse =
+    ``EMPTY_ROW_LSE``, finite).
     """
-    logits2, slope = log2_logits(scores, st.scale, st.softcap)
+    logits2, slope = log2_logits(scores, st.scale, st.softcap, bias)
     if visible is not None:
         logits2 = jnp.where(visible, logits2, -jnp.inf)
     return jnp.exp2(logits2 - lse2), slope
 
 
-def _visible(st: _Static, shape, q_first, k_first, q_ids, kv_ids, *, keys_are_rows: bool):
+def _visible(st: _Static, shape, q_first, k_first, q_ids, kv_ids, *, keys_are_rows: bool,
+             mask_tile=None):
     """The mask of a boundary tile: pairs the mask spec shows and, with segment ids, of one
     document. ``q_first``/``k_first``: the tile's first query row and key; ``q_ids``/``kv_ids``:
     their ids laid out along the tile's query / key axis (None without segment ids).
@@ -187,6 +222,8 @@ def _visible(st: _Static, shape, q_first, k_first, q_ids, kv_ids, *, keys_are_ro
     if st.segmented:  # ... and pairs of the same document
         spread = {0: _row, 1: _col}
         visible &= spread[q_axis](q_ids, shape) == spread[k_axis](kv_ids, shape)
+    if mask_tile is not None:  # ... and pairs the mask array shows
+        visible &= mask_tile != 0
     return visible
 
 
@@ -207,6 +244,44 @@ def _cta_range(st: _Static, cta_band, ranges_of):
     return functools.reduce(_hull, (ranges_of(c)[::3] for c in range(NUM_CONSUMERS)))
 
 
+def _unpack_refs(st: _Static, refs):
+    """The kernels' extra GMEM refs in order: (q_ids, kv_ids, spans) with segment ids, the
+    bias and mask operands, then the rest (outputs)."""
+    refs = iter(refs)
+    ids = tuple(next(refs) for _ in range(3)) if st.segmented else (None,) * 3
+    bias_ref = next(refs) if st.bias is not None else None
+    mask_ref = next(refs) if st.attn_mask is not None else None
+    return ids, (bias_ref, mask_ref), tuple(refs)
+
+
+def _load_logit_slots(st: _Static, logit_refs, rings, s, ready, *, batch, head, owned,
+                      walked) -> None:
+    """Producer: the bias / mask tiles (or rows) of walked block ``walked`` into slot ``s``
+    of their rings, on ``ready`` (``owned``: each consumer's ``pl.ds``)."""
+    for array, ref, ring in zip((st.bias, st.attn_mask), logit_refs, rings, strict=True):
+        if array is not None and array.ring is not None:
+            array.load_block(ref, ring.at[s], ready, batch=batch, head=head, rows=owned,
+                             keys=walked)
+
+
+def _owned_logit_parts(st: _Static, logit_refs, *, batch, head, owned):
+    """Consumer: (bias, mask) values of arrays constant along the walked axis, laid out as
+    its ``owned`` rows (read from GMEM once per head), else None."""
+    return tuple(array.read_rows(ref, batch=batch, head=head, rows=owned)
+                 if array is not None and array.ring is None else None
+                 for array, ref in zip((st.bias, st.attn_mask), logit_refs, strict=True))
+
+
+def _logit_tiles(st: _Static, owned_parts, rings, s, wg, shape):
+    """Consumer ``wg``: (bias tile, mask tile) of the step in slot ``s`` (each None when
+    absent), read before the slot is freed."""
+    tiles = []
+    for array, owned, ring in zip((st.bias, st.attn_mask), owned_parts, rings, strict=True):
+        walked = None if array is None or ring is None else array.read_slot(ring.at[s], wg)
+        tiles.append(None if array is None else array.tile(owned, walked, shape))
+    return tuple(tiles)
+
+
 def _wait_all(barriers, s) -> None:
     for barrier in barriers:
         plgpu.barrier_wait(barrier.at[s])
@@ -222,6 +297,8 @@ def _walk(st: _Static, step, skip, cta_range, ranges, carry):
     if not st.needs_mask:  # every block of every consumer is full
         return lax.fori_loop(cta_first, cta_last, functools.partial(step, masked=False), carry)
     first, full_first, full_last, last = ranges
+    if st.attn_mask is not None:  # a mask array can hide pairs in any block
+        full_first = full_last = first
     masked, unmasked = (functools.partial(step, masked=m) for m in (True, False))
     carry = lax.fori_loop(cta_first, first, skip, carry)
     carry = lax.fori_loop(first, full_first, masked, carry)
@@ -249,9 +326,9 @@ def _stream(st: _Static, free, num_steps, load) -> None:
     @pl.loop(st.num_stages, num_steps)
     def _refill(t):
         plgpu.barrier_wait(free.at[lax.rem(t, st.num_stages)])
-        if st.segmented:
-            # The consumers read the slot's segment ids through the generic proxy; the
-            # proxy fence orders those reads before the TMA (async proxy) overwrites.
+        if st.reads_walked_slots:
+            # The consumers read the slot's ids / bias / mask through the generic proxy;
+            # the proxy fence orders those reads before the TMA (async proxy) overwrites.
             plgpu.commit_smem()
         load(t)
 
@@ -266,7 +343,7 @@ def _stream(st: _Static, free, num_steps, load) -> None:
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static,
                  k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, k_ready, v_ready,
                  q_ready, do_ready, lse_ready, delta_ready, free, q_ids_smem=None,
-                 a_smem=None, ds_smem=None, dq_smem=None):
+                 a_smem=None, ds_smem=None, dq_smem=None, bias_smem=None, mask_smem=None):
     """One CTA: keys ``[2·block_kv·tile, +2·block_kv)`` of one KV head.
 
     GMEM refs: q/do [B, Tq, N, D], k/v [B, Tk, K, D], lse (log2 units)/delta [B, N, Tq];
@@ -278,9 +355,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
     arrival); a_smem [2, block_kv, block_q] (interpret mode only); with ``st.fuse_dq``:
     ds_smem [2, block_kv, block_q] and dq_smem [2, block_q, D] float32.
     """
-    q_ids_ref, kv_ids_ref, spans_ref = refs[:3] if st.segmented else (None,) * 3
-    refs = refs[3:] if st.segmented else refs
+    (q_ids_ref, kv_ids_ref, spans_ref), logit_refs, refs = _unpack_refs(st, refs)
     dq_ref, dk_ref, dv_ref = refs if st.fuse_dq else (None, *refs)
+    rings = (bias_smem, mask_smem)
     bq, bkv = st.block_q, st.block_kv
     batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
     kv_tile = lax.axis_index("kv_tiles")
@@ -317,6 +394,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
             if st.segmented:  # the rows' ids, 4·block_q bytes, on lse's barrier
                 plgpu.copy_gmem_to_smem(q_ids_ref.at[batch, rows], q_ids_smem.at[s],
                                         lse_ready.at[s])
+            # Bias / mask (transposed: [keys, queries]) tiles or rows, on lse's barrier.
+            owned = [pl.ds(cta_k0 + c * bkv, bkv) for c in range(NUM_CONSUMERS)]
+            _load_logit_slots(st, logit_refs, rings, s, lse_ready.at[s], batch=batch,
+                              head=head, owned=owned, walked=rows)
             plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], delta_smem.at[s],
                                     delta_ready.at[s])
         _stream(st, free, st.group * blocks_per_head, load)
@@ -343,7 +424,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
         plgpu.barrier_wait(v_ready.at[wg])
 
         def accumulate(dk_acc, dv_acc):
-            def step(i, head_step0, *, head, masked: bool):
+            def step(i, head_step0, *, head, owned_parts, masked: bool):
                 """Query block i of one head: dV_j += Pᵀ·dO_i, dK_j += dSᵀ·Q_i."""
                 s = slot(head_step0 + i)
                 _wait_all(ready, s)
@@ -354,6 +435,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
                 if st.segmented:  # read before the slot is freed (the producer refills it)
                     q_ids = plgpu.load(q_ids_smem.at[s], layout=plgpu.Layout.WGMMA.reduce(0))
                 shape = (bkv, bq)  # rows are keys, columns queries
+                bias_t, mask_t = _logit_tiles(st, owned_parts, rings, s, wg, shape)
 
                 def gemms(st_acc, dpt_acc):
                     plgpu.wgmma(st_acc, k_tile, q_tile.T)
@@ -363,8 +445,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
                     visible = None
                     if masked:
                         visible = _visible(st, shape, i * bq, k0, q_ids, kv_ids,
-                                           keys_are_rows=True)
-                    p_t, slope_t = _probabilities(st, scores_t, _col(lse2, shape), visible)
+                                           keys_are_rows=True, mask_tile=mask_t)
+                    p_t, slope_t = _probabilities(st, scores_t, _col(lse2, shape), visible,
+                                                  bias_t)
                     plgpu.wgmma(dv_acc, _operand_a(p_t.astype(st.dtype), a_tile), do_tile)
                     # dPᵀ is ready once at most the dV GEMM is in flight: dSᵀ overlaps it.
                     dp_t = plgpu.wgmma_accumulator_load(dpt_acc, wait_n=1)
@@ -393,7 +476,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
 
             def head(g, carry):  # the GQA group's query heads, summed in dK/dV
                 head_step0 = g * blocks_per_head - cta_first  # step of block i: head_step0 + i
-                _walk(st, functools.partial(step, head=kv_head * st.group + g), skip,
+                q_head = kv_head * st.group + g
+                owned_parts = _owned_logit_parts(st, logit_refs, batch=batch, head=q_head,
+                                                 owned=pl.ds(k0, bkv))
+                _walk(st, functools.partial(step, head=q_head, owned_parts=owned_parts), skip,
                       (cta_first, cta_last), ranges, head_step0)
                 return carry
 
@@ -433,7 +519,7 @@ def _reduce_dq(ds_tile, k_tile, dq_tile, dq_rows) -> None:
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static,
                q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, q_ready, do_ready,
                lse_ready, delta_ready, k_ready, v_ready, free, kv_ids_smem=None,
-               a_smem=None):
+               a_smem=None, bias_smem=None, mask_smem=None):
     """One CTA: query rows ``[2·block_q·tile, +2·block_q)`` of one head.
 
     GMEM refs as in :func:`_dkdv_kernel`; ``refs`` = (q_ids [B, Tq], kv_ids [B, Tk], spans
@@ -443,7 +529,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
     ids, on K's ready barrier: one more TMA arrival); a_smem [2, block_q, block_kv]
     (interpret mode only).
     """
-    q_ids_ref, kv_ids_ref, spans_ref, dq_ref = refs if st.segmented else (None,) * 3 + refs
+    (q_ids_ref, kv_ids_ref, spans_ref), logit_refs, (dq_ref,) = _unpack_refs(st, refs)
+    rings = (bias_smem, mask_smem)
     bq, bkv = st.block_q, st.block_kv
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
     q_tile_idx = lax.axis_index("q_tiles")
@@ -478,6 +565,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
             if st.segmented:  # the keys' ids, 4·block_kv bytes, on K's barrier
                 plgpu.copy_gmem_to_smem(kv_ids_ref.at[batch, pl.ds(j * bkv, bkv)],
                                         kv_ids_smem.at[s], k_ready.at[s])
+            owned = [pl.ds(cta_q0 + c * bq, bq) for c in range(NUM_CONSUMERS)]
+            _load_logit_slots(st, logit_refs, rings, s, k_ready.at[s], batch=batch, head=head,
+                              owned=owned, walked=pl.ds(j * bkv, bkv))
             plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[s], v_ready.at[s])
         _stream(st, free, cta_last - cta_first, load)
 
@@ -503,6 +593,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
         lse2 = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         shape = (bq, bkv)
+        owned_parts = _owned_logit_parts(st, logit_refs, batch=batch, head=head,
+                                         owned=pl.ds(q0, bq))
 
         def accumulate(dq_acc):
             def step(j, carry, *, masked: bool):
@@ -514,6 +606,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
                 if st.segmented:  # read before the slot is freed (the producer refills it)
                     kv_ids = plgpu.load(kv_ids_smem.at[s],
                                         layout=plgpu.Layout.WGMMA.reduce(0))
+                bias, mask = _logit_tiles(st, owned_parts, rings, s, wg, shape)
 
                 def gemms(s_acc, dp_acc):
                     plgpu.wgmma(s_acc, q_tile, k_tile.T)
@@ -523,8 +616,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
                     visible = None
                     if masked:
                         visible = _visible(st, shape, q0, j * bkv, q_ids, kv_ids,
-                                           keys_are_rows=False)
-                    p, slope = _probabilities(st, scores, _row(lse2, shape), visible)
+                                           keys_are_rows=False, mask_tile=mask)
+                    p, slope = _probabilities(st, scores, _row(lse2, shape), visible, bias)
                     dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=0)
                     ds = raw_score_gradient(p * (dp - _row(delta, shape)), slope)
                     plgpu.wgmma(dq_acc, _operand_a(ds.astype(st.dtype), a_tile), k_tile)
@@ -600,9 +693,10 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         tiling comes from :func:`default_backward_config`), or a ``MosaicBackwardConfig``
         to choose the backward tiling explicitly.
       interpret: run in Mosaic GPU interpret mode on the CPU.
-      bias, attn_mask: None or canonical ``[B', N', T', S']`` (:mod:`pallas_flash.bias`);
-        with either, the Triton backward runs (these kernels do not read them) and returns
-        dbias (float32, shaped like ``bias``) after dq, dk, dv when ``bias_grad``.
+      bias, attn_mask: None or canonical ``[B', N', T', S']`` (:mod:`pallas_flash.bias`),
+        read by both kernels (see the module docstring); with ``bias_grad`` the Triton
+        backward runs instead and returns dbias (float32, shaped like ``bias``) after dq,
+        dk, dv.
 
     Calls that :func:`unsupported` refuses go to the Triton backward. Any lengths work:
     sequences are zero-padded to whole CTAs (padded rows get lse = +inf, so P = 0; padded
@@ -611,12 +705,15 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
     del out
     segmented = segment_ids is not None
     dim = padded_head_dim(q.shape[-1])
-    # The head_dim 256 kernels (backward_d256, 32-key dQ blocks) match the oracle in
-    # interpret mode and lower for CUDA, but have not run on a GPU yet (2026-11-29): only
-    # an explicit MosaicBackwardConfig selects them.
-    unchecked_on_gpu = (dim > MAX_PER_CONSUMER_HEAD_DIM
+    has_logits = bias is not None or attn_mask is not None
+    # The head_dim 256 kernels (backward_d256, 32-key dQ blocks) and the bias / mask rings
+    # match the oracle in interpret mode and lower for CUDA, but have not run on a GPU yet
+    # (2026-11-29): only an explicit MosaicBackwardConfig selects them.
+    unchecked_on_gpu = ((dim > MAX_PER_CONSUMER_HEAD_DIM or has_logits)
                         and not isinstance(config, MosaicBackwardConfig))
-    if (bias is not None or attn_mask is not None or unchecked_on_gpu
+    # dbias, and bias / mask arrays at head_dim 256, are Triton's.
+    triton_only = bias_grad or (has_logits and dim > MAX_PER_CONSUMER_HEAD_DIM)
+    if (triton_only or unchecked_on_gpu
             or unsupported(q.shape, q.dtype, segmented, softcap) is not None):
         return _triton_backward(q, k, v, segment_ids, None, lse, d_out, delta, mask=mask,
                                 scale=scale, interpret=interpret, softcap=softcap, bias=bias,
@@ -626,7 +723,18 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
     _, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     itemsize = jnp.dtype(q.dtype).itemsize
-    config.check_fits(dim, itemsize, segments=segmented)
+    # Bias / mask arrays: the dQ kernel reads them as the forward does, the dK/dV kernel
+    # transposed ([B', N', S, T]), so that its tiles are laid out as Sᵀ.
+    bias, attn_mask = _fold_mask(bias, attn_mask)
+    logits = [(x, is_mask) for x, is_mask in ((bias, False), (attn_mask, True))
+              if x is not None]
+    dq_logits = [(x, _logit_array(x, is_mask=m)) for x, m in logits]
+    dkdv_logits = [(x, _logit_array(x, is_mask=m))
+                   for x, m in ((jnp.swapaxes(x, 2, 3), m) for x, m in logits)]
+    rings = {name: tuple(a.ring for _, a in arrays if a.ring is not None)
+             for name, arrays in (("dkdv_rings", dkdv_logits), ("dq_rings", dq_logits))}
+    config = fit_backward_logit_rings(config, dim, itemsize, segments=segmented, **rings)
+    config.check_fits(dim, itemsize, segments=segmented, **rings)
     # One padded length serves both kernels: whole dK/dV query blocks and dQ CTAs, whole
     # dK/dV CTAs and dQ key blocks (all block sizes are powers of two times 64).
     seq_q_pad = round_up(seq_q, max(config.block_q, NUM_CONSUMERS * config.dq_block_q))
@@ -641,17 +749,27 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
     common = dict(
         mask=mask, scale=scale, num_stages=config.num_stages,
         head_dim=dim, dtype=jnp.dtype(q.dtype), group=heads // kv_heads,
-        needs_mask=not mask.is_dense or seq_kv_pad != seq_kv or segmented, fuse_dq=fuse_dq,
-        softcap=softcap, segmented=segmented)
+        needs_mask=(not mask.is_dense or seq_kv_pad != seq_kv or segmented
+                    or attn_mask is not None),
+        fuse_dq=fuse_dq, softcap=softcap, segmented=segmented)
     operands = (q_p, k_p, v_p, do_p, lse2, delta)
     ids = pad_segment_ids(segment_ids, seq_q_pad, seq_kv_pad) if segmented else None
 
     def with_ids(st: _Static, *, walk_kv: bool):
-        """The operands, and with segment ids the ids and the spans of the kernel's tiles."""
-        if ids is None:
-            return operands
-        return (*operands, *ids,
-                tile_spans(*ids, st.block_q, st.block_kv, walk_kv=walk_kv))
+        """The operands, with segment ids the ids and the spans of the kernel's tiles, and
+        the bias / mask operands in the kernel's orientation."""
+        extra = () if ids is None else (
+            *ids, tile_spans(*ids, st.block_q, st.block_kv, walk_kv=walk_kv))
+        if walk_kv:  # the dQ kernel
+            arrays = [_logit_operand(x, a, seq_q_pad, seq_kv_pad) for x, a in dq_logits]
+        else:
+            arrays = [_logit_operand(x, a, seq_kv_pad, seq_q_pad) for x, a in dkdv_logits]
+        return (*operands, *extra, *arrays)
+
+    def logit_arrays(arrays):
+        """_Static's bias / attn_mask fields for one kernel's readers."""
+        by_kind = {a.is_mask: a for _, a in arrays}
+        return dict(bias=by_kind.get(False), attn_mask=by_kind.get(True))
 
     # Up to head_dim 128 a dK/dV CTA holds one key block per consumer; at 256 its two
     # consumers split one block (backward_d256).
@@ -662,7 +780,7 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         num_tiles=seq_kv_pad // ((1 if split else NUM_CONSUMERS) * config.block_kv),
         # Split: dV/dK contract over the 32 rows of a consumer's half of the query block.
         swizzle=min(_SWIZZLE, config.block_q // NUM_CONSUMERS * itemsize) if split
-        else _SWIZZLE, **common)
+        else _SWIZZLE, **logit_arrays(dkdv_logits), **common)
     dkdv_operands = with_ids(dkdv_static, walk_kv=False)  # owns key tiles, walks queries
     if fuse_dq:
         dq_acc = jax.new_ref(jnp.zeros(q_p.shape, jnp.float32))  # the reduce-adds' target
@@ -679,7 +797,8 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         dq_static = _Static(block_q=config.dq_block_q, block_kv=config.dq_block_kv,
                             num_q_blocks=seq_q_pad // config.dq_block_q,
                             num_tiles=seq_q_pad // (NUM_CONSUMERS * config.dq_block_q),
-                            swizzle=min(_SWIZZLE, config.dq_block_kv * itemsize), **common)
+                            swizzle=min(_SWIZZLE, config.dq_block_kv * itemsize),
+                            **logit_arrays(dq_logits), **common)
         dq = _call_dq(dq_static, with_ids(dq_static, walk_kv=True), interpret=interpret)
     return (dq[:, :seq_q, :, :head_dim], dk[:, :seq_kv, :, :head_dim],
             dv[:, :seq_kv, :, :head_dim])
@@ -698,6 +817,16 @@ def _tiles(st: _Static, *shape, dtype=None):
     return plgpu.SMEM(shape, dtype, transforms=_smem_transforms(dtype.itemsize, swizzle))
 
 
+def _logit_scratch(st: _Static, *, owned: int, walked: int) -> dict:
+    """The bias / mask rings of one kernel whose consumers own ``owned`` rows and whose
+    ring walks blocks of ``walked`` (its tiling in the forward's terms)."""
+    rings = [a for a in st.logit_arrays if a.ring is not None]
+    if not rings:
+        return {}
+    view = MosaicConfig(block_q=owned, block_kv=walked, num_stages=st.num_stages)
+    return {"mask_smem" if a.is_mask else "bias_smem": a.smem(view) for a in rings}
+
+
 def _call_dkdv(st: _Static, operands, dq_acc, *, interpret: bool):
     """dK, dV [B, Tk_pad, K, D_pad]: one CTA per 2·block_kv keys of one KV head.
 
@@ -714,13 +843,16 @@ def _call_dkdv(st: _Static, operands, dq_acc, *, interpret: bool):
         k_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
         v_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
         q_ready=plgpu.Barrier(num_barriers=stages), do_ready=plgpu.Barrier(num_barriers=stages),
-        # One TMA arrival per copy: lse, and with segment ids the rows' ids.
-        lse_ready=plgpu.Barrier(num_arrivals=1 + st.segmented, num_barriers=stages),
+        # One TMA arrival per copy: lse, with segment ids the rows' ids, bias / mask.
+        lse_ready=plgpu.Barrier(num_arrivals=1 + st.segmented + st.logit_copies(),
+                                num_barriers=stages),
         delta_ready=plgpu.Barrier(num_barriers=stages),
         free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
     )
     if st.segmented:
         scratch["q_ids_smem"] = plgpu.SMEM((stages, bq), jnp.int32)
+    # Consumers own block_kv keys, the ring walks block_q queries (transposed arrays).
+    scratch.update(_logit_scratch(st, owned=bkv, walked=bq))
     if interpret:
         scratch["a_smem"] = _tiles(st, NUM_CONSUMERS, bkv, bq)
     extra = ()
@@ -752,13 +884,15 @@ def _call_dq(st: _Static, operands, *, interpret: bool):
         do_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
         lse_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
         delta_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
-        # One TMA arrival per copy: K, and with segment ids the keys' ids.
-        k_ready=plgpu.Barrier(num_arrivals=1 + st.segmented, num_barriers=stages),
+        # One TMA arrival per copy: K, with segment ids the keys' ids, bias / mask.
+        k_ready=plgpu.Barrier(num_arrivals=1 + st.segmented + st.logit_copies(),
+                              num_barriers=stages),
         v_ready=plgpu.Barrier(num_barriers=stages),
         free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
     )
     if st.segmented:
         scratch["kv_ids_smem"] = plgpu.SMEM((stages, bkv), jnp.int32)
+    scratch.update(_logit_scratch(st, owned=bq, walked=bkv))
     if interpret:
         scratch["a_smem"] = _tiles(st, NUM_CONSUMERS, bq, bkv)
     return plgpu.kernel(

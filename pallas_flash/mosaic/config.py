@@ -274,10 +274,25 @@ class MosaicBackwardConfig:
         if not 2 <= self.num_stages <= 4:
             raise ValueError(f"num_stages must be in [2, 4], got {self.num_stages}")
 
+    def dkdv_ring_view(self) -> MosaicConfig:
+        """The dK/dV kernel's tiling in the forward's terms, for :class:`LogitRing` (bias /
+        mask arrays, transposed): each consumer owns ``block_kv`` keys, the ring walks
+        ``block_q`` queries."""
+        return MosaicConfig(block_q=self.block_kv, block_kv=self.block_q,
+                            num_stages=self.num_stages)
+
+    def dq_ring_view(self) -> MosaicConfig:
+        """The dQ kernel's tiling in the forward's terms (consumers own ``dq_block_q``
+        queries, the ring walks ``dq_block_kv`` keys)."""
+        return MosaicConfig(block_q=self.dq_block_q, block_kv=self.dq_block_kv,
+                            num_stages=self.num_stages)
+
     def dkdv_smem_bytes(self, head_dim: int, itemsize: int = 2, *,
-                        segments: bool = False) -> int:
+                        segments: bool = False, logit_rings: tuple[LogitRing, ...] = ()
+                        ) -> int:
         """dK/dV kernel: resident K/V tiles, the Q/dO ring, the lse/delta ring, barriers,
-        and with ``segments`` the ring of the rows' segment ids (int32, next to lse's)."""
+        with ``segments`` the ring of the rows' segment ids (int32, next to lse's), and the
+        rings of bias / mask arrays (``logit_rings``, next to lse's too)."""
         if head_dim > MAX_PER_CONSUMER_HEAD_DIM:
             return self._split_dkdv_smem_bytes(head_dim, itemsize, segments=segments)
         k_v = 2 * _align(NUM_CONSUMERS * self.block_kv * head_dim * itemsize)
@@ -290,7 +305,8 @@ class MosaicBackwardConfig:
         if not self.deterministic:  # per consumer: dSᵀ tile and the f32 dQ partial
             fused_dq = (_align(NUM_CONSUMERS * self.block_kv * self.block_q * itemsize)
                         + _align(NUM_CONSUMERS * self.block_q * head_dim * 4))
-        return k_v + q_do + stats + q_ids + barriers + fused_dq
+        logits = sum(_align(ring.nbytes(self.dkdv_ring_view())) for ring in logit_rings)
+        return k_v + q_do + stats + q_ids + barriers + fused_dq + logits
 
     def _split_dkdv_smem_bytes(self, head_dim: int, itemsize: int, *, segments: bool
                                ) -> int:
@@ -305,33 +321,65 @@ class MosaicBackwardConfig:
         barriers = 8 * (2 * NUM_CONSUMERS + 5 * self.num_stages)
         return k_v + q_do + stats + exchange + q_ids + barriers
 
-    def dq_smem_bytes(self, head_dim: int, itemsize: int = 2, *, segments: bool = False
-                      ) -> int:
-        """dQ kernel: resident Q/dO tiles, lse/delta, the K and V rings, barriers, and with
-        ``segments`` the ring of the keys' segment ids (int32, next to K's)."""
+    def dq_smem_bytes(self, head_dim: int, itemsize: int = 2, *, segments: bool = False,
+                      logit_rings: tuple[LogitRing, ...] = ()) -> int:
+        """dQ kernel: resident Q/dO tiles, lse/delta, the K and V rings, barriers, with
+        ``segments`` the ring of the keys' segment ids (int32, next to K's), and the rings
+        of bias / mask arrays (``logit_rings``, next to K's too)."""
         q_do = 2 * _align(NUM_CONSUMERS * self.dq_block_q * head_dim * itemsize)
         stats = 2 * _align(NUM_CONSUMERS * self.dq_block_q * 4)
         kv = 2 * _align(self.num_stages * self.dq_block_kv * head_dim * itemsize)
         kv_ids = _align(self.num_stages * self.dq_block_kv * 4) if segments else 0
         # Q, dO, lse, delta ready per consumer; K/V ready and K/V free per slot.
         barriers = 8 * (4 * NUM_CONSUMERS + 3 * self.num_stages)
-        return q_do + stats + kv + kv_ids + barriers
+        logits = sum(_align(ring.nbytes(self.dq_ring_view())) for ring in logit_rings)
+        return q_do + stats + kv + kv_ids + barriers + logits
 
-    def check_fits(self, head_dim: int, itemsize: int = 2, *, segments: bool = False
-                   ) -> None:
+    def smem_bytes(self, head_dim: int, itemsize: int = 2, *, segments: bool = False,
+                   dkdv_rings: tuple[LogitRing, ...] = (),
+                   dq_rings: tuple[LogitRing, ...] = ()) -> int:
+        """Shared memory of the larger kernel (the dQ kernel only with ``deterministic``);
+        ``dkdv_rings`` / ``dq_rings``: bias / mask rings of each kernel."""
+        need = self.dkdv_smem_bytes(head_dim, itemsize, segments=segments,
+                                    logit_rings=dkdv_rings)
+        if self.deterministic:
+            need = max(need, self.dq_smem_bytes(head_dim, itemsize, segments=segments,
+                                                logit_rings=dq_rings))
+        return need
+
+    def check_fits(self, head_dim: int, itemsize: int = 2, *, segments: bool = False,
+                   dkdv_rings: tuple[LogitRing, ...] = (),
+                   dq_rings: tuple[LogitRing, ...] = ()) -> None:
         """Raises ValueError when either kernel cannot run at ``head_dim`` on an sm90 CTA
-        (``segments``: with segment ids)."""
+        (``segments``: with segment ids; ``*_rings``: with bias / mask arrays)."""
         if head_dim > MAX_PER_CONSUMER_HEAD_DIM and not self.deterministic:
             raise ValueError(f"deterministic=False (the fused dQ) needs head_dim <= "
                              f"{MAX_PER_CONSUMER_HEAD_DIM}, got head_dim={head_dim}")
-        need = self.dkdv_smem_bytes(head_dim, itemsize, segments=segments)
-        if self.deterministic:
-            need = max(need, self.dq_smem_bytes(head_dim, itemsize, segments=segments))
+        need = self.smem_bytes(head_dim, itemsize, segments=segments, dkdv_rings=dkdv_rings,
+                               dq_rings=dq_rings)
         if need > SMEM_BUDGET:
             raise ValueError(
                 f"MosaicBackwardConfig {self} needs {need} bytes of shared memory at "
                 f"head_dim={head_dim}, more than the {SMEM_BUDGET} an sm90 CTA has; "
                 "lower the block sizes or num_stages")
+
+
+def fit_backward_logit_rings(config: MosaicBackwardConfig, head_dim: int, itemsize: int, *,
+                             segments: bool, dkdv_rings: tuple[LogitRing, ...],
+                             dq_rings: tuple[LogitRing, ...]) -> MosaicBackwardConfig:
+    """``config``, or where the rings of bias / mask arrays do not fit beside it, 64-key
+    dQ blocks, then also 64-row dK/dV steps (a float32 tile ring of the dQ kernel with
+    128-key blocks is 128 KiB on its own). Unchanged if nothing fits (``check_fits`` says)."""
+    if not dkdv_rings and not dq_rings:
+        return config
+    candidates = (config, dataclasses.replace(config, dq_block_kv=64),
+                  dataclasses.replace(config, dq_block_kv=64, block_q=64))
+    for candidate in candidates:
+        need = candidate.smem_bytes(head_dim, itemsize, segments=segments,
+                                    dkdv_rings=dkdv_rings, dq_rings=dq_rings)
+        if need <= SMEM_BUDGET:
+            return candidate
+    return config
 
 
 def default_backward_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicBackwardConfig:
