@@ -21,6 +21,10 @@ The Pallas backwards are timed as ``delta = rowsum(dO ∘ O)`` plus the kernels,
 implementation are also compared with cuDNN's (relative error, bf16 against bf16). Every
 result is written to the JSON file as soon as it is measured; a table is printed last.
 
+``--key-mask`` gives every implementation a padding-style ``[batch, 1, 1, L]`` mask array
+hiding the last 1/16 of the keys (FLOPs still counted unmasked): the Mosaic backward then
+reads it as an int8 ring (it takes an explicit config, as every ``mosaic`` entry here).
+
 ``--compile-only`` just compiles the Mosaic backwards at ``--head-dims`` (causal, L 4096):
 run it with ``MOSAIC_GPU_DUMP_PTXAS=1`` to read ptxas' register and spill counts.
 """
@@ -74,7 +78,7 @@ def _registers(name: str):
         mosaic_backward._CONSUMER_REGISTERS, mosaic_backward._PRODUCER_REGISTERS = saved
 
 
-def _pallas_backward(name: str, q, k, mask: MaskSpec, scale: float):
+def _pallas_backward(name: str, q, k, mask: MaskSpec, scale: float, attn_mask=None):
     """A jitted (q, k, v, out, lse, dO) -> (dq, dk, dv) for one Pallas backward."""
     if name == "triton":
         fn = triton_backend.KERNELS.backward
@@ -89,11 +93,12 @@ def _pallas_backward(name: str, q, k, mask: MaskSpec, scale: float):
         delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32),
                            d_out.astype(jnp.float32))
         return fn(q, k, v, None, out, lse, d_out, delta, mask=mask, scale=scale,
-                  config=config, interpret=False)
+                  config=config, interpret=False, attn_mask=attn_mask)
     return jax.jit(run)
 
 
-def bench_point(head_dim: int, seq_len: int, causal: bool, impls, max_seconds: float):
+def bench_point(head_dim: int, seq_len: int, causal: bool, impls, max_seconds: float,
+                key_mask: bool = False):
     """One (head_dim, L, causal) point: backward TFLOP/s per implementation."""
     batch, heads = problem_shape(head_dim, seq_len)
     flops = attention_flops(batch, heads, seq_len, head_dim, causal=causal, pass_="bwd")
@@ -102,14 +107,19 @@ def bench_point(head_dim: int, seq_len: int, causal: bool, impls, max_seconds: f
     keys = jax.random.split(jax.random.key(seq_len + head_dim + causal), 4)
     shape = (batch, seq_len, heads, head_dim)
     q, k, v, d_out = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
+    attn_mask = None
+    if key_mask:
+        attn_mask = jnp.broadcast_to(jnp.arange(seq_len) < seq_len - seq_len // 16,
+                                     (batch, 1, 1, seq_len))
     fwd_config = default_config(q.shape, k.shape, q.dtype, mask)
     out, lse = jax.jit(lambda q, k, v: forward(q, k, v, None, mask=mask, scale=scale,
-                                               config=fwd_config, interpret=False))(q, k, v)
+                                               config=fwd_config, interpret=False,
+                                               attn_mask=attn_mask))(q, k, v)
     timing = dict(max_seconds=max_seconds, iters=10)
 
     def cudnn(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                            implementation="cudnn")
+        return jax.nn.dot_product_attention(q, k, v, mask=attn_mask, is_causal=causal,
+                                            scale=scale, implementation="cudnn")
     cudnn_grads = jax.jit(lambda q, k, v, d: jax.vjp(cudnn, q, k, v)[1](d))
     reference = cudnn_grads(q, k, v, d_out)
     results = {}
@@ -124,7 +134,8 @@ def bench_point(head_dim: int, seq_len: int, causal: bool, impls, max_seconds: f
             else:
                 args = (q, k, v, out, lse, d_out)
                 with _registers(name):
-                    fn = _pallas_backward(name, q, k, mask, scale).lower(*args).compile()
+                    fn = _pallas_backward(name, q, k, mask, scale, attn_mask)
+                    fn = fn.lower(*args).compile()
                 ms = time_fn(fn, [args], **timing).median_ms
                 grads = fn(*args)
             entry.update(ms=ms, tflops=tflops_per_s(flops, ms), rel_err_vs_cudnn=[
@@ -154,6 +165,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-seconds", type=float, default=1.0,
                         help="sampling time per timed function")
     parser.add_argument("--compile-only", action="store_true")
+    parser.add_argument("--key-mask", action="store_true",
+                        help="a [batch, 1, 1, L] mask array hiding the last L/16 keys")
     args = parser.parse_args(argv)
     if args.compile_only:
         for head_dim in map(int, args.head_dims.split(",")):
@@ -172,7 +185,8 @@ def main(argv=None) -> int:
     for head_dim in map(int, args.head_dims.split(",")):
         for seq_len in map(int, args.seq_lens.split(",")):
             for causal in causal_modes:
-                rows.append(bench_point(head_dim, seq_len, causal, impls, args.max_seconds))
+                rows.append(bench_point(head_dim, seq_len, causal, impls, args.max_seconds,
+                                        key_mask=args.key_mask))
                 with open(args.out, "w") as f:
                     json.dump(rows, f, indent=1)
 
