@@ -69,8 +69,10 @@ Until these have run on a GPU, only an explicit :class:`MosaicBackwardConfig` se
 (:class:`~pallas_flash.mosaic.forward._LogitArray`): the dQ kernel as the forward does (tiles
 or key rows in rings next to K, query rows once), the dK/dV kernel on the arrays transposed
 to ``[B', N', S, T]``, so that its tiles come laid out as Sᵀ (tiles or query rows in rings
-next to lse, key rows once per head). A mask that broadcasts to the bias's shape is folded
-into it as −inf; any other mask makes every block take the masked path. The rings are fitted
+next to lse, key rows once per head). The transpose is an XLA copy of the array as the
+kernel reads it (broadcast dims stay 1): one more pass over a ``[.., T, S]`` bias. A mask
+that broadcasts to the bias's shape is folded into it as −inf; any other mask makes every
+block take the masked path. The rings are fitted
 to shared memory by :func:`~pallas_flash.mosaic.config.fit_backward_logit_rings`. dbias is not
 computed here: calls that need it take the Triton backward.
 
