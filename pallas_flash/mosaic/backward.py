@@ -99,13 +99,14 @@ from jax import lax
 from pallas_flash.logits import log2_logits, raw_score_gradient
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic.config import (
+    MAX_HEAD_DIM,
     MAX_PER_CONSUMER_HEAD_DIM,
     NUM_CONSUMERS,
     MosaicBackwardConfig,
-    MosaicConfig,
     default_backward_config,
     fit_backward_logit_rings,
     padded_head_dim,
+    ring_view,
 )
 from pallas_flash.mosaic.forward import (
     _CONSUMER_REGISTERS,
@@ -660,7 +661,7 @@ def unsupported(q_shape, dtype, has_segments: bool, softcap: float | None = None
     if jnp.dtype(dtype) not in _DTYPES:
         return f"the Mosaic GPU backward takes bfloat16 or float16, got {jnp.dtype(dtype)}"
     dim = padded_head_dim(q_shape[-1])
-    if MAX_PER_CONSUMER_HEAD_DIM < dim < 256:
+    if MAX_PER_CONSUMER_HEAD_DIM < dim < MAX_HEAD_DIM:
         return (f"head_dim {q_shape[-1]}: dK and dV of 64 keys do not fit a consumer "
                 f"warpgroup's registers above head_dim {MAX_PER_CONSUMER_HEAD_DIM}, and "
                 "only head_dim 256 splits into two 128-column halves")
@@ -825,7 +826,7 @@ def _logit_scratch(st: _Static, *, owned: int, walked: int) -> dict:
     rings = [a for a in st.logit_arrays if a.ring is not None]
     if not rings:
         return {}
-    view = MosaicConfig(block_q=owned, block_kv=walked, num_stages=st.num_stages)
+    view = ring_view(owned=owned, walked=walked, num_stages=st.num_stages)
     return {"mask_smem" if a.is_mask else "bias_smem": a.smem(view) for a in rings}
 
 

@@ -57,9 +57,6 @@ from pallas_flash.mosaic.backward import (
 from pallas_flash.mosaic.config import NUM_CONSUMERS
 from pallas_flash.mosaic.forward import _PRODUCER
 
-#: The head dim this kernel runs (padded); each consumer owns half of it.
-HEAD_DIM = 256
-
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static,
                  k_smem, v_smem, q_smem, do_smem, stats_smem, pt_smem, dst_smem, k_ready,

@@ -274,19 +274,6 @@ class MosaicBackwardConfig:
         if not 2 <= self.num_stages <= 4:
             raise ValueError(f"num_stages must be in [2, 4], got {self.num_stages}")
 
-    def dkdv_ring_view(self) -> MosaicConfig:
-        """The dK/dV kernel's tiling in the forward's terms, for :class:`LogitRing` (bias /
-        mask arrays, transposed): each consumer owns ``block_kv`` keys, the ring walks
-        ``block_q`` queries."""
-        return MosaicConfig(block_q=self.block_kv, block_kv=self.block_q,
-                            num_stages=self.num_stages)
-
-    def dq_ring_view(self) -> MosaicConfig:
-        """The dQ kernel's tiling in the forward's terms (consumers own ``dq_block_q``
-        queries, the ring walks ``dq_block_kv`` keys)."""
-        return MosaicConfig(block_q=self.dq_block_q, block_kv=self.dq_block_kv,
-                            num_stages=self.num_stages)
-
     def dkdv_smem_bytes(self, head_dim: int, itemsize: int = 2, *,
                         segments: bool = False, logit_rings: tuple[LogitRing, ...] = ()
                         ) -> int:
@@ -305,7 +292,11 @@ class MosaicBackwardConfig:
         if not self.deterministic:  # per consumer: dSᵀ tile and the f32 dQ partial
             fused_dq = (_align(NUM_CONSUMERS * self.block_kv * self.block_q * itemsize)
                         + _align(NUM_CONSUMERS * self.block_q * head_dim * 4))
-        logits = sum(_align(ring.nbytes(self.dkdv_ring_view())) for ring in logit_rings)
+        logits = 0
+        if logit_rings:  # consumers own block_kv keys, the ring walks block_q queries
+            view = ring_view(owned=self.block_kv, walked=self.block_q,
+                             num_stages=self.num_stages)
+            logits = sum(_align(ring.nbytes(view)) for ring in logit_rings)
         return k_v + q_do + stats + q_ids + barriers + fused_dq + logits
 
     def _split_dkdv_smem_bytes(self, head_dim: int, itemsize: int, *, segments: bool
@@ -332,7 +323,11 @@ class MosaicBackwardConfig:
         kv_ids = _align(self.num_stages * self.dq_block_kv * 4) if segments else 0
         # Q, dO, lse, delta ready per consumer; K/V ready and K/V free per slot.
         barriers = 8 * (4 * NUM_CONSUMERS + 3 * self.num_stages)
-        logits = sum(_align(ring.nbytes(self.dq_ring_view())) for ring in logit_rings)
+        logits = 0
+        if logit_rings:  # 32-key blocks (head_dim 256) take no rings
+            view = ring_view(owned=self.dq_block_q, walked=self.dq_block_kv,
+                             num_stages=self.num_stages)
+            logits = sum(_align(ring.nbytes(view)) for ring in logit_rings)
         return q_do + stats + kv + kv_ids + barriers + logits
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, *, segments: bool = False,
@@ -362,6 +357,13 @@ class MosaicBackwardConfig:
                 f"MosaicBackwardConfig {self} needs {need} bytes of shared memory at "
                 f"head_dim={head_dim}, more than the {SMEM_BUDGET} an sm90 CTA has; "
                 "lower the block sizes or num_stages")
+
+
+def ring_view(*, owned: int, walked: int, num_stages: int) -> MosaicConfig:
+    """A backward kernel's tiling in the forward's terms, which :class:`LogitRing` and the
+    forward's bias / mask readers take: consumers own ``owned`` rows, the ring walks blocks
+    of ``walked``."""
+    return MosaicConfig(block_q=owned, block_kv=walked, num_stages=num_stages)
 
 
 def fit_backward_logit_rings(config: MosaicBackwardConfig, head_dim: int, itemsize: int, *,
