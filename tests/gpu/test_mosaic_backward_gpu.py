@@ -4,10 +4,8 @@ Skipped unless the default device is a GPU of compute capability 9.0. Every case
 fresh inputs, computes ``(out, lse)`` with the Mosaic forward and ``(dq, dk, dv)`` with
 :func:`pallas_flash.mosaic.backward.backward`, and compares all three with
 ``reference.attention_float64`` (‖got − ref‖ / ‖ref‖ < 1e-2; NaN never passes). Head dim
-256 checks the fallback to the Triton backward (no explicit config) and, with an explicit
-``MosaicBackwardConfig``, its own kernels (``test_head_dim_256_kernels``: once these pass,
-the fallback can go). Packed documents (segment ids, padding lengths) and soft-capping run
-the Mosaic backward too.
+256 runs its own kernels (``backward_d256``, 32-key dQ blocks). Packed documents (segment
+ids, padding lengths) and soft-capping run the Mosaic backward too.
 """
 
 from __future__ import annotations
@@ -145,7 +143,9 @@ def test_head_dim_256_packed_documents_softcap_window():
 ])
 def test_bias_and_mask(head_dim, bias_spec, bias_dtype, mask_spec):
     """Bias / mask arrays in both Mosaic kernels (explicit config; without one they take
-    the Triton backward until this test has passed), vs the float32 XLA gradients."""
+    the Triton backward until this test has passed), vs the float32 XLA gradients. The
+    arrays are arguments of the jitted functions: as constants, XLA's constant folding of
+    their padding and transposes took minutes on the H200."""
     batch, seq, heads, kv_heads = 2, 1500, 8, 2
     q, k, v, d_out = random_qkv(batch, seq, seq, heads, kv_heads, head_dim, BF16)
     sizes = dict(B=batch, N=heads, T=seq, S=seq)
@@ -159,7 +159,7 @@ def test_bias_and_mask(head_dim, bias_spec, bias_dtype, mask_spec):
     mask = MaskSpec(seq_q=seq, seq_kv=seq, is_causal=True)
     scale = head_dim ** -0.5
 
-    def run(q, k, v, d_out):
+    def run(q, k, v, d_out, bias, attn_mask):
         fwd_config = default_config(q.shape, k.shape, q.dtype, mask)
         out, lse = forward(q, k, v, None, mask=mask, scale=scale, config=fwd_config,
                            interpret=False, bias=bias, attn_mask=attn_mask)
@@ -169,13 +169,14 @@ def test_bias_and_mask(head_dim, bias_spec, bias_dtype, mask_spec):
             q, k, v, None, out, lse, d_out, delta, mask=mask, scale=scale,
             config=MosaicBackwardConfig(), interpret=False, bias=bias, attn_mask=attn_mask)
 
-    def reference(q, k, v):
-        return pallas_flash.attention(q, k, v, bias, attn_mask, is_causal=True, scale=scale,
-                                      implementation="xla")
-    grads = jax.jit(run)(q, k, v, d_out)
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    want = jax.jit(lambda *a: jax.vjp(reference, *a[:3])[1](a[3]))(
-        *f32, d_out.astype(jnp.float32))
+    def reference(q, k, v, d_out, bias, attn_mask):
+        def attention(q, k, v):
+            return pallas_flash.attention(q, k, v, bias, attn_mask, is_causal=True,
+                                          scale=scale, implementation="xla")
+        return jax.vjp(attention, q, k, v)[1](d_out)
+    grads = jax.jit(run)(q, k, v, d_out, bias, attn_mask)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
+    want = jax.jit(reference)(*f32, bias, attn_mask)
     for name, got, ref in zip("qkv", grads, want, strict=True):
         got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
         assert np.all(np.isfinite(got)), name
