@@ -293,8 +293,19 @@ def _plot_bench(result: Mapping[str, Any], path: Path) -> None:
 
 def compiled_temp_bytes(fn: Callable[..., Any], *shapes: jax.ShapeDtypeStruct) -> int | None:
     """Temporary buffer bytes XLA assigns to ``jit(fn)`` for these input shapes (compiled,
-    never run: nothing is allocated), or None when the backend does not say."""
-    analysis = jax.jit(fn).lower(*shapes).compile().memory_analysis()
+    never run), or None when the backend does not say.
+
+    Raises:
+      MemoryError: compiling ran out of device memory (XLA's GPU autotuner allocates the
+        program's buffers to time its candidates: on the H200, standard attention's
+        backward at L 32768 asked for 64 GiB there).
+    """
+    try:
+        analysis = jax.jit(fn).lower(*shapes).compile().memory_analysis()
+    except jax.errors.JaxRuntimeError as error:
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        raise MemoryError(f"compiling ran out of device memory: {error}") from error
     return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
@@ -313,6 +324,7 @@ class MemoryRow:
     standard_temp: int | None
     tiled_temp: int | None
     fits: bool
+    why_not: str = ""  # where it does not fit: what said so
 
 
 def _memory(args: argparse.Namespace, parser: argparse.ArgumentParser, _) -> int:
@@ -362,17 +374,28 @@ def _memory(args: argparse.Namespace, parser: argparse.ArgumentParser, _) -> int
         til = io_model.tiled_attention_memory(args.batch, heads, length, head_dim,
                                               itemsize=itemsize)
         std_fn, til_fn = (with_backward(f) if args.backward else f for f in (standard, tiled))
-        std_temp = compiled_temp_bytes(std_fn, *shapes)
+        # Standard attention is compiled only where its analytic peak fits the device.
+        std_temp, why_not = None, ""
+        if limit is not None and std.peak_bytes > limit:
+            why_not = f"analytic peak {std.peak_bytes / 2**30:.1f} GiB"
+        else:
+            try:
+                std_temp = compiled_temp_bytes(std_fn, *shapes)
+            except MemoryError:
+                why_not = "compiling it ran out of device memory"
+            else:
+                if limit is not None and std.io_bytes + (std_temp or 0) > limit:
+                    why_not = f"compiled: {(std.io_bytes + (std_temp or 0)) / 2**30:.1f} GiB"
         til_temp = compiled_temp_bytes(til_fn, *shapes)
-        need = max(std.peak_bytes, std.io_bytes + (std_temp or 0))
-        fits = limit is None or need <= limit
-        rows.append(MemoryRow(length, std.peak_bytes, til.peak_bytes, std_temp, til_temp, fits))
+        fits = not why_not
+        rows.append(MemoryRow(length, std.peak_bytes, til.peak_bytes, std_temp, til_temp, fits,
+                              why_not))
         if not fits:
             break
     print(memory_table(rows))
     if limit and not rows[-1].fits:
         print(f"standard attention no longer fits at L={rows[-1].seq_len} "
-              f"({rows[-1].standard_peak / 2**30:.1f} GiB analytic > {limit / 2**30:.1f} GiB)")
+              f"({rows[-1].why_not}; the device has {limit / 2**30:.1f} GiB)")
     if args.plot:
         _plot_memory(rows, limit, args.plot)
         print(f"wrote {args.plot}")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -96,6 +97,42 @@ def test_memory_tiny(tmp_path, capsys):
     assert [r[0] for r in rows] == ["64", "128"]
     assert all(r[-1] == "yes" for r in rows)
     assert png.stat().st_size > 0
+
+
+def test_compile_out_of_memory_is_a_memory_error():
+    def runs_out(q):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 64 GiB")
+
+    def other_failure(q):
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+    shape = jax.ShapeDtypeStruct((4,), jnp.float32)
+    with pytest.raises(MemoryError, match="out of device memory"):
+        cli.compiled_temp_bytes(runs_out, shape)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        cli.compiled_temp_bytes(other_failure, shape)
+
+
+def test_memory_stops_where_standard_attention_does_not_compile(monkeypatch, capsys):
+    """On the H200, compiling standard attention's backward at L 32768 ran out of device
+    memory (XLA's autotuner): that length is where standard attention no longer fits."""
+    compiled = []
+
+    def temp_bytes(fn, *shapes):
+        length = shapes[0].shape[1]
+        compiled.append((fn.__name__, length))
+        if (fn.__name__, length) == ("standard", 128):
+            raise MemoryError("compiling ran out of device memory")
+        return 1024
+    monkeypatch.setattr(cli, "compiled_temp_bytes", temp_bytes)
+    monkeypatch.setattr(cli, "_device_memory_limit", lambda: 2**40)
+    argv = ["memory", "--seq-lens", "64,128,256", "--heads", "1", "--head-dim", "16"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines()
+            if line.strip().startswith(("64 ", "128 ", "256 "))]
+    assert [(r[0], r[-1]) for r in rows] == [("64", "yes"), ("128", "NO")]
+    assert "no longer fits at L=128" in out and "compiling it ran out" in out
+    assert ("standard", 256) not in compiled and ("tiled", 128) in compiled
 
 
 def test_io_model_only_on_cpu(capsys):
