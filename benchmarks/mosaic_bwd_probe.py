@@ -23,7 +23,8 @@ result is written to the JSON file as soon as it is measured; a table is printed
 
 ``--key-mask`` gives every implementation a padding-style ``[batch, 1, 1, L]`` mask array
 hiding the last 1/16 of the keys (FLOPs still counted unmasked): the Mosaic backward then
-reads it as an int8 ring (it takes an explicit config, as every ``mosaic`` entry here).
+reads it as an int8 ring (it takes an explicit config, as every ``mosaic`` entry here);
+cuDNN, which takes no such array, gets the same padding as ``key_value_seq_lengths``.
 
 ``--compile-only`` just compiles the Mosaic backwards at ``--head-dims`` (causal, L 4096):
 run it with ``MOSAIC_GPU_DUMP_PTXAS=1`` to read ptxas' register and spill counts.
@@ -107,10 +108,12 @@ def bench_point(head_dim: int, seq_len: int, causal: bool, impls, max_seconds: f
     keys = jax.random.split(jax.random.key(seq_len + head_dim + causal), 4)
     shape = (batch, seq_len, heads, head_dim)
     q, k, v, d_out = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
-    attn_mask = None
+    attn_mask = kv_lengths = None
     if key_mask:
-        attn_mask = jnp.broadcast_to(jnp.arange(seq_len) < seq_len - seq_len // 16,
-                                     (batch, 1, 1, seq_len))
+        visible = seq_len - seq_len // 16
+        attn_mask = jnp.broadcast_to(jnp.arange(seq_len) < visible, (batch, 1, 1, seq_len))
+        # cuDNN takes no [B, 1, 1, L] mask array; the same padding as lengths.
+        kv_lengths = jnp.full((batch,), visible, jnp.int32)
     fwd_config = default_config(q.shape, k.shape, q.dtype, mask)
     out, lse = jax.jit(lambda q, k, v: forward(q, k, v, None, mask=mask, scale=scale,
                                                config=fwd_config, interpret=False,
@@ -118,8 +121,9 @@ def bench_point(head_dim: int, seq_len: int, causal: bool, impls, max_seconds: f
     timing = dict(max_seconds=max_seconds, iters=10)
 
     def cudnn(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, mask=attn_mask, is_causal=causal,
-                                            scale=scale, implementation="cudnn")
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                            key_value_seq_lengths=kv_lengths,
+                                            implementation="cudnn")
     cudnn_grads = jax.jit(lambda q, k, v, d: jax.vjp(cudnn, q, k, v)[1](d))
     reference = cudnn_grads(q, k, v, d_out)
     results = {}

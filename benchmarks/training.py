@@ -17,7 +17,7 @@ import statistics
 import sys
 import tempfile
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,25 +114,30 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
+def run(args: argparse.Namespace, command: str,
+        save: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Trains once per implementation; ``save`` gets the result so far after each one (a
+    run cut short by a time limit keeps what finished)."""
     runs: dict[str, Any] = {}
-    tokens_per_step = None
+    result = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+              "jax_version": jax.__version__, "date": datetime.date.today().isoformat(),
+              "command": command, "preset": args.preset, "steps": args.steps,
+              "seed": args.seed, "tokens_per_step": None, "runs": runs}
     with tempfile.TemporaryDirectory() as scratch:
         for impl in args.implementations:
             train_args = _train_args(impl, args, Path(scratch) / impl)
-            tokens_per_step = train_args.batch_size * train_args.seq_len
+            result["tokens_per_step"] = train_args.batch_size * train_args.seq_len
             print(f"=== {impl} ===", flush=True)
             try:
                 history = training.train(train_args)
             except Exception as error:  # one failed baseline must not lose the others
                 traceback.print_exc()
                 runs[impl] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
-                continue
-            runs[impl] = {**summarize(history), "history": history}
-    return {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
-            "jax_version": jax.__version__, "date": datetime.date.today().isoformat(),
-            "command": command, "preset": args.preset, "steps": args.steps,
-            "seed": args.seed, "tokens_per_step": tokens_per_step, "runs": runs}
+            else:
+                runs[impl] = {**summarize(history), "history": history}
+            if save is not None:
+                save(result)
+    return result
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -164,11 +169,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     command = "python -m benchmarks.training " + " ".join(argv if argv is not None
                                                           else sys.argv[1:])
-    result = run(args, command)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "training-" + file_stem(result["device"], result["date"], args.tag)
-    write_json(result, args.out / f"{stem}.json")
-    (args.out / f"{stem}.md").write_text(markdown(result))
+    stem = "training-" + file_stem(jax.devices()[0].device_kind,
+                                   datetime.date.today().isoformat(), args.tag)
+
+    def save(result: dict[str, Any]) -> None:
+        write_json(result, args.out / f"{stem}.json")
+        (args.out / f"{stem}.md").write_text(markdown(result))
+
+    result = run(args, command, save)
     plot(result, args.out / f"{stem}.png")
     print(markdown(result))
 
