@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks import training
@@ -50,3 +52,24 @@ def test_bad_options_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
         training.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_each_finished_run_is_saved_before_the_next_starts(tmp_path, monkeypatch):
+    """A run stopped by a time limit keeps the implementations that finished."""
+    seen_on_disk = []
+
+    def fake_train(args):
+        saved = sorted(tmp_path.glob("training-*.json"))
+        seen_on_disk.append(json.loads(saved[0].read_text())["runs"] if saved else None)
+        if args.implementation == "cudnn":
+            raise RuntimeError("out of memory")
+        return _history([3.0] * 30, [1.0, 200.0, 200.0])
+    monkeypatch.setattr(training.training, "train", fake_train)
+    training.main(["--preset", "tiny", "--steps", "30", "--implementations", "ours,cudnn,xla",
+                   "--out", str(tmp_path)])
+    assert seen_on_disk[0] is None
+    assert list(seen_on_disk[1]) == ["ours"] and list(seen_on_disk[2]) == ["ours", "cudnn"]
+    result = json.loads(next(tmp_path.glob("training-*.json")).read_text())
+    assert result["runs"]["cudnn"]["error"] == "RuntimeError: out of memory"
+    assert result["runs"]["xla"]["tokens_per_s"] == 200.0
+    assert next(tmp_path.glob("training-*.png")).stat().st_size > 0
