@@ -30,17 +30,25 @@ Parts (``--parts``, comma list, in this order by default):
   (``benchmarks.training``, 300 steps; 100 steps of ours and cuDNN took 140 s, jax.nn's XLA
   attention runs out of memory at this size and pallas-flash's XLA path is ~5x slower);
 * ``cli``: ``pallas-flash io``, ``memory``, ``check`` and ``bench`` at GPU sizes, cheapest
-  first.
+  first (io 16 s, check 77 s, bench with its time limit).
+
+On a machine with several GPUs, ``;`` in ``--parts`` splits the parts into lanes that run at
+the same time, lane ``i`` on GPU ``i`` (``CUDA_VISIBLE_DEVICES``), each lane with the whole
+budget shared among its own parts: ``--parts "tests,probes;suite;training,cli"`` on three
+GPUs. (Timings of different GPUs of one host do not disturb each other: each point of the
+suite still compares implementations on one GPU.)
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import subprocess
 import sys
 import tarfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 _PY = sys.executable
@@ -97,9 +105,12 @@ def parts(out: Path, pytest_k: str = "", suite_head_dims: str = "64,128,256"
     )}
 
 
-def run_part(part: Part, seconds: float, log: Path) -> tuple[int, float]:
-    """Runs the part's commands one after the other within ``seconds``; returns the first
-    non-zero exit status (124: out of time) and the seconds spent."""
+def run_part(part: Part, seconds: float, log: Path, gpu: int | None = None
+             ) -> tuple[int, float]:
+    """Runs the part's commands one after the other within ``seconds`` (on GPU ``gpu``
+    alone when given); returns the first non-zero exit status (124: out of time) and the
+    seconds spent."""
+    env = None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
     start = time.perf_counter()
     status = 0
     with log.open("w") as f:
@@ -113,7 +124,7 @@ def run_part(part: Part, seconds: float, log: Path) -> tuple[int, float]:
             print(f"$ {' '.join(command)}", file=f, flush=True)
             try:
                 code = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT,
-                                      timeout=left, check=False).returncode
+                                      timeout=left, check=False, env=env).returncode
             except subprocess.TimeoutExpired:
                 code = 124
                 print(f"(stopped after {left:.0f} s)", file=f, flush=True)
@@ -126,13 +137,35 @@ def _last_line(log: Path) -> str:
     return lines[-1][:120] if lines else ""
 
 
+Row = tuple[str, int | None, int, float, str]  # part, GPU, exit status, seconds, last line
+
+
+def run_lane(names: list[str], catalogue: dict[str, Part], budget: float, report: Path,
+             gpu: int | None) -> list[Row]:
+    """Runs the named parts in order within ``budget`` seconds, each with its weight's
+    share of the time left (time a part does not use goes to the next)."""
+    start = time.perf_counter()
+    rows = []
+    for i, name in enumerate(names):
+        part = catalogue[name]
+        left = budget - (time.perf_counter() - start)
+        share = left * part.weight / sum(catalogue[n].weight for n in names[i:])
+        log = report / f"{name}.log"
+        status, spent = run_part(part, share, log, gpu)
+        rows.append((name, gpu, status, spent, _last_line(log)))
+        where = "" if gpu is None else f" (GPU {gpu})"
+        print(f"{name}{where}: exit {status} in {spent:.0f} s", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="e.g. $OUT on the device")
     parser.add_argument("--budget", type=float, default=560.0,
                         help="seconds for all parts together (default 560)")
     parser.add_argument("--parts", default="tests,suite,probes,variants,training,cli",
-                        help="comma list, run in this order")
+                        help="comma list, run in this order; ';' separates lanes that run "
+                             "at the same time, one GPU each")
     parser.add_argument("--pytest-k", default="", help="pytest -k expression for 'tests'")
     parser.add_argument("--suite-head-dims", default="64,128,256",
                         help="comma list of head dims for 'suite'")
@@ -140,31 +173,30 @@ def main(argv: list[str] | None = None) -> int:
     report = args.out / "gpu-report"
     report.mkdir(parents=True, exist_ok=True)
     catalogue = parts(report, args.pytest_k, args.suite_head_dims)
-    names = [name for name in args.parts.split(",") if name]
+    lanes = [[name for name in lane.split(",") if name] for lane in args.parts.split(";")]
+    names = [name for lane in lanes for name in lane]
     unknown = sorted(set(names) - set(catalogue))
     if unknown:
         parser.error(f"--parts: unknown {unknown}; choose from {sorted(catalogue)}")
+    if len(set(names)) != len(names) or not all(lanes):
+        parser.error(f"--parts: each part at most once, no empty lane: {args.parts!r}")
     if args.budget <= 0:
         parser.error(f"--budget must be positive, got {args.budget}")
 
-    start = time.perf_counter()
-    rows = []
-    for i, name in enumerate(names):
-        part = catalogue[name]
-        left = args.budget - (time.perf_counter() - start)
-        # This part's share of what is left; time a part does not use goes to the next.
-        share = left * part.weight / sum(catalogue[n].weight for n in names[i:])
-        log = report / f"{name}.log"
-        status, spent = run_part(part, share, log)
-        rows.append((name, status, spent, _last_line(log)))
-        print(f"{name}: exit {status} in {spent:.0f} s", flush=True)
+    if len(lanes) == 1:
+        rows = run_lane(lanes[0], catalogue, args.budget, report, None)
+    else:
+        with ThreadPoolExecutor(len(lanes)) as pool:
+            lane_rows = pool.map(lambda gpu: run_lane(lanes[gpu], catalogue, args.budget,
+                                                      report, gpu), range(len(lanes)))
+            rows = [row for lane in lane_rows for row in lane]
 
     with tarfile.open(args.out / "gpu-report.tar.gz", "w:gz") as tar:
         tar.add(report, arcname="gpu-report")
-    print(f"\n{'part':<9} {'exit':>4} {'s':>5}  last line of the log")
-    for name, status, spent, last in rows:
-        print(f"{name:<9} {status:>4} {spent:5.0f}  {last}")
-    return max((status for _, status, _, _ in rows), default=0)
+    print(f"\n{'part':<9} {'gpu':>3} {'exit':>4} {'s':>5}  last line of the log")
+    for name, gpu, status, spent, last in rows:
+        print(f"{name:<9} {'-' if gpu is None else gpu:>3} {status:>4} {spent:5.0f}  {last}")
+    return max((status for _, _, status, _, _ in rows), default=0)
 
 
 if __name__ == "__main__":
