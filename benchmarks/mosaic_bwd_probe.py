@@ -26,6 +26,9 @@ hiding the last 1/16 of the keys (FLOPs still counted unmasked): the Mosaic back
 reads it as an int8 ring (it takes an explicit config, as every ``mosaic`` entry here);
 cuDNN, which takes no such array, gets the same padding as ``key_value_seq_lengths``.
 
+``mosaic:only=dkdv`` and ``mosaic:only=dq`` time one kernel (with the delta pre-pass) while
+the other is left out: where the backward's time goes (milliseconds, no TFLOP/s).
+
 ``--compile-only`` just compiles the Mosaic backwards at ``--head-dims`` (causal, L 4096):
 run it with ``MOSAIC_GPU_DUMP_PTXAS=1`` to read ptxas' register and spill counts.
 """
@@ -50,22 +53,27 @@ from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import default_backward_config, default_config, forward
 
 mosaic_backward = importlib.import_module("pallas_flash.mosaic.backward")
+backward_d256 = importlib.import_module("pallas_flash.mosaic.backward_d256")
 IMPLS = ("mosaic", "mosaic_fused", "triton", "cudnn")
 
 
+def _spec(name: str) -> dict[str, str]:
+    """``mosaic:block_q=64,num_stages=3`` -> {"block_q": "64", "num_stages": "3"}."""
+    return dict(item.split("=") for item in name.partition(":")[2].split(",") if item)
+
+
 def _overrides(name: str) -> dict[str, int]:
-    """``mosaic:block_q=64,num_stages=3`` -> fields of MosaicBackwardConfig to change
-    (``regs=CONSUMERxPRODUCER`` is not a field: see :func:`_registers`)."""
-    _, _, spec = name.partition(":")
-    return {key: int(value) for key, value in (item.split("=") for item in spec.split(",")
-                                               if item) if key != "regs"}
+    """Fields of MosaicBackwardConfig to change (``regs`` and ``only`` are not fields: see
+    :func:`_registers` and :func:`_one_kernel`)."""
+    return {key: int(value) for key, value in _spec(name).items()
+            if key not in ("regs", "only")}
 
 
 @contextlib.contextmanager
 def _registers(name: str):
     """``regs=240x24`` in the spec: trace the kernels with that ``setmaxnreg`` split between
     the consumer and producer warpgroups (module constants, read at trace time)."""
-    spec = dict(item.split("=") for item in name.partition(":")[2].split(",") if item)
+    spec = _spec(name)
     if "regs" not in spec:
         yield
         return
@@ -77,6 +85,36 @@ def _registers(name: str):
         yield
     finally:
         mosaic_backward._CONSUMER_REGISTERS, mosaic_backward._PRODUCER_REGISTERS = saved
+
+
+@contextlib.contextmanager
+def _one_kernel(name: str):
+    """``only=dkdv`` / ``only=dq`` in the spec: trace the backward with the other kernel
+    replaced by zeros (module functions, looked up at trace time), which times one kernel
+    (and the delta pre-pass): where the backward's time goes."""
+    only = _spec(name).get("only")
+    if only is None:
+        yield
+        return
+    if only not in ("dkdv", "dq"):
+        raise ValueError(f"only={only}: choose dkdv or dq")
+
+    def no_dq(st, operands, *, interpret):
+        return jnp.zeros(operands[0].shape, operands[0].dtype)
+
+    def no_dkdv(st, operands, *_, interpret):
+        zeros = jnp.zeros(operands[1].shape, operands[1].dtype)
+        return zeros, zeros
+    swaps = ([(mosaic_backward, "_call_dq", no_dq)] if only == "dkdv" else
+             [(mosaic_backward, "_call_dkdv", no_dkdv), (backward_d256, "call_dkdv", no_dkdv)])
+    saved = [(module, attr, getattr(module, attr)) for module, attr, _ in swaps]
+    for module, attr, stand_in in swaps:
+        setattr(module, attr, stand_in)
+    try:
+        yield
+    finally:
+        for module, attr, original in saved:
+            setattr(module, attr, original)
 
 
 def _pallas_backward(name: str, q, k, mask: MaskSpec, scale: float, attn_mask=None):
@@ -137,19 +175,22 @@ def bench_point(head_dim: int, seq_len: int, causal: bool, impls, max_seconds: f
                 ms, grads = both_ms - fwd_ms, reference
             else:
                 args = (q, k, v, out, lse, d_out)
-                with _registers(name):
+                with _registers(name), _one_kernel(name):
                     fn = _pallas_backward(name, q, k, mask, scale, attn_mask)
                     fn = fn.lower(*args).compile()
                 ms = time_fn(fn, [args], **timing).median_ms
                 grads = fn(*args)
-            entry.update(ms=ms, tflops=tflops_per_s(flops, ms), rel_err_vs_cudnn=[
-                float(np.linalg.norm(np.asarray(g, np.float32) - np.asarray(r, np.float32))
-                      / np.linalg.norm(np.asarray(r, np.float32)))
-                for g, r in zip(grads, reference, strict=True)])
+            entry.update(ms=ms)
+            if "only" not in _spec(name):  # one kernel alone: its time only
+                entry.update(tflops=tflops_per_s(flops, ms), rel_err_vs_cudnn=[
+                    float(np.linalg.norm(np.asarray(g, np.float32) - np.asarray(r, np.float32))
+                          / np.linalg.norm(np.asarray(r, np.float32)))
+                    for g, r in zip(grads, reference, strict=True)])
         except Exception as e:  # keep probing the other implementations
             entry["error"] = f"{type(e).__name__}: {e}"[:2000]
             traceback.print_exc()
         print(f"D={head_dim} L={seq_len} causal={causal} {name}: "
+              f"{entry.get('ms', float('nan')):.3f} ms, "
               f"{entry.get('tflops', float('nan')):.0f} TFLOP/s, grad errors vs cuDNN "
               f"{entry.get('rel_err_vs_cudnn')} {entry.get('error', '')[:300]}", flush=True)
         results[name] = entry
@@ -165,7 +206,8 @@ def main(argv=None) -> int:
     parser.add_argument("--impls", default=";".join(IMPLS),
                         help=f"';'-separated, from {IMPLS}; 'mosaic:block_q=64,num_stages=3' "
                              "times the Mosaic backward with those config fields changed "
-                             "(and regs=232x40: the consumer x producer setmaxnreg)")
+                             "(and regs=232x40: the consumer x producer setmaxnreg; "
+                             "only=dkdv or only=dq: one kernel alone, its time in ms)")
     parser.add_argument("--max-seconds", type=float, default=1.0,
                         help="sampling time per timed function")
     parser.add_argument("--compile-only", action="store_true")
@@ -202,7 +244,9 @@ def main(argv=None) -> int:
         cells = []
         for name in impls:
             tflops = row[name].get("tflops")
-            if tflops is None:
+            if tflops is None and "ms" in row[name]:
+                cells.append(f"{row[name]['ms']:13.3f} ms")
+            elif tflops is None:
                 cells.append(f"{'error':>16}")
             elif cudnn:
                 cells.append(f"{tflops:9.0f} ({tflops / cudnn:.2f}x)")

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from support import random_qkv, rel_err
 
-from benchmarks import report, suite
+from benchmarks import mosaic_bwd_probe, report, suite
 from benchmarks.flops import attention_flops, problem_shape, tflops_per_s
 from benchmarks.implementations import IMPLEMENTATIONS, Implementation, error_summary
 from benchmarks.timing import time_fn
+from pallas_flash.masking import MaskSpec
+from pallas_flash.mosaic import MosaicBackwardConfig
+from pallas_flash.reference import attention_float64
+
+mosaic_backward = importlib.import_module("pallas_flash.mosaic.backward")
 
 # --- FLOP conventions ------------------------------------------------------------------------
 
@@ -281,3 +290,28 @@ def test_suite_main_quick_on_cpu(tmp_path, capsys):
     assert point["impl"] == "xla" and point["error"] is None and point["tflops"] > 0
     out = capsys.readouterr().out
     assert "fwd     64 no         64 |" in out
+
+
+@pytest.mark.parametrize("only", ["dkdv", "dq"])
+def test_bwd_probe_times_one_kernel_with_the_other_left_out(only):
+    """``mosaic:only=...`` of benchmarks/mosaic_bwd_probe.py: the kernel named runs (and
+    matches the oracle), the other's gradients are zeros; the module is restored after."""
+    originals = mosaic_backward._call_dq, mosaic_backward._call_dkdv
+    q, k, v, d_out = random_qkv(1, 128, 128, 1, 1, 64, jnp.bfloat16)
+    mask = MaskSpec(seq_q=128, seq_kv=128, is_causal=True)
+    out, lse, want = attention_float64(q, k, v, scale=0.125, mask=mask,
+                                       d_out=np.asarray(d_out, np.float64))
+    out = jnp.asarray(out, q.dtype)
+    delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
+    with (plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()),
+          mosaic_bwd_probe._one_kernel(f"mosaic:only={only}")):
+        grads = mosaic_backward.backward(
+            q, k, v, None, out, jnp.asarray(lse, jnp.float32), d_out, delta, mask=mask,
+            scale=0.125, config=MosaicBackwardConfig(), interpret=True)
+    ran = (1, 2) if only == "dkdv" else (0,)
+    for i, (got, ref) in enumerate(zip(grads, want, strict=True)):
+        if i in ran:
+            assert rel_err(got, ref) < 1e-2
+        else:
+            assert not np.any(np.asarray(got))
+    assert (mosaic_backward._call_dq, mosaic_backward._call_dkdv) == originals
