@@ -341,6 +341,23 @@ def _stream(st: _Static, free, num_steps, load) -> None:
         plgpu.barrier_wait(free.at[lax.rem(t, st.num_stages)])
 
 
+def _warp_specialized(st: _Static, wg, free, num_steps, load, consume) -> None:
+    """FA3's warp specialization of a backward kernel: the producer warpgroup gives
+    registers up and streams ``num_steps`` walked blocks with ``load`` (:func:`_stream`),
+    the consumer warpgroups take the registers and run ``consume()``."""
+    consumer_registers, producer_registers = _registers(st.head_dim)
+
+    @pl.when(wg == _PRODUCER)
+    def _producer():
+        plgpu.set_max_registers(producer_registers, action="decrease")
+        _stream(st, free, num_steps, load)
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(consumer_registers, action="increase")
+        consume()
+
+
 # --- dK/dV ------------------------------------------------------------------------------
 
 
@@ -381,34 +398,25 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
     def slot(t):
         return lax.rem(t, st.num_stages)
 
-    consumer_registers, producer_registers = _registers(st.head_dim)
-
-    @pl.when(wg == _PRODUCER)
-    def _producer():
-        plgpu.set_max_registers(producer_registers, action="decrease")
-
-        def load(t):
-            head, i = _walked_head_and_block(st, t, cta_first, blocks_per_head, kv_head)
-            rows, s = pl.ds(i * bq, bq), slot(t)
-            plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[s], q_ready.at[s])
-            plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem.at[s],
-                                    do_ready.at[s])
-            plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], lse_smem.at[s],
+    def load(t):
+        head, i = _walked_head_and_block(st, t, cta_first, blocks_per_head, kv_head)
+        rows, s = pl.ds(i * bq, bq), slot(t)
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[s], q_ready.at[s])
+        plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem.at[s],
+                                do_ready.at[s])
+        plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], lse_smem.at[s],
+                                lse_ready.at[s])
+        if st.segmented:  # the rows' ids, 4·block_q bytes, on lse's barrier
+            plgpu.copy_gmem_to_smem(q_ids_ref.at[batch, rows], q_ids_smem.at[s],
                                     lse_ready.at[s])
-            if st.segmented:  # the rows' ids, 4·block_q bytes, on lse's barrier
-                plgpu.copy_gmem_to_smem(q_ids_ref.at[batch, rows], q_ids_smem.at[s],
-                                        lse_ready.at[s])
-            # Bias / mask (transposed: [keys, queries]) tiles or rows, on lse's barrier.
-            owned = [pl.ds(cta_k0 + c * bkv, bkv) for c in range(NUM_CONSUMERS)]
-            _load_logit_slots(st, logit_refs, rings, s, lse_ready.at[s], batch=batch,
-                              head=head, owned=owned, walked=rows)
-            plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], delta_smem.at[s],
-                                    delta_ready.at[s])
-        _stream(st, free, st.group * blocks_per_head, load)
+        # Bias / mask (transposed: [keys, queries]) tiles or rows, on lse's barrier.
+        owned = [pl.ds(cta_k0 + c * bkv, bkv) for c in range(NUM_CONSUMERS)]
+        _load_logit_slots(st, logit_refs, rings, s, lse_ready.at[s], batch=batch,
+                          head=head, owned=owned, walked=rows)
+        plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], delta_smem.at[s],
+                                delta_ready.at[s])
 
-    @pl.when(wg < NUM_CONSUMERS)
-    def _consumer():
-        plgpu.set_max_registers(consumer_registers, action="increase")
+    def consume():
         k0 = cta_k0 + wg * bkv
         keys = (batch, pl.ds(k0, bkv), kv_head)
         k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
@@ -500,6 +508,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
         plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[keys])
         plgpu.wait_smem_to_gmem(0)
 
+    _warp_specialized(st, wg, free, st.group * blocks_per_head, load, consume)
+
+
 
 def _reduce_dq(ds_tile, k_tile, dq_tile, dq_rows) -> None:
     """FA3's dQ: ``dq_rows += dS·K_j`` with a TMA reduce-add (float32, in L2).
@@ -555,29 +566,21 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
     def slot(j):
         return lax.rem(j - cta_first, st.num_stages)
 
-    consumer_registers, producer_registers = _registers(st.head_dim)
+    kv_head = lax.div(head, st.group)  # GQA: K/V are indexed, never repeated
 
-    @pl.when(wg == _PRODUCER)
-    def _producer():
-        plgpu.set_max_registers(producer_registers, action="decrease")
-        kv_head = lax.div(head, st.group)  # GQA: K/V are indexed, never repeated
+    def load(t):
+        j = cta_first + t
+        keys, s = (batch, pl.ds(j * bkv, bkv), kv_head), slot(j)
+        plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[s], k_ready.at[s])
+        if st.segmented:  # the keys' ids, 4·block_kv bytes, on K's barrier
+            plgpu.copy_gmem_to_smem(kv_ids_ref.at[batch, pl.ds(j * bkv, bkv)],
+                                    kv_ids_smem.at[s], k_ready.at[s])
+        owned = [pl.ds(cta_q0 + c * bq, bq) for c in range(NUM_CONSUMERS)]
+        _load_logit_slots(st, logit_refs, rings, s, k_ready.at[s], batch=batch, head=head,
+                          owned=owned, walked=pl.ds(j * bkv, bkv))
+        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[s], v_ready.at[s])
 
-        def load(t):
-            j = cta_first + t
-            keys, s = (batch, pl.ds(j * bkv, bkv), kv_head), slot(j)
-            plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[s], k_ready.at[s])
-            if st.segmented:  # the keys' ids, 4·block_kv bytes, on K's barrier
-                plgpu.copy_gmem_to_smem(kv_ids_ref.at[batch, pl.ds(j * bkv, bkv)],
-                                        kv_ids_smem.at[s], k_ready.at[s])
-            owned = [pl.ds(cta_q0 + c * bq, bq) for c in range(NUM_CONSUMERS)]
-            _load_logit_slots(st, logit_refs, rings, s, k_ready.at[s], batch=batch, head=head,
-                              owned=owned, walked=pl.ds(j * bkv, bkv))
-            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[s], v_ready.at[s])
-        _stream(st, free, cta_last - cta_first, load)
-
-    @pl.when(wg < NUM_CONSUMERS)
-    def _consumer():
-        plgpu.set_max_registers(consumer_registers, action="increase")
+    def consume():
         q0 = cta_q0 + wg * bq
         rows = (batch, pl.ds(q0, bq), head)
         stats = (batch, head, pl.ds(q0, bq))
@@ -647,6 +650,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[rows])
         plgpu.wait_smem_to_gmem(0)
+
+    _warp_specialized(st, wg, free, cta_last - cta_first, load, consume)
+
 
 
 # --- entry points -----------------------------------------------------------------------

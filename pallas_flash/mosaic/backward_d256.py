@@ -45,17 +45,15 @@ from pallas_flash.mosaic.backward import (
     _kernel_params,
     _owned_ranges,
     _probabilities,
-    _registers,
     _Static,
-    _stream,
     _tiles,
     _visible,
     _wait_all,
     _walk,
     _walked_head_and_block,
+    _warp_specialized,
 )
 from pallas_flash.mosaic.config import NUM_CONSUMERS
-from pallas_flash.mosaic.forward import _PRODUCER
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static,
@@ -90,34 +88,25 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
     def slot(t):
         return lax.rem(t, st.num_stages)
 
-    consumer_registers, producer_registers = _registers(st.head_dim)
+    def load(t):
+        head, i = _walked_head_and_block(st, t, first, blocks_per_head, kv_head)
+        s = slot(t)
+        for r in halves:  # one TMA copy per (row half, column half)
+            rows = pl.ds(i * bq + r * half_q, half_q)
+            for h in halves:
+                cols = pl.ds(h * half_d, half_d)
+                plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head, cols],
+                                        q_smem.at[s, h, r], q_ready.at[s])
+                plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head, cols],
+                                        do_smem.at[s, h, r], do_ready.at[s])
+            for stat, ref in enumerate((lse_ref, delta_ref)):
+                plgpu.copy_gmem_to_smem(ref.at[batch, head, rows], stats_smem.at[s, stat, r],
+                                        stats_ready.at[s])
+            if st.segmented:  # the rows' ids, on the stats' barrier
+                plgpu.copy_gmem_to_smem(q_ids_ref.at[batch, rows], q_ids_smem.at[s, r],
+                                        stats_ready.at[s])
 
-    @pl.when(wg == _PRODUCER)
-    def _producer():
-        plgpu.set_max_registers(producer_registers, action="decrease")
-
-        def load(t):
-            head, i = _walked_head_and_block(st, t, first, blocks_per_head, kv_head)
-            s = slot(t)
-            for r in halves:  # one TMA copy per (row half, column half)
-                rows = pl.ds(i * bq + r * half_q, half_q)
-                for h in halves:
-                    cols = pl.ds(h * half_d, half_d)
-                    plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head, cols],
-                                            q_smem.at[s, h, r], q_ready.at[s])
-                    plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head, cols],
-                                            do_smem.at[s, h, r], do_ready.at[s])
-                for stat, ref in enumerate((lse_ref, delta_ref)):
-                    plgpu.copy_gmem_to_smem(ref.at[batch, head, rows], stats_smem.at[s, stat, r],
-                                            stats_ready.at[s])
-                if st.segmented:  # the rows' ids, on the stats' barrier
-                    plgpu.copy_gmem_to_smem(q_ids_ref.at[batch, rows], q_ids_smem.at[s, r],
-                                            stats_ready.at[s])
-        _stream(st, free, st.group * blocks_per_head, load)
-
-    @pl.when(wg < NUM_CONSUMERS)
-    def _consumer():
-        plgpu.set_max_registers(consumer_registers, action="increase")
+    def consume():
         own_cols = pl.ds(wg * half_d, half_d)  # this consumer's half of dK and dV
         keys = (batch, pl.ds(k0, bkv), kv_head, own_cols)
         plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[wg], k_ready.at[wg])
@@ -201,6 +190,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
         plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[keys])
         plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[keys])
         plgpu.wait_smem_to_gmem(0)
+
+    _warp_specialized(st, wg, free, st.group * blocks_per_head, load, consume)
+
 
 
 def call_dkdv(st: _Static, operands, *, interpret: bool):
