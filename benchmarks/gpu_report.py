@@ -23,7 +23,7 @@ Parts (``--parts``, comma list, in this order by default):
   grid takes two or three calls);
 * ``probes``: the Mosaic forward and backward against cuDNN at the points of the speed
   bars (``benchmarks/mosaic_probe.py``, ``benchmarks/mosaic_bwd_probe.py``; the backward at
-  head_dim 256 runs the split dK/dV kernel, the probe passing an explicit config);
+  head_dim 256 runs the split dK/dV kernel);
 * ``variants``: one row per attention variant vs dense causal (``benchmarks.variants``;
   about 150 s for Mosaic and cuDNN);
 * ``training``: the small transformer, ours vs cuDNN vs XLA attention

@@ -88,7 +88,7 @@ D256_CASES = {
 
 def _backward_d256(case: str, *, races: bool = False):
     """The head_dim 256 kernels (split dK/dV, 32-key dQ) on a D256_CASES case, with the
-    explicit config that selects them; returns (grads, oracle grads, inputs)."""
+    head_dim 256 default config; returns (grads, oracle grads, inputs)."""
     batch, seq_q, seq_kv, heads, kv_heads, dtype, mask_kwargs, ids_kind, softcap = (
         D256_CASES[case])
     q, k, v, d_out = random_qkv(batch, seq_q, seq_kv, heads, kv_heads, 256, dtype)

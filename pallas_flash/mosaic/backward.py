@@ -63,7 +63,6 @@ so dS is multiplied by the cap's derivative ``1 − tanh²`` before the dK and d
 above the 240 a consumer can hold, so the two consumers of a CTA split one key block
 (:mod:`pallas_flash.mosaic.backward_d256`), and the dQ kernel streams 32-key blocks (Q and
 dO of its two consumers fill 128 KiB), with 64-byte swizzled tiles (:class:`_Static`).
-Until these have run on a GPU, only an explicit :class:`MosaicBackwardConfig` selects them.
 
 **Bias / mask arrays** are read with the forward's readers
 (:class:`~pallas_flash.mosaic.forward._LogitArray`): the dQ kernel as the forward does (tiles

@@ -292,11 +292,9 @@ class MosaicBackwardConfig:
         if not self.deterministic:  # per consumer: dSᵀ tile and the f32 dQ partial
             fused_dq = (_align(NUM_CONSUMERS * self.block_kv * self.block_q * itemsize)
                         + _align(NUM_CONSUMERS * self.block_q * head_dim * 4))
-        logits = 0
-        if logit_rings:  # consumers own block_kv keys, the ring walks block_q queries
-            view = ring_view(owned=self.block_kv, walked=self.block_q,
-                             num_stages=self.num_stages)
-            logits = sum(_align(ring.nbytes(view)) for ring in logit_rings)
+        # Consumers own block_kv keys, the ring walks block_q queries.
+        logits = _rings_bytes(logit_rings, owned=self.block_kv, walked=self.block_q,
+                              num_stages=self.num_stages)
         return k_v + q_do + stats + q_ids + barriers + fused_dq + logits
 
     def _split_dkdv_smem_bytes(self, head_dim: int, itemsize: int, *, segments: bool
@@ -323,11 +321,8 @@ class MosaicBackwardConfig:
         kv_ids = _align(self.num_stages * self.dq_block_kv * 4) if segments else 0
         # Q, dO, lse, delta ready per consumer; K/V ready and K/V free per slot.
         barriers = 8 * (4 * NUM_CONSUMERS + 3 * self.num_stages)
-        logits = 0
-        if logit_rings:  # 32-key blocks (head_dim 256) take no rings
-            view = ring_view(owned=self.dq_block_q, walked=self.dq_block_kv,
-                             num_stages=self.num_stages)
-            logits = sum(_align(ring.nbytes(view)) for ring in logit_rings)
+        logits = _rings_bytes(logit_rings, owned=self.dq_block_q, walked=self.dq_block_kv,
+                              num_stages=self.num_stages)
         return q_do + stats + kv + kv_ids + barriers + logits
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, *, segments: bool = False,
@@ -357,6 +352,16 @@ class MosaicBackwardConfig:
                 f"MosaicBackwardConfig {self} needs {need} bytes of shared memory at "
                 f"head_dim={head_dim}, more than the {SMEM_BUDGET} an sm90 CTA has; "
                 "lower the block sizes or num_stages")
+
+
+def _rings_bytes(rings: tuple[LogitRing, ...], *, owned: int, walked: int,
+                 num_stages: int) -> int:
+    """Shared memory of a backward kernel's bias / mask rings (:func:`ring_view`); none
+    without rings (32-key dQ blocks, at head_dim 256, have no ring view)."""
+    if not rings:
+        return 0
+    view = ring_view(owned=owned, walked=walked, num_stages=num_stages)
+    return sum(_align(ring.nbytes(view)) for ring in rings)
 
 
 def ring_view(*, owned: int, walked: int, num_stages: int) -> MosaicConfig:
