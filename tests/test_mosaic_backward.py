@@ -218,6 +218,31 @@ def test_interpret_no_races():
         assert rel_err(got, ref) < 1e-2
 
 
+# --- the fused dQ (deterministic=False) ---------------------------------------------------
+
+# (head_dim, causal): head_dim 128 shares dQ between the consumers (splits_dq), 64 does not.
+FUSED_CASES = [(64, True), (128, False), (128, True)]
+
+
+@pytest.mark.parametrize(("head_dim", "causal"), FUSED_CASES)
+def test_interpret_fused_dq_matches_oracle(head_dim, causal):
+    """dQ from the dK/dV kernel (in interpret mode stored per consumer and key tile, as
+    TMA has no reduce-add there), GQA, odd lengths, rows that see no key: near the diagonal
+    one consumer skips a block while the other adds its dS·K."""
+    q, k, v, d_out = random_qkv(1, 200, 330, 2, 1, head_dim, BF16)
+    mask = MaskSpec(seq_q=200, seq_kv=330, is_causal=causal, causal_alignment="bottom_right")
+    out, lse, delta, want = _residuals(q, k, v, d_out, mask, 0.1)
+    config = MosaicBackwardConfig(deterministic=False)
+    assert mosaic_config.splits_dq(head_dim, 2) == (head_dim == 128)
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=causal)):
+        grads = jax.block_until_ready(mosaic_backward.backward(
+            q, k, v, None, out, lse, d_out, delta, mask=mask, scale=0.1, config=config,
+            interpret=True))
+    assert not (causal and interpret_pallas_call.get_races().races_found)
+    for name, got, ref in zip("qkv", grads, want, strict=True):
+        assert rel_err(got, ref) < 1e-2, f"d{name}: {rel_err(got, ref)}"
+
+
 # --- segment ids and soft-capping --------------------------------------------------------
 
 

@@ -33,12 +33,18 @@ keep their accumulators in registers.
 
   Every dQ tile is written by exactly one CTA, so the result is bitwise reproducible. The
   price is recomputing S and dP: seven GEMMs instead of five.
-* fused (FA3) — the dK/dV consumer also computes ``dS·K_j`` for the streamed query block
-  (dSᵀ through SMEM, read transposed) and adds it into a zeroed float32 dQ in GMEM with a
-  TMA reduce-add (:func:`_reduce_dq`); the order of the additions varies between runs. On
-  the H200 it was slower than the deterministic mode at every point measured (its
-  consumers spill, and each of them issues its own reduce-add per step), so it is opt-in.
-  Interpret mode has no TMA reduce-add and always uses the dQ kernel.
+* fused (FA3) — the dK/dV consumers publish dSᵀ of the streamed query block in SMEM and
+  add ``dS·K`` into a zeroed float32 dQ in GMEM with TMA reduce-adds (:func:`_reduce_dq`);
+  the order of the additions varies between runs. At head_dim 128 the two consumers share
+  the work as FA3 does (:func:`~pallas_flash.mosaic.config.splits_dq`): once both dSᵀ of
+  the step are in SMEM (the ``exchanged`` barrier), consumer c adds columns
+  ``[c·D/2, (c+1)·D/2)`` of dS·K over all the CTA's keys — one reduce-add of the CTA's
+  partial per step, and a [block_q, D/2] accumulator. At head_dim 64 the halves would cut
+  a swizzle width, and each consumer adds all of dS·K over its own keys. An earlier design
+  (every consumer adding all columns over its own keys at any head dim) ran slower than
+  the deterministic mode on the H200 at every point measured; the shared one has not been
+  timed yet. Interpret mode has no TMA reduce-add: there each consumer stores its partial
+  sums per key tile, and XLA adds them.
 
 **Block skipping** comes from :class:`~pallas_flash.masking.MaskSpec`: ``q_blocks`` (dK/dV)
 and ``kv_blocks`` (dQ) give ``(first, full_first, full_last, last)``; blocks outside the
@@ -107,6 +113,7 @@ from pallas_flash.mosaic.config import (
     fit_backward_logit_rings,
     padded_head_dim,
     ring_view,
+    splits_dq,
 )
 from pallas_flash.mosaic.forward import (
     _CONSUMER_REGISTERS,
@@ -157,6 +164,9 @@ class _Static:
     num_tiles: int  # CTAs along the owned sequence
     needs_mask: bool  # some (q, k) pair of the padded problem is hidden
     fuse_dq: bool  # the dK/dV kernel also reduce-adds dS·K into a float32 dQ (FA3)
+    # Interpret mode has no TMA reduce-add: the fused dQ's partial sums are stored per
+    # consumer of each key tile instead ([2·tiles, B, Tq, N, D] float32), summed by XLA.
+    dq_partials: bool = False
     softcap: float | None = None  # logits become softcap * tanh(scale * s / softcap)
     segmented: bool = False  # segment ids: a pair is visible only if its ids are equal
     # Swizzle (bytes) of every SMEM tile. wgmma steps through K one swizzle width at a
@@ -168,6 +178,13 @@ class _Static:
     # queries), the dQ kernel as they are.
     bias: _LogitArray | None = None
     attn_mask: _LogitArray | None = None
+
+    @property
+    def split_dq(self) -> bool:
+        """The fused dQ shared by the consumers (:func:`~pallas_flash.mosaic.config.splits_dq`):
+        half the reduce-add traffic and half the dQ accumulator of one consumer adding all
+        of dS·K over its own keys."""
+        return self.fuse_dq and splits_dq(self.head_dim, self.dtype.itemsize)
 
     @property
     def logit_arrays(self) -> tuple[_LogitArray, ...]:
@@ -363,17 +380,21 @@ def _warp_specialized(st: _Static, wg, free, num_steps, load, consume) -> None:
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static,
                  k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, k_ready, v_ready,
                  q_ready, do_ready, lse_ready, delta_ready, free, q_ids_smem=None,
-                 a_smem=None, ds_smem=None, dq_smem=None, bias_smem=None, mask_smem=None):
+                 a_smem=None, ds_smem=None, dq_smem=None, exchanged=None, dq_done=None,
+                 bias_smem=None, mask_smem=None):
     """One CTA: keys ``[2·block_kv·tile, +2·block_kv)`` of one KV head.
 
     GMEM refs: q/do [B, Tq, N, D], k/v [B, Tk, K, D], lse (log2 units)/delta [B, N, Tq];
     ``refs`` = (q_ids [B, Tq], kv_ids [B, Tk], spans [B, 2, Tk / block_kv] int32 with
-    ``st.segmented``;) (dq_acc [B, Tq, N, D] float32, zero-initialised, with
-    ``st.fuse_dq``;) dk/dv [B, Tk, K, D]. SMEM: k/v [2, block_kv, D] (one tile per
-    consumer), q/do [stages, block_q, D], lse/delta [stages, block_q]; with segment ids
-    q_ids_smem [stages, block_q] int32 (the rows' ids, on lse's ready barrier: one more TMA
-    arrival); a_smem [2, block_kv, block_q] (interpret mode only); with ``st.fuse_dq``:
-    ds_smem [2, block_kv, block_q] and dq_smem [2, block_q, D] float32.
+    ``st.segmented``;) (dq_acc [B, Tq, N, D] float32, zero-initialised — with
+    ``st.dq_partials`` [2·tiles, B, Tq, N, D] — with ``st.fuse_dq``;) dk/dv [B, Tk, K, D].
+    SMEM: k/v [2, block_kv, D] (one tile per consumer), q/do [stages, block_q, D],
+    lse/delta [stages, block_q]; with segment ids q_ids_smem [stages, block_q] int32 (the
+    rows' ids, on lse's ready barrier: one more TMA arrival); a_smem [2, block_kv, block_q]
+    (interpret mode only); with ``st.fuse_dq``: ds_smem [stages, 2, block_kv, block_q]
+    (each consumer's dSᵀ), dq_smem [2, block_q, D or D/2] float32 (each consumer's dQ
+    staging tile) and, with ``st.split_dq``, the ``exchanged`` barriers (both dSᵀ of a
+    step are in SMEM) and ``dq_done`` (neither consumer reads the other's K tile again).
     """
     (q_ids_ref, kv_ids_ref, spans_ref), logit_refs, refs = _unpack_refs(st, refs)
     dq_ref, dk_ref, dv_ref = refs if st.fuse_dq else (None, *refs)
@@ -429,8 +450,36 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
             kv_ids = plgpu.load(kv_ids_ref.at[batch, pl.ds(k0, bkv)],
                                 layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
         a_tile = None if a_smem is None else a_smem.at[wg]
-        ds_tile, dq_tile = (None, None) if not st.fuse_dq else (ds_smem.at[wg], dq_smem.at[wg])
         ready = (q_ready, do_ready, lse_ready, delta_ready)
+
+        def dq_rows(i, head):
+            """Where query block i's dQ goes: the reduce-adds' target, or this tile's
+            partial sums (interpret mode)."""
+            rows = pl.ds(i * bq, bq)
+            if st.dq_partials:  # one partial sum per consumer of each key tile
+                return dq_ref.at[kv_tile * NUM_CONSUMERS + wg, batch, rows, head]
+            return dq_ref.at[batch, rows, head]
+
+        def add_dq(s, i, head):
+            """FA3's dQ: this consumer's share of dS·K for query block i, added into dQ."""
+            if not st.split_dq:  # all of the head dim, over this consumer's keys
+                _reduce_dq(st, ((ds_smem.at[s, wg], k_tile),), dq_smem.at[wg],
+                           dq_rows(i, head))
+                return
+            def columns(h):  # over both consumers' keys
+                cols = pl.ds(h * (st.head_dim // NUM_CONSUMERS), st.head_dim // NUM_CONSUMERS)
+                pairs = tuple((ds_smem.at[s, c], k_smem.at[c, :, cols])
+                              for c in range(NUM_CONSUMERS))
+                _reduce_dq(st, pairs, dq_smem.at[h], dq_rows(i, head).at[:, cols])
+            for h in range(NUM_CONSUMERS):  # a static column half per consumer
+                pl.when(wg == h)(functools.partial(columns, h))
+
+        def publish_ds(s, ds_t):
+            """This consumer's dSᵀ into the step's exchange slot (the dQ GEMMs read it)."""
+            ds_smem.at[s, wg][...] = ds_t
+            plgpu.commit_smem()
+            if st.split_dq:
+                plgpu.barrier_arrive(exchanged.at[s])
         plgpu.barrier_wait(k_ready.at[wg])
         plgpu.barrier_wait(v_ready.at[wg])
 
@@ -464,13 +513,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
                     dp_t = plgpu.wgmma_accumulator_load(dpt_acc, wait_n=1)
                     ds_t = raw_score_gradient(p_t * (dp_t - _col(delta, shape)), slope_t)
                     ds_t = ds_t.astype(st.dtype)
-                    if st.fuse_dq:
-                        ds_tile[...] = ds_t  # dS = (dSᵀ)ᵀ is read from SMEM, transposed
-                        plgpu.commit_smem()
+                    if st.fuse_dq:  # dS = (dSᵀ)ᵀ is read from SMEM, transposed
+                        publish_ds(s, ds_t)
                     plgpu.wgmma(dk_acc, _operand_a(ds_t, a_tile), q_tile)
                     if st.fuse_dq:  # issued behind dK += dSᵀ·Q_i; waits for both
-                        _reduce_dq(ds_tile, k_tile, dq_tile,
-                                   dq_ref.at[batch, pl.ds(i * bq, bq), head])
+                        if st.split_dq:  # ... and for the other consumer's dSᵀ
+                            plgpu.barrier_wait(exchanged.at[s])
+                        add_dq(s, i, head)
                     plgpu.wgmma_wait(0)  # Q_i and dO_i are read: the slot may be refilled
 
                 pl.run_scoped(gemms, plgpu.ACC((bkv, bq), jnp.float32),
@@ -478,10 +527,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
                 plgpu.barrier_arrive(free.at[s])
                 return head_step0
 
-            def skip(i, head_step0):
-                """A block only the other consumer needs: same barriers, no math."""
+            def skip(i, head_step0, *, head):
+                """A block only the other consumer needs: same barriers, no math (with the
+                shared dQ: a zero dSᵀ, and this consumer's half of the other's dS·K)."""
                 s = slot(head_step0 + i)
                 _wait_all(ready, s)
+                if st.split_dq:
+                    zeros = jnp.zeros((bkv, bq), st.dtype)
+                    publish_ds(s, plgpu.layout_cast(zeros, plgpu.Layout.WGMMA))
+                    plgpu.barrier_wait(exchanged.at[s])
+                    add_dq(s, i, head)
                 plgpu.barrier_arrive(free.at[s])
                 return head_step0
 
@@ -490,8 +545,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
                 q_head = kv_head * st.group + g
                 owned_parts = _owned_logit_parts(st, logit_refs, batch=batch, head=q_head,
                                                  owned=pl.ds(k0, bkv))
-                _walk(st, functools.partial(step, head=q_head, owned_parts=owned_parts), skip,
-                      (cta_first, cta_last), ranges, head_step0)
+                _walk(st, functools.partial(step, head=q_head, owned_parts=owned_parts),
+                      functools.partial(skip, head=q_head), (cta_first, cta_last), ranges,
+                      head_step0)
                 return carry
 
             lax.fori_loop(0, st.group, head, 0)
@@ -499,6 +555,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
 
         dk, dv = pl.run_scoped(accumulate, plgpu.ACC((bkv, st.head_dim), jnp.float32),
                                plgpu.ACC((bkv, st.head_dim), jnp.float32))
+        if st.split_dq:  # the other consumer's last dQ GEMM has read this one's K tile
+            plgpu.barrier_arrive(dq_done)
+            plgpu.barrier_wait(dq_done)
         # Epilogue: dK_j = scale · Σ dSᵀ·Q (S was scaled); out through the K/V tiles + TMA.
         k_tile[...] = (dk * st.scale).astype(st.dtype)
         v_tile[...] = dv.astype(st.dtype)
@@ -511,20 +570,24 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
 
 
 
-def _reduce_dq(ds_tile, k_tile, dq_tile, dq_rows) -> None:
-    """FA3's dQ: ``dq_rows += dS·K_j`` with a TMA reduce-add (float32, in L2).
+def _reduce_dq(st: _Static, pairs, dq_tile, dq_rows) -> None:
+    """FA3's dQ: ``dq_rows += Σ dS·K`` over ``pairs`` of (dSᵀ [block_kv, block_q], K
+    [block_kv, columns]) SMEM tiles, with a TMA reduce-add (float32, in L2); with
+    ``st.dq_partials`` (interpret mode) a plain store into this key tile's partial sums.
 
-    ``ds_tile``: dSᵀ [block_kv, block_q] in SMEM (A operand, transposed view); ``dq_tile``:
-    [block_q, D] float32 staging tile, still read by the previous step's reduce-add.
+    ``dq_tile``: the [block_q, columns] float32 staging tile, still read by the previous
+    step's reduce-add.
     """
     def gemm(acc):
-        plgpu.wgmma(acc, ds_tile.T, k_tile)
+        for ds_tile, k_tile in pairs:  # A: dS, the transposed view of dSᵀ
+            plgpu.wgmma(acc, ds_tile.T, k_tile)
         return plgpu.wgmma_accumulator_load(acc, wait_n=0)
     dq = pl.run_scoped(gemm, plgpu.ACC(dq_tile.shape, jnp.float32))
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous step's add read the tile
     dq_tile[...] = dq
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(dq_tile, dq_rows, reduction_op="add")
+    plgpu.copy_smem_to_gmem(dq_tile, dq_rows,
+                            reduction_op=None if st.dq_partials else "add")
 
 
 # --- dQ ---------------------------------------------------------------------------------
@@ -754,13 +817,14 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
     # Rows that see no key have lse = EMPTY_ROW_LSE and only hidden (-inf) logits: P = 0.
     lse2 = pad_axis(lse * _LOG2E, 2, seq_q_pad, jnp.inf)
     delta = pad_axis(delta, 2, seq_q_pad)
-    fuse_dq = not config.deterministic and not interpret
+    fuse_dq = not config.deterministic
     common = dict(
         mask=mask, scale=scale, num_stages=config.num_stages,
         head_dim=dim, dtype=jnp.dtype(q.dtype), group=heads // kv_heads,
         needs_mask=(not mask.is_dense or seq_kv_pad != seq_kv or segmented
                     or attn_mask is not None),
-        fuse_dq=fuse_dq, softcap=softcap, segmented=segmented)
+        fuse_dq=fuse_dq, dq_partials=fuse_dq and interpret, softcap=softcap,
+        segmented=segmented)
     operands = (q_p, k_p, v_p, do_p, lse2, delta)
     ids = pad_segment_ids(segment_ids, seq_q_pad, seq_kv_pad) if segmented else None
 
@@ -792,9 +856,13 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         else _SWIZZLE, **logit_arrays(dkdv_logits), **common)
     dkdv_operands = with_ids(dkdv_static, walk_kv=False)  # owns key tiles, walks queries
     if fuse_dq:
-        dq_acc = jax.new_ref(jnp.zeros(q_p.shape, jnp.float32))  # the reduce-adds' target
+        # The reduce-adds' target (interpret mode: a partial sum per consumer and key tile).
+        partials = ((NUM_CONSUMERS * dkdv_static.num_tiles,) if dkdv_static.dq_partials
+                    else ())
+        dq_acc = jax.new_ref(jnp.zeros((*partials, *q_p.shape), jnp.float32))
         dk, dv = _call_dkdv(dkdv_static, dkdv_operands, dq_acc, interpret=interpret)
-        dq = (jax.freeze(dq_acc) * scale).astype(q.dtype)
+        dq = jax.freeze(dq_acc)
+        dq = ((dq.sum(0) if partials else dq) * scale).astype(q.dtype)
     else:
         if split:
             from pallas_flash.mosaic import backward_d256  # it imports this module
@@ -866,8 +934,13 @@ def _call_dkdv(st: _Static, operands, dq_acc, *, interpret: bool):
         scratch["a_smem"] = _tiles(st, NUM_CONSUMERS, bkv, bq)
     extra = ()
     if dq_acc is not None:
-        scratch["ds_smem"] = _tiles(st, NUM_CONSUMERS, bkv, bq)
-        scratch["dq_smem"] = _tiles(st, NUM_CONSUMERS, bq, d, dtype=jnp.float32)
+        scratch["ds_smem"] = _tiles(st, stages, NUM_CONSUMERS, bkv, bq)
+        dq_columns = d // NUM_CONSUMERS if st.split_dq else d
+        scratch["dq_smem"] = _tiles(st, NUM_CONSUMERS, bq, dq_columns, dtype=jnp.float32)
+        if st.split_dq:
+            scratch["exchanged"] = plgpu.Barrier(num_arrivals=NUM_CONSUMERS,
+                                                 num_barriers=stages)
+            scratch["dq_done"] = plgpu.Barrier(num_arrivals=NUM_CONSUMERS)
         extra = (dq_acc,)
     return plgpu.kernel(
         functools.partial(_dkdv_kernel, st=st),

@@ -229,6 +229,14 @@ def default_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicConfig:
     return MosaicConfig(block_q=64, block_kv=128, num_stages=2)
 
 
+def splits_dq(head_dim: int, itemsize: int) -> bool:
+    """Whether the fused dQ (``deterministic=False``) is shared by the two consumers of a
+    dK/dV CTA, each adding half the head dim of dS·K over both consumers' keys (FA3): the
+    halves must be whole 128-byte swizzle widths of the K tiles (head_dim 128 in 16 bits);
+    otherwise each consumer adds all of it over its own keys."""
+    return head_dim // NUM_CONSUMERS * itemsize >= 128
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicBackwardConfig:
     """Static tiling of the two Hopper backward kernels (:mod:`pallas_flash.mosaic.backward`).
@@ -250,9 +258,10 @@ class MosaicBackwardConfig:
       num_stages: depth of both kernels' SMEM rings, 2 to 4.
       deterministic: compute dQ in the separate dQ kernel (every dQ tile written by one
         CTA; the default). Otherwise the dK/dV kernel also adds each step's dS·K_j into a
-        float32 dQ in GMEM with TMA reduce-adds (FA3): five GEMMs instead of seven, but the
-        order of the additions, hence the rounding, varies from run to run, and on the H200
-        it was slower (see :func:`default_backward_config`).
+        float32 dQ in GMEM with TMA reduce-adds (FA3; shared by the two consumers at
+        head_dim 128, :func:`splits_dq`): five GEMMs instead of seven, but the order of
+        the additions, hence the rounding, varies from run to run (an earlier, unshared
+        design was slower on the H200: see :func:`default_backward_config`).
     """
 
     block_q: int = 64
@@ -289,9 +298,13 @@ class MosaicBackwardConfig:
         # K, V ready per consumer; Q, dO, lse, delta ready and one free per slot.
         barriers = 8 * (2 * NUM_CONSUMERS + 5 * self.num_stages)
         fused_dq = 0
-        if not self.deterministic:  # per consumer: dSᵀ tile and the f32 dQ partial
-            fused_dq = (_align(NUM_CONSUMERS * self.block_kv * self.block_q * itemsize)
-                        + _align(NUM_CONSUMERS * self.block_q * head_dim * 4))
+        if not self.deterministic:  # per slot and consumer a dSᵀ tile; the f32 dQ staging
+            split = splits_dq(head_dim, itemsize)
+            dq_columns = head_dim // NUM_CONSUMERS if split else head_dim
+            fused_dq = (_align(self.num_stages * NUM_CONSUMERS * self.block_kv
+                               * self.block_q * itemsize)
+                        + _align(NUM_CONSUMERS * self.block_q * dq_columns * 4)
+                        + (8 * (self.num_stages + 1) if split else 0))  # exchanged, dq_done
         # Consumers own block_kv keys, the ring walks block_q queries.
         logits = _rings_bytes(logit_rings, owned=self.block_kv, walked=self.block_q,
                               num_stages=self.num_stages)
