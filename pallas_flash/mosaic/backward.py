@@ -42,8 +42,8 @@ keep their accumulators in registers.
   partial per step, and a [block_q, D/2] accumulator. At head_dim 64 the halves would cut
   a swizzle width, and each consumer adds all of dS·K over its own keys. An earlier design
   (every consumer adding all columns over its own keys at any head dim) ran slower than
-  the deterministic mode on the H200 at every point measured; the shared one has not been
-  timed yet. Interpret mode has no TMA reduce-add: there each consumer stores its partial
+  the deterministic mode on the H200 at every point measured; the shared one has not run
+  on a GPU yet. Interpret mode has no TMA reduce-add: there each consumer stores its partial
   sums per key tile, and XLA adds them.
 
 **Block skipping** comes from :class:`~pallas_flash.masking.MaskSpec`: ``q_blocks`` (dK/dV)
