@@ -159,8 +159,8 @@ def _backward_with_logits(case: str, *, races: bool = False):
                                         d_out=np.asarray(d_out, np.float64))
     out = jnp.asarray(out, q.dtype)
     delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
-    # An explicit config selects the Mosaic kernels for bias / mask (until GPU-checked).
-    config = default_backward_config(q.shape, k.shape, BF16, mask)
+    # The forward's config, as the API passes it: the backward picks its own tiling.
+    config = MosaicConfig()
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=races)):
         got = jax.block_until_ready(mosaic_backward.backward(
             q, k, v, None, out, jnp.asarray(lse, jnp.float32), d_out, delta, mask=mask,
@@ -187,20 +187,20 @@ def test_interpret_bias_mask_no_races():
         assert rel_err(g, ref) < 1e-2
 
 
-def test_bias_gradient_and_default_config_take_triton(monkeypatch):
-    """dbias is Triton's; so are bias / mask calls without an explicit config (the API's),
-    until the Mosaic kernels' bias / mask path has run on a GPU."""
+def test_bias_gradient_and_head_dim_256_bias_take_triton(monkeypatch):
+    """dbias is Triton's, and so are bias / mask arrays at head_dim 256; a bias at head_dim
+    64 without dbias is not (the API's call, with the forward's config)."""
     calls = []
     monkeypatch.setattr(mosaic_backward, "_triton_backward",
                         lambda *a, **kw: calls.append(kw["bias_grad"]) or "triton")
-    q, k, v, d_out = random_qkv(1, 64, 64, 1, 1, 64, BF16)
     lse = delta = jnp.zeros((1, 1, 64), jnp.float32)
     bias = jnp.zeros((1, 1, 64, 64), jnp.float32)
     mask = MaskSpec(seq_q=64, seq_kv=64)
-    for config, bias_grad in ((MosaicBackwardConfig(), True), (MosaicConfig(), False)):
+    for head_dim, bias_grad in ((64, True), (256, False)):
+        q, k, v, d_out = random_qkv(1, 64, 64, 1, 1, head_dim, BF16)
         assert mosaic_backward.backward(
-            q, k, v, None, None, lse, d_out, delta, mask=mask, scale=0.1, config=config,
-            interpret=True, bias=bias, bias_grad=bias_grad) == "triton"
+            q, k, v, None, None, lse, d_out, delta, mask=mask, scale=0.1,
+            config=MosaicConfig(), interpret=True, bias=bias, bias_grad=bias_grad) == "triton"
     assert calls == [True, False]
 
 

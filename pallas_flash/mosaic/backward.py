@@ -40,10 +40,11 @@ keep their accumulators in registers.
   the step are in SMEM (the ``exchanged`` barrier), consumer c adds columns
   ``[c·D/2, (c+1)·D/2)`` of dS·K over all the CTA's keys — one reduce-add of the CTA's
   partial per step, and a [block_q, D/2] accumulator. At head_dim 64 the halves would cut
-  a swizzle width, and each consumer adds all of dS·K over its own keys. An earlier design
-  (every consumer adding all columns over its own keys at any head dim) ran slower than
-  the deterministic mode on the H200 at every point measured; the shared one has not run
-  on a GPU yet. Interpret mode has no TMA reduce-add: there each consumer stores its partial
+  a swizzle width, and each consumer adds all of dS·K over its own keys. Neither design beats
+  the deterministic mode on the H200 (:func:`~pallas_flash.mosaic.config.default_backward_config`
+  has the timings): the shared one ran at 0.61-0.85x its speed at head_dim 128, where the
+  consumers meet on a barrier every step, and the unshared one at 0.94-1.03x at head_dim 64.
+  Interpret mode has no TMA reduce-add: there each consumer stores its partial
   sums per key tile, and XLA adds them.
 
 **Block skipping** comes from :class:`~pallas_flash.masking.MaskSpec`: ``q_blocks`` (dK/dV)
@@ -81,10 +82,8 @@ block take the masked path. The rings are fitted
 to shared memory by :func:`~pallas_flash.mosaic.config.fit_backward_logit_rings`. dbias is not
 computed here: calls that need it take the Triton backward.
 
-**Fallback**: float32, head dims 129-192 (:func:`unsupported` says why), dbias, bias / mask
-arrays at head_dim 256, and bias / mask arrays without an explicit
-:class:`MosaicBackwardConfig` (until all their GPU tests have passed) go to the Triton
-backward.
+**Fallback**: float32, head dims 129-192 (:func:`unsupported` says why), dbias, and bias /
+mask arrays at head_dim 256 go to the Triton backward.
 
 **CPU testing**: Mosaic GPU interpret mode cannot run a wgmma whose A operand is in
 registers. With ``interpret=True`` the A operands (Pᵀ, dSᵀ, dS) are stored to an SMEM
@@ -778,15 +777,9 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
     segmented = segment_ids is not None
     dim = padded_head_dim(q.shape[-1])
     has_logits = bias is not None or attn_mask is not None
-    # Bias / mask arrays in the Mosaic kernels: three of the four GPU tests passed on the
-    # H200 (2026-11-30); the fourth (a [B, N, T, S] bf16 bias with a folded mask) has not
-    # yet finished within a run's time. Until it has, only an explicit
-    # MosaicBackwardConfig selects them.
-    unchecked_on_gpu = has_logits and not isinstance(config, MosaicBackwardConfig)
     # dbias, and bias / mask arrays at head_dim 256, are Triton's.
     triton_only = bias_grad or (has_logits and dim > MAX_PER_CONSUMER_HEAD_DIM)
-    if (triton_only or unchecked_on_gpu
-            or unsupported(q.shape, q.dtype, segmented, softcap) is not None):
+    if triton_only or unsupported(q.shape, q.dtype, segmented, softcap) is not None:
         return _triton_backward(q, k, v, segment_ids, None, lse, d_out, delta, mask=mask,
                                 scale=scale, interpret=interpret, softcap=softcap, bias=bias,
                                 attn_mask=attn_mask, bias_grad=bias_grad)

@@ -260,8 +260,8 @@ class MosaicBackwardConfig:
         CTA; the default). Otherwise the dK/dV kernel also adds each step's dS·K_j into a
         float32 dQ in GMEM with TMA reduce-adds (FA3; shared by the two consumers at
         head_dim 128, :func:`splits_dq`): five GEMMs instead of seven, but the order of
-        the additions, hence the rounding, varies from run to run (an earlier, unshared
-        design was slower on the H200: see :func:`default_backward_config`).
+        the additions, hence the rounding, varies from run to run, and on the H200 it was
+        slower (see :func:`default_backward_config`).
     """
 
     block_q: int = 64
@@ -409,11 +409,23 @@ def default_backward_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicB
     both at head_dim 128), so the S and dP tiles must stay small: 64 query rows per step.
     At head_dim 64, 128 rows per step ran 231-258 TFLOP/s (L 4096/16384, dense) and 64
     rows 375 / 390 (2026-11-29, ``benchmarks/mosaic_bwd_probe.py``; Triton 271 / 295,
-    cuDNN 393 / 425 in the same runs). The separate dQ kernel beat the fused reduce-add dQ
-    at every point measured (head_dim 64 and 128, L 4096 and 16384, causal or not: the
-    fused kernel ran at 0.59-0.83x its speed; at head_dim 128 ptxas reported 1068 bytes of
-    spill stores for it against 560 for the deterministic dK/dV kernel), so the
-    deterministic mode is also the fast one.
+    cuDNN 393 / 425 in the same runs). The separate dQ kernel is also the fast one. An
+    earlier fused dQ, each consumer reduce-adding all of dS·K over its own keys, ran at
+    0.59-0.83x its speed (head_dim 64 and 128, L 4096 and 16384, causal or not; at head_dim
+    128 ptxas reported 1068 bytes of spill stores for it against 560 for the deterministic
+    dK/dV kernel). The shared fused dQ (FA3's split of the columns, :func:`splits_dq`),
+    2026-11-30, ``mosaic_bwd_probe.py --head-dims 128,64 --impls
+    'mosaic;mosaic_fused;cudnn'``, TFLOP/s deterministic / fused (cuDNN):
+
+    ======  =================================  =================================
+    L       head_dim 128 dense / causal        head_dim 64 (unshared) dense / causal
+    ======  =================================  =================================
+    4096    466 / 395 (480); 415 / 255 (385)   370 / 348 (402); 308 / 300 (314)
+    16384   502 / 425 (512); 480 / 322 (524)   405 / 394 (441); 371 / 384 (418)
+    ======  =================================  =================================
+
+    The consumers of the shared design meet on a barrier at every step (both dSᵀ in SMEM),
+    which takes away the slack between their GEMMs and softmax.
     """
     del kv_shape, dtype, mask
     if padded_head_dim(q_shape[-1]) > MAX_PER_CONSUMER_HEAD_DIM:

@@ -69,4 +69,6 @@ def test_kernel_matches_references(shape, causal, rotate):
     np.testing.assert_allclose(np.asarray(lse), np.asarray(online_lse).transpose(0, 2, 1),
                                atol=2e-3)
     assert _rel(out, ref) < 3e-2
-    assert _rel(out, exact) < 0.08
+    # FP8's own error: the emulation is 0.086 from float32 attention at the dense shape
+    # (CPU, 2026-11-30); the kernel may add little to it.
+    assert _rel(out, exact) < 1.05 * _rel(online, exact) < 0.1
