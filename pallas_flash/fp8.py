@@ -108,7 +108,7 @@ def attention_fp8_reference(q: jax.Array, k: jax.Array, v: jax.Array, *,
                             scaling: Scaling = "block", hadamard_key: jax.Array | None = None,
                             block_q: int = 128, block_kv: int = 128,
                             scale: float | None = None, is_causal: bool = False,
-                            fp8_pv: bool = True) -> jax.Array:
+                            fp8_pv: bool = True, return_residual: bool = False):
     """Attention with FP8 operands, as an FP8 FlashAttention-3 forward computes it.
 
     Args:
@@ -121,9 +121,11 @@ def attention_fp8_reference(q: jax.Array, k: jax.Array, v: jax.Array, *,
       scale: softmax scale, default ``1/√head_dim``.
       fp8_pv: run P·V in FP8 too (FlashAttention-3); False keeps P and V in float32, which
         isolates the error of the FP8 Q·Kᵀ (the part that scaling and rotation act on).
+      return_residual: also return ``lse: [batch, seq_q, heads]`` float32 (natural log of
+        the row sums of the dequantized S), as :func:`attention_fp8` does.
 
     Returns:
-      ``[batch, seq_q, heads, head_dim]`` bfloat16.
+      ``[batch, seq_q, heads, head_dim]`` bfloat16 (and ``lse`` with ``return_residual``).
 
     Q·Kᵀ multiplies e4m3 operands with float32 accumulation and applies the two tiles'
     scales afterwards; the softmax runs in float32; P (in [0, 1], each row's maximum exactly
@@ -138,9 +140,9 @@ def attention_fp8_reference(q: jax.Array, k: jax.Array, v: jax.Array, *,
                          f"got {q.shape}, {k.shape}, {v.shape}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     block_q, block_kv = (block_q, block_kv) if scaling == "block" else (None, None)
-    out, _ = _reference(q, k, v, hadamard_key=hadamard_key, block_q=block_q,
-                        block_kv=block_kv, scale=scale, is_causal=is_causal, fp8_pv=fp8_pv)
-    return out
+    out, lse = _reference(q, k, v, hadamard_key=hadamard_key, block_q=block_q,
+                          block_kv=block_kv, scale=scale, is_causal=is_causal, fp8_pv=fp8_pv)
+    return (out, jnp.transpose(lse, (0, 2, 1))) if return_residual else out
 
 
 def attention_fp8_online(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
@@ -201,6 +203,98 @@ def attention_fp8_online(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: i
     (o, m, l), _ = lax.scan(step, init, per_tile)
     out = o / jnp.where(l == 0, 1.0, l)[..., None]
     return out.astype(jnp.bfloat16), jnp.transpose(m + jnp.log(l), (0, 2, 1))
+
+
+#: The five GEMMs of the FlashAttention-2 backward (Algorithm 2), named by what they make.
+BACKWARD_GEMMS = frozenset({"s", "dp", "dv", "dq", "dk"})
+
+
+def attention_fp8_backward_reference(
+        q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array,
+        d_out: jax.Array, *, fp8_gemms: frozenset[str] = BACKWARD_GEMMS,
+        scaling: Scaling = "block", hadamard_key: jax.Array | None = None,
+        block_q: int = 64, block_kv: int = 128, scale: float | None = None,
+        is_causal: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(dq, dk, dv) as a backward kernel computes them with FP8 operands in ``fp8_gemms``.
+
+    The FlashAttention-2 backward recomputes ``S = Q·Kᵀ`` and ``P = exp(S − lse)`` and runs
+    four more GEMMs: ``dP = dO·Vᵀ``, ``dV = Pᵀ·dO``, ``dQ = dS·K`` and ``dK = dSᵀ·Q`` with
+    ``dS = P ∘ (dP − rowsum(dO ∘ O))``. Each GEMM named in ``fp8_gemms`` multiplies e4m3
+    operands (float32 accumulation, scales applied after); the others multiply bf16
+    operands, as the bf16 kernels do — ``fp8_gemms=frozenset()`` is the bf16 backward.
+    Operand scales: Q, dO per ``block_q`` rows and K, V per ``block_kv`` keys (per tensor
+    with ``scaling="tensor"``); P ∈ [0, 1] with the fixed scale 448 (as the forward);
+    dS, which has no bound and changes sign, one scale per ``block_q × block_kv`` tile
+    (per tensor with ``scaling="tensor"``): a kernel takes its max in registers before
+    rounding it. ``hadamard_key`` rotates Q and K (incoherent processing); the
+    gradients of the rotated Q and K are rotated back.
+
+    Args:
+      q, d_out, out: ``[batch, seq_q, heads, head_dim]``; k, v: ``[batch, seq_kv, heads,
+        head_dim]``; lse: ``[batch, seq_q, heads]`` float32 (natural log). ``out`` and
+        ``lse`` are the forward's residuals (``return_residual=True``).
+
+    Returns:
+      float32 ``(dq, dk, dv)`` shaped like q, k, v.
+    """
+    unknown = set(fp8_gemms) - BACKWARD_GEMMS
+    if unknown:
+        raise ValueError(f"fp8_gemms must name GEMMs among {sorted(BACKWARD_GEMMS)}, "
+                         f"got {sorted(unknown)}")
+    if scaling not in ("tensor", "block"):
+        raise ValueError(f"scaling must be 'tensor' or 'block', got {scaling!r}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    rows, cols = (block_q, block_kv) if scaling == "block" else (None, None)
+    rotation = None if hadamard_key is None else random_hadamard(hadamard_key, q.shape[-1])
+    q, k = _rotate(q, k, hadamard_key)
+
+    def operand(gemm, x, block):  # [b, seq, h, d] as the GEMM reads it
+        if gemm in fp8_gemms:
+            return dequantize(*quantize(x, block), block)
+        return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+    d_out32 = d_out.astype(jnp.float32)
+    s = jnp.einsum("bqhd,bkhd->bhqk", operand("s", q, rows), operand("s", k, cols)) * scale
+    if is_causal:
+        visible = jnp.tril(jnp.ones(s.shape[-2:], bool), k.shape[1] - q.shape[1])
+        s = jnp.where(visible, s, -jnp.inf)
+    p = jnp.exp(s - jnp.transpose(lse, (0, 2, 1))[..., None])         # float32 registers
+    dp = jnp.einsum("bqhd,bkhd->bhqk", operand("dp", d_out32, rows), operand("dp", v, cols))
+    delta = jnp.einsum("bqhd,bqhd->bhq", d_out32, out.astype(jnp.float32))
+    ds = p * (dp - delta[..., None])
+    p_dv = (_round_p(p) if "dv" in fp8_gemms else p.astype(jnp.bfloat16).astype(jnp.float32))
+    dv = jnp.einsum("bhqk,bqhd->bkhd", p_dv, operand("dv", d_out32, rows))
+
+    def ds_operand(gemm):
+        if gemm not in fp8_gemms:
+            return ds.astype(jnp.bfloat16).astype(jnp.float32)
+        return _round_tiles(ds, rows, cols)
+    dq = jnp.einsum("bhqk,bkhd->bqhd", ds_operand("dq"), operand("dq", k, cols)) * scale
+    dk = jnp.einsum("bhqk,bqhd->bkhd", ds_operand("dk"), operand("dk", q, rows)) * scale
+    if rotation is not None:  # Q' = Q·M  =>  dQ = dQ'·Mᵀ (and the same for K)
+        dq, dk = dq @ rotation.T, dk @ rotation.T
+    return dq, dk, dv
+
+
+def _round_p(p: jax.Array) -> jax.Array:
+    """P ∈ [0, 1] through e4m3 with the fixed scale 448, as the FP8 forward rounds it; a
+    backward's P = exp(S − lse) can exceed 1 where its S is rounded differently from the
+    forward's, and saturates (``cvt.satfinite``) instead of becoming NaN."""
+    return (jnp.minimum(p * E4M3_MAX, E4M3_MAX).astype(E4M3).astype(jnp.float32)
+            / E4M3_MAX)
+
+
+def _round_tiles(x: jax.Array, rows: int | None, cols: int | None) -> jax.Array:
+    """``x: [b, h, q, k]`` through e4m3, one scale per ``rows × cols`` tile (or per tensor)."""
+    if rows is None:
+        scale = _scale_for(jnp.max(jnp.abs(x)))
+        return (x / scale).astype(E4M3).astype(jnp.float32) * scale
+    b, h, seq_q, seq_kv = x.shape
+    tiles = pad_axis(pad_axis(x, 2, round_up(seq_q, rows)), 3, round_up(seq_kv, cols))
+    tiles = tiles.reshape(b, h, -1, rows, tiles.shape[3] // cols, cols)
+    scales = _scale_for(jnp.max(jnp.abs(tiles), axis=(3, 5), keepdims=True))
+    rounded = (tiles / scales).astype(E4M3).astype(jnp.float32) * scales
+    return rounded.reshape(b, h, tiles.shape[2] * rows, -1)[:, :, :seq_q, :seq_kv]
 
 
 def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
@@ -334,7 +428,7 @@ def _reference(q, k, v, *, hadamard_key, block_q, block_kv, scale, is_causal, fp
     row_sum = jnp.sum(p, axis=-1)                                        # [b, h, q]
     v = v.astype(jnp.float32)
     if fp8_pv:
-        p = (p * E4M3_MAX).astype(E4M3).astype(jnp.float32) / E4M3_MAX
+        p = _round_p(p)
         v = dequantize(*quantize(v, block_kv), block_kv)
     out = jnp.einsum("bhqk,bkhd->bqhd", p, v) / jnp.transpose(row_sum, (0, 2, 1))[..., None]
     return out.astype(jnp.bfloat16), jnp.max(s, axis=-1) + jnp.log(row_sum)

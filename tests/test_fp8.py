@@ -105,3 +105,79 @@ def test_accuracy_study_writes_its_table(tmp_path, capsys):
     (row,) = json.loads(json_file.read_text())["rows"]
     assert row["per-tensor"] > row["bf16"] > 0
     assert "| 64 | 64 |" in capsys.readouterr().out
+
+
+# --- the FP8 backward's numerics ---------------------------------------------------------
+
+
+def _backward_case(causal: bool, seq_q: int = 96, seq_kv: int = 160):
+    keys = jax.random.split(jax.random.key(7), 4)
+    q = jax.random.normal(keys[0], (1, seq_q, 2, 64)).astype(jnp.bfloat16)
+    k, v = (jax.random.normal(key, (1, seq_kv, 2, 64)).astype(jnp.bfloat16)
+            for key in keys[1:3])
+    d_out = jax.random.normal(keys[3], q.shape).astype(jnp.bfloat16)
+    mask = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, is_causal=causal,
+                    causal_alignment="bottom_right")
+    out, lse, grads = attention_float64(q, k, v, mask=mask,
+                                        d_out=np.asarray(d_out, np.float64))
+    residuals = (jnp.asarray(out, jnp.bfloat16),
+                 jnp.transpose(jnp.asarray(lse, jnp.float32), (0, 2, 1)))
+    return (q, k, v, *residuals, d_out), grads
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_backward_reference_without_fp8_is_the_bf16_backward(causal, rotate):
+    """No GEMM in FP8: the FA2 backward with bf16 operands, so the float64 oracle's
+    gradients to bf16 accuracy; with the Hadamard rotation, dQ and dK rotated back."""
+    args, grads = _backward_case(causal)
+    key = jax.random.key(3) if rotate else None
+    got = fp8.attention_fp8_backward_reference(*args, fp8_gemms=frozenset(),
+                                               hadamard_key=key, block_q=32, block_kv=64,
+                                               is_causal=causal)
+    for name, g, want, x in zip("qkv", got, grads, args[:3], strict=True):
+        assert g.shape == x.shape
+        assert _rel(g, want) < 1e-2, name
+
+
+@pytest.mark.parametrize(("gemm", "changed"), [
+    ("dp", "qk"), ("dv", "v"), ("dq", "q"), ("dk", "k"), ("s", "qkv")])
+def test_backward_fp8_gemm_rounds_only_what_it_feeds(gemm, changed):
+    """One GEMM in FP8 changes exactly the gradients that depend on it, and costs more
+    accuracy there than bf16 does (e4m3 keeps 3 mantissa bits, bf16 7)."""
+    args, grads = _backward_case(causal=True)
+    kwargs = dict(block_q=32, block_kv=64, is_causal=True)
+    bf16 = fp8.attention_fp8_backward_reference(*args, fp8_gemms=frozenset(), **kwargs)
+    got = fp8.attention_fp8_backward_reference(*args, fp8_gemms=frozenset({gemm}), **kwargs)
+    for name, g, b, want in zip("qkv", got, bf16, grads, strict=True):
+        assert np.isfinite(np.asarray(g)).all()
+        if name in changed:
+            assert _rel(g, want) > 2 * _rel(b, want), name
+        else:
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(b), err_msg=name)
+
+
+def test_backward_probabilities_saturate_instead_of_nan():
+    """A backward's P = exp(S - lse) may exceed 1 when its S is rounded differently from
+    the forward's: e4m3 conversion saturates at 448 (cvt.satfinite) rather than NaN."""
+    p = jnp.asarray([0.0, 0.5, 1.0, 1.3])
+    rounded = np.asarray(fp8._round_p(p))
+    np.testing.assert_array_equal(rounded, [0.0, 0.5, 1.0, 1.0])
+
+
+def test_backward_reference_refuses_unknown_gemms():
+    args, _ = _backward_case(causal=False, seq_q=8, seq_kv=8)
+    with pytest.raises(ValueError, match="fp8_gemms"):
+        fp8.attention_fp8_backward_reference(*args, fp8_gemms=frozenset({"pv"}))
+
+
+def test_backward_accuracy_study_writes_its_table(tmp_path, capsys):
+    fp8_accuracy.main(["--backward", "--seq-lens", "64", "--head-dims", "64", "--heads", "1",
+                       "--out", str(tmp_path)])
+    (json_file,) = tmp_path.glob("fp8-backward-accuracy-*.json")
+    rows = json.loads(json_file.read_text())["rows"]
+    assert [row["causal"] for row in rows] == [False, True]
+    for row in rows:
+        assert all(e > b for e, b in zip(row["all fp8, per-block"], row["bf16"], strict=True))
+        assert row["best / bf16"] > 1
+    assert "| 64 | 64 | True |" in capsys.readouterr().out
