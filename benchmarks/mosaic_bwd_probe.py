@@ -66,7 +66,7 @@ def _overrides(name: str) -> dict[str, int]:
     """Fields of MosaicBackwardConfig to change (``regs`` and ``only`` are not fields: see
     :func:`_registers` and :func:`_one_kernel`)."""
     return {key: int(value) for key, value in _spec(name).items()
-            if key not in ("regs", "only")}
+            if key not in ("regs", "only", "resident")}
 
 
 @contextlib.contextmanager
@@ -85,6 +85,22 @@ def _registers(name: str):
         yield
     finally:
         mosaic_backward._CONSUMER_REGISTERS, mosaic_backward._PRODUCER_REGISTERS = saved
+
+
+@contextlib.contextmanager
+def _resident(name: str):
+    """``resident=D`` in the spec: trace the kernels with A operands kept in registers up to
+    head_dim D (``resident=0``: every A operand from SMEM; a module constant)."""
+    spec = _spec(name)
+    if "resident" not in spec:
+        yield
+        return
+    saved = mosaic_backward._RESIDENT_MAX_HEAD_DIM
+    mosaic_backward._RESIDENT_MAX_HEAD_DIM = int(spec["resident"])
+    try:
+        yield
+    finally:
+        mosaic_backward._RESIDENT_MAX_HEAD_DIM = saved
 
 
 @contextlib.contextmanager
@@ -175,7 +191,7 @@ def bench_point(head_dim: int, seq_len: int, causal: bool, impls, max_seconds: f
                 ms, grads = both_ms - fwd_ms, reference
             else:
                 args = (q, k, v, out, lse, d_out)
-                with _registers(name), _one_kernel(name):
+                with _registers(name), _one_kernel(name), _resident(name):
                     fn = _pallas_backward(name, q, k, mask, scale, attn_mask)
                     fn = fn.lower(*args).compile()
                 ms = time_fn(fn, [args], **timing).median_ms

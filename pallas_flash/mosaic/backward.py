@@ -213,6 +213,20 @@ def _operand_a(x: jax.Array, scratch):
     return scratch
 
 
+#: Head dims up to which :func:`_resident` keeps a consumer's fixed A operands in registers.
+_RESIDENT_MAX_HEAD_DIM = 64
+
+
+def _resident(st: _Static, tile, interpreting: bool):
+    """An A operand that a consumer reads at every step (K or V in dK/dV, Q or dO in dQ):
+    at head_dim 64 loaded into registers once (16 per thread), so that those wgmmas read
+    only B from SMEM — with 64-row warpgroups, both operands from SMEM ask for as many
+    bytes per cycle as SMEM gives; interpret mode keeps the SMEM tile."""
+    if interpreting or st.head_dim > _RESIDENT_MAX_HEAD_DIM:
+        return tile
+    return plgpu.load(tile, (), layout=plgpu.Layout.WGMMA, optimized=True)
+
+
 def _probabilities(st: _Static, scores, lse2, visible, bias=None):
     """P = exp2(logits·log2e − lse·log2e) of one tile, and the soft-cap's slope (or None).
 
@@ -481,6 +495,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
                 plgpu.barrier_arrive(exchanged.at[s])
         plgpu.barrier_wait(k_ready.at[wg])
         plgpu.barrier_wait(v_ready.at[wg])
+        k_a, v_a = (_resident(st, t, a_tile is not None) for t in (k_tile, v_tile))
 
         def accumulate(dk_acc, dv_acc):
             def step(i, head_step0, *, head, owned_parts, masked: bool):
@@ -497,8 +512,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
                 bias_t, mask_t = _logit_tiles(st, owned_parts, rings, s, wg, shape)
 
                 def gemms(st_acc, dpt_acc):
-                    plgpu.wgmma(st_acc, k_tile, q_tile.T)
-                    plgpu.wgmma(dpt_acc, v_tile, do_tile.T)
+                    plgpu.wgmma(st_acc, k_a, q_tile.T)
+                    plgpu.wgmma(dpt_acc, v_a, do_tile.T)
                     # Sᵀ is ready once at most the dPᵀ GEMM is in flight: Pᵀ overlaps it.
                     scores_t = plgpu.wgmma_accumulator_load(st_acc, wait_n=1)
                     visible = None
@@ -658,6 +673,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
                                layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
         a_tile = None if a_smem is None else a_smem.at[wg]
         _wait_all((q_ready, do_ready, lse_ready, delta_ready), wg)
+        q_a, do_a = (_resident(st, t, a_tile is not None) for t in (q_tile, do_tile))
         lse2 = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         shape = (bq, bkv)
@@ -677,8 +693,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
                 bias, mask = _logit_tiles(st, owned_parts, rings, s, wg, shape)
 
                 def gemms(s_acc, dp_acc):
-                    plgpu.wgmma(s_acc, q_tile, k_tile.T)
-                    plgpu.wgmma(dp_acc, do_tile, v_tile.T)
+                    plgpu.wgmma(s_acc, q_a, k_tile.T)
+                    plgpu.wgmma(dp_acc, do_a, v_tile.T)
                     # S is ready once at most the dP GEMM is in flight: P overlaps it.
                     scores = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
                     visible = None
