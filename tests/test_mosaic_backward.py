@@ -555,9 +555,22 @@ def test_config_is_frozen_and_hashable():
 
 
 @pytest.mark.parametrize("head_dim", [16, 64, 96, 128, 256])
-def test_default_backward_config_fits(head_dim):
+@pytest.mark.parametrize("xla_flags", ["", "--xla_gpu_deterministic_ops=true",
+                                       "--xla_dump_to=/tmp --xla_gpu_deterministic_ops"])
+def test_default_backward_config_fits(head_dim, xla_flags, monkeypatch):
+    """The fused dQ (faster there) up to head_dim 64, unless XLA_FLAGS asks XLA for
+    deterministic ops; the separate dQ kernel above."""
+    monkeypatch.setenv("XLA_FLAGS", xla_flags)
     mask = MaskSpec(seq_q=4096, seq_kv=4096, is_causal=True)
     config = default_backward_config((1, 4096, 8, head_dim), (1, 4096, 8, head_dim), BF16,
                                      mask)
     config.check_fits(mosaic_config.padded_head_dim(head_dim))
-    assert config.deterministic
+    assert config.deterministic == (head_dim > 64 or "deterministic" in xla_flags)
+
+
+@pytest.mark.parametrize(("xla_flags", "requested"), [
+    ("", False), ("--xla_gpu_deterministic_ops=false", False),
+    ("--xla_gpu_deterministic_ops=1", True), ("--xla_gpu_deterministic_ops_x=true", False)])
+def test_deterministic_requested_reads_xla_flags(xla_flags, requested, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", xla_flags)
+    assert mosaic_config.deterministic_requested() is requested

@@ -213,16 +213,18 @@ def _operand_a(x: jax.Array, scratch):
     return scratch
 
 
-#: Head dims up to which :func:`_resident` keeps a consumer's fixed A operands in registers.
+#: Head dims up to which the fused dK/dV kernel keeps K and V in registers (:func:`_resident`).
 _RESIDENT_MAX_HEAD_DIM = 64
 
 
 def _resident(st: _Static, tile, interpreting: bool):
-    """An A operand that a consumer reads at every step (K or V in dK/dV, Q or dO in dQ):
-    at head_dim 64 loaded into registers once (16 per thread), so that those wgmmas read
-    only B from SMEM — with 64-row warpgroups, both operands from SMEM ask for as many
-    bytes per cycle as SMEM gives; interpret mode keeps the SMEM tile."""
-    if interpreting or st.head_dim > _RESIDENT_MAX_HEAD_DIM:
+    """K or V of a fused dK/dV consumer, the A operand of its Sᵀ and dPᵀ GEMMs at every
+    step: at head_dim 64 loaded into registers once (16 per thread), so that those wgmmas
+    read only B from SMEM, which the fused dQ's float32 staging tile also needs. Measured
+    on the H200 (2026-11-30, ``mosaic_bwd_probe.py --head-dims 64``): the fused backward
+    went from 0.87-0.96x cuDNN to 0.97-1.06x; the deterministic one gained at some points
+    and lost at others, and keeps the SMEM tiles. Interpret mode keeps them too."""
+    if interpreting or not st.fuse_dq or st.head_dim > _RESIDENT_MAX_HEAD_DIM:
         return tile
     return plgpu.load(tile, (), layout=plgpu.Layout.WGMMA, optimized=True)
 
@@ -673,7 +675,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
                                layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
         a_tile = None if a_smem is None else a_smem.at[wg]
         _wait_all((q_ready, do_ready, lse_ready, delta_ready), wg)
-        q_a, do_a = (_resident(st, t, a_tile is not None) for t in (q_tile, do_tile))
         lse2 = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         shape = (bq, bkv)
@@ -693,8 +694,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
                 bias, mask = _logit_tiles(st, owned_parts, rings, s, wg, shape)
 
                 def gemms(s_acc, dp_acc):
-                    plgpu.wgmma(s_acc, q_a, k_tile.T)
-                    plgpu.wgmma(dp_acc, do_a, v_tile.T)
+                    plgpu.wgmma(s_acc, q_tile, k_tile.T)
+                    plgpu.wgmma(dp_acc, do_tile, v_tile.T)
                     # S is ready once at most the dP GEMM is in flight: P overlaps it.
                     scores = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
                     visible = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import round_up
@@ -257,11 +258,11 @@ class MosaicBackwardConfig:
         2-stage K/V ring at head_dim 256).
       num_stages: depth of both kernels' SMEM rings, 2 to 4.
       deterministic: compute dQ in the separate dQ kernel (every dQ tile written by one
-        CTA; the default). Otherwise the dK/dV kernel also adds each step's dS·K_j into a
+        CTA). Otherwise the dK/dV kernel also adds each step's dS·K_j into a
         float32 dQ in GMEM with TMA reduce-adds (FA3; shared by the two consumers at
         head_dim 128, :func:`splits_dq`): five GEMMs instead of seven, but the order of
-        the additions, hence the rounding, varies from run to run, and on the H200 it was
-        slower (see :func:`default_backward_config`).
+        the additions, hence the rounding, varies from run to run. :func:`default_backward_config`
+        picks it at head_dim 64, where it is the faster mode.
     """
 
     block_q: int = 64
@@ -402,33 +403,44 @@ def fit_backward_logit_rings(config: MosaicBackwardConfig, head_dim: int, itemsi
     return config
 
 
+def deterministic_requested() -> bool:
+    """Whether ``XLA_FLAGS`` asks XLA for deterministic GPU ops
+    (``--xla_gpu_deterministic_ops``, as XLA's own cuDNN attention honours it)."""
+    for flag in os.environ.get("XLA_FLAGS", "").split():
+        name, _, value = flag.partition("=")
+        if name == "--xla_gpu_deterministic_ops":
+            return value.lower() in ("", "true", "1")
+    return False
+
+
 def default_backward_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicBackwardConfig:
-    """One tiling for every head dim; measured on an H200 (bf16, 16k tokens, hidden 2048).
+    """The tiling and dQ mode per head dim; measured on an H200 (bf16, 16k tokens, hidden
+    2048, cuDNN in the same process).
 
     The dK/dV consumers hold dK and dV for 64 keys each (``D`` f32 registers per thread for
     both at head_dim 128), so the S and dP tiles must stay small: 64 query rows per step.
     At head_dim 64, 128 rows per step ran 231-258 TFLOP/s (L 4096/16384, dense) and 64
-    rows 375 / 390 (2026-11-29, ``benchmarks/mosaic_bwd_probe.py``; Triton 271 / 295,
-    cuDNN 393 / 425 in the same runs). The separate dQ kernel is also the fast one. An
-    earlier fused dQ, each consumer reduce-adding all of dS·K over its own keys, ran at
-    0.59-0.83x its speed (head_dim 64 and 128, L 4096 and 16384, causal or not; at head_dim
-    128 ptxas reported 1068 bytes of spill stores for it against 560 for the deterministic
-    dK/dV kernel). The shared fused dQ (FA3's split of the columns, :func:`splits_dq`),
-    2026-11-30, ``mosaic_bwd_probe.py --head-dims 128,64 --impls
-    'mosaic;mosaic_fused;cudnn'``, TFLOP/s deterministic / fused (cuDNN):
+    rows 375 / 390 (2026-11-29, ``benchmarks/mosaic_bwd_probe.py``; cuDNN 393 / 425).
 
-    ======  =================================  =================================
-    L       head_dim 128 dense / causal        head_dim 64 (unshared) dense / causal
-    ======  =================================  =================================
-    4096    466 / 395 (480); 415 / 255 (385)   370 / 348 (402); 308 / 300 (314)
-    16384   502 / 425 (512); 480 / 322 (524)   405 / 394 (441); 371 / 384 (418)
-    ======  =================================  =================================
-
-    The consumers of the shared design meet on a barrier at every step (both dSᵀ in SMEM),
-    which takes away the slack between their GEMMs and softmax.
+    dQ: at head_dim 64 the fused dQ (FA3; each consumer reduce-adds dS·K over its own keys,
+    K and V in registers: :func:`pallas_flash.mosaic.backward._resident`) ran 0.97-1.06x
+    cuDNN at L 2048-16384, causal or not, and the separate dQ kernel 0.90-0.99x
+    (2026-11-30, ``--head-dims 64 --impls 'mosaic:resident=0;mosaic_fused;cudnn'``), so it is the
+    default there unless ``XLA_FLAGS`` asks for deterministic ops
+    (:func:`deterministic_requested`): its additions into dQ come in a varying order. At
+    head_dim 128 the fused dQ (shared by the two consumers, :func:`splits_dq`) ran
+    0.61-0.85x the separate kernel (2026-11-30, L 4096 / 16384). Leaving its parts out
+    one at a time (L 16384 causal) showed where the time goes: the dK/dV GEMMs alone 3.6
+    ms, publishing dSᵀ for the other consumer +0.9 ms, the dQ GEMM +0.5 ms, storing the
+    float32 dQ tile to SMEM +2.8 ms, the TMA reduce-add +0.5 ms (cuDNN: 5.7 ms for all of
+    it). With both wgmma operands read from SMEM by 64-row warpgroups the dK/dV kernel
+    already takes SMEM's bandwidth; the staging tile competes for it.
     """
     del kv_shape, dtype, mask
     if padded_head_dim(q_shape[-1]) > MAX_PER_CONSUMER_HEAD_DIM:
         # Q and dO of two 64-row consumers fill 128 KiB: 32-key blocks keep a 2-stage ring.
         return MosaicBackwardConfig(block_q=64, dq_block_kv=32, num_stages=2)
-    return MosaicBackwardConfig(block_q=64, dq_block_kv=128, num_stages=2)
+    if padded_head_dim(q_shape[-1]) > 64:
+        return MosaicBackwardConfig(block_q=64, dq_block_kv=128, num_stages=2)
+    return MosaicBackwardConfig(block_q=64, dq_block_kv=128, num_stages=2,
+                                deterministic=deterministic_requested())
