@@ -89,8 +89,8 @@ def _registers(name: str):
 
 @contextlib.contextmanager
 def _resident(name: str):
-    """``resident=D`` in the spec: trace the kernels with A operands kept in registers up to
-    head_dim D (``resident=0``: every A operand from SMEM; a module constant)."""
+    """``resident=D`` in the spec: trace the fused dK/dV kernel with K and V kept in
+    registers up to head_dim D (``resident=0``: from SMEM; a module constant)."""
     spec = _spec(name)
     if "resident" not in spec:
         yield
@@ -223,7 +223,8 @@ def main(argv=None) -> int:
                         help=f"';'-separated, from {IMPLS}; 'mosaic:block_q=64,num_stages=3' "
                              "times the Mosaic backward with those config fields changed "
                              "(and regs=232x40: the consumer x producer setmaxnreg; "
-                             "only=dkdv or only=dq: one kernel alone, its time in ms)")
+                             "only=dkdv or only=dq: one kernel alone, its time in ms; "
+                             "resident=0: the fused kernel's K and V from SMEM)")
     parser.add_argument("--max-seconds", type=float, default=1.0,
                         help="sampling time per timed function")
     parser.add_argument("--compile-only", action="store_true")

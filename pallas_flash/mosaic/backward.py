@@ -25,7 +25,8 @@ keep their accumulators in registers.
 
 **dQ, two modes** (``MosaicBackwardConfig.deterministic``):
 
-* deterministic (the default) — :func:`_dq_kernel`, one CTA per ``2·dq_block_q`` query rows
+* deterministic (the default above head_dim 64, and wherever ``XLA_FLAGS`` has
+  ``--xla_gpu_deterministic_ops``) — :func:`_dq_kernel`, one CTA per ``2·dq_block_q`` query rows
   of one head; each consumer owns ``dq_block_q`` rows and the producer streams (K_j, V_j)::
 
       S = Q_i·K_jᵀ   P = exp2(S·scale·log2e − lse_i)   dP = dO_i·V_jᵀ
@@ -40,11 +41,11 @@ keep their accumulators in registers.
   the step are in SMEM (the ``exchanged`` barrier), consumer c adds columns
   ``[c·D/2, (c+1)·D/2)`` of dS·K over all the CTA's keys — one reduce-add of the CTA's
   partial per step, and a [block_q, D/2] accumulator. At head_dim 64 the halves would cut
-  a swizzle width, and each consumer adds all of dS·K over its own keys. Neither design beats
-  the deterministic mode on the H200 (:func:`~pallas_flash.mosaic.config.default_backward_config`
-  has the timings): the shared one ran at 0.61-0.85x its speed at head_dim 128, where the
-  consumers meet on a barrier every step, and the unshared one at 0.94-1.03x at head_dim 64.
-  Interpret mode has no TMA reduce-add: there each consumer stores its partial
+  a swizzle width, and each consumer adds all of dS·K over its own keys, with K and V in
+  registers (:func:`_resident`); that is the faster mode there, and the default. At head_dim
+  128 the shared design ran at 0.61-0.85x the deterministic mode's speed
+  (:func:`~pallas_flash.mosaic.config.default_backward_config` has the timings and where its
+  time goes). Interpret mode has no TMA reduce-add: there each consumer stores its partial
   sums per key tile, and XLA adds them.
 
 **Block skipping** comes from :class:`~pallas_flash.masking.MaskSpec`: ``q_blocks`` (dK/dV)
