@@ -165,7 +165,7 @@ def attention_fp8_online(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: i
       ``out: [B, T, N, D]`` bfloat16 and ``lse: [B, N, T]`` float32 (natural log).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    q, k = _rotate(q, k, hadamard_key)
+    q, k, _ = _rotate(q, k, hadamard_key)
     (q8, q_scale), (k8, k_scale) = quantize(q, block_q), quantize(k, block_kv)
     v8, v_scale = quantize(v, block_kv)
     batch, seq_q, heads = q.shape[:3]
@@ -245,30 +245,24 @@ def attention_fp8_backward_reference(
         raise ValueError(f"scaling must be 'tensor' or 'block', got {scaling!r}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     rows, cols = (block_q, block_kv) if scaling == "block" else (None, None)
-    rotation = None if hadamard_key is None else random_hadamard(hadamard_key, q.shape[-1])
-    q, k = _rotate(q, k, hadamard_key)
+    q, k, rotation = _rotate(q, k, hadamard_key)
 
     def operand(gemm, x, block):  # [b, seq, h, d] as the GEMM reads it
-        if gemm in fp8_gemms:
-            return dequantize(*quantize(x, block), block)
-        return x.astype(jnp.bfloat16).astype(jnp.float32)
+        return dequantize(*quantize(x, block), block) if gemm in fp8_gemms else _bf16(x)
 
     d_out32 = d_out.astype(jnp.float32)
     s = jnp.einsum("bqhd,bkhd->bhqk", operand("s", q, rows), operand("s", k, cols)) * scale
     if is_causal:
-        visible = jnp.tril(jnp.ones(s.shape[-2:], bool), k.shape[1] - q.shape[1])
-        s = jnp.where(visible, s, -jnp.inf)
+        s = _hide_future(s)
     p = jnp.exp(s - jnp.transpose(lse, (0, 2, 1))[..., None])         # float32 registers
     dp = jnp.einsum("bqhd,bkhd->bhqk", operand("dp", d_out32, rows), operand("dp", v, cols))
     delta = jnp.einsum("bqhd,bqhd->bhq", d_out32, out.astype(jnp.float32))
     ds = p * (dp - delta[..., None])
-    p_dv = (_round_p(p) if "dv" in fp8_gemms else p.astype(jnp.bfloat16).astype(jnp.float32))
+    p_dv = _round_p(p) if "dv" in fp8_gemms else _bf16(p)
     dv = jnp.einsum("bhqk,bqhd->bkhd", p_dv, operand("dv", d_out32, rows))
 
     def ds_operand(gemm):
-        if gemm not in fp8_gemms:
-            return ds.astype(jnp.bfloat16).astype(jnp.float32)
-        return _round_tiles(ds, rows, cols)
+        return _round_tiles(ds, rows, cols) if gemm in fp8_gemms else _bf16(ds)
     dq = jnp.einsum("bhqk,bkhd->bqhd", ds_operand("dq"), operand("dq", k, cols)) * scale
     dk = jnp.einsum("bhqk,bqhd->bkhd", ds_operand("dk"), operand("dk", q, rows)) * scale
     if rotation is not None:  # Q' = Q·M  =>  dQ = dQ'·Mᵀ (and the same for K)
@@ -287,8 +281,7 @@ def _round_p(p: jax.Array) -> jax.Array:
 def _round_tiles(x: jax.Array, rows: int | None, cols: int | None) -> jax.Array:
     """``x: [b, h, q, k]`` through e4m3, one scale per ``rows × cols`` tile (or per tensor)."""
     if rows is None:
-        scale = _scale_for(jnp.max(jnp.abs(x)))
-        return (x / scale).astype(E4M3).astype(jnp.float32) * scale
+        return dequantize(*quantize(x, None), None)
     b, h, seq_q, seq_kv = x.shape
     tiles = pad_axis(pad_axis(x, 2, round_up(seq_q, rows)), 3, round_up(seq_kv, cols))
     tiles = tiles.reshape(b, h, -1, rows, tiles.shape[3] // cols, cols)
@@ -312,7 +305,7 @@ def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
       P·V contracts over keys). XLA fuses the transpose into V's conversion, so it costs
       no extra pass over V.
     """
-    q, k = _rotate(q, k, hadamard_key)
+    q, k, _ = _rotate(q, k, hadamard_key)
     (q8, q_scale), (k8, k_scale) = quantize(q, block_q), quantize(k, block_kv)
     v8, v_scale = quantize(v, block_kv)
     return Fp8Operands(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale,
@@ -405,25 +398,38 @@ def _implementation(name: str | None, interpret: bool) -> str:
 
 
 def _rotate(q: jax.Array, k: jax.Array, hadamard_key: jax.Array | None):
-    """Float32 Q and K, multiplied by the random Hadamard matrix if a key is given."""
+    """Float32 Q and K, multiplied by the random Hadamard matrix if a key is given, and
+    that matrix (or None)."""
     q, k = q.astype(jnp.float32), k.astype(jnp.float32)
-    if hadamard_key is not None:
-        rotation = random_hadamard(hadamard_key, q.shape[-1])
-        q, k = q @ rotation, k @ rotation
-    return q, k
+    if hadamard_key is None:
+        return q, k, None
+    rotation = random_hadamard(hadamard_key, q.shape[-1])
+    return q @ rotation, k @ rotation, rotation
+
+
+def _hide_future(s: jax.Array) -> jax.Array:
+    """Scores ``[.., seq_q, seq_kv]`` with the keys after each query's (bottom-right causal
+    alignment, as the FP8 kernel's) set to −inf."""
+    seq_q, seq_kv = s.shape[-2:]
+    mask = MaskSpec(seq_q, seq_kv, is_causal=True, causal_alignment="bottom_right")
+    return jnp.where(mask.block_visible(0, seq_q, 0, seq_kv), s, -jnp.inf)
+
+
+def _bf16(x: jax.Array) -> jax.Array:
+    """``x`` rounded to bf16, as a bf16 GEMM reads it (float32 for XLA's einsum)."""
+    return x.astype(jnp.bfloat16).astype(jnp.float32)
 
 
 def _reference(q, k, v, *, hadamard_key, block_q, block_kv, scale, is_causal, fp8_pv):
     """:func:`attention_fp8_reference` (blocks ``None``: per tensor), also returning
     ``lse: [batch, heads, seq_q]`` (natural log of the row sums of the dequantized S)."""
-    q, k = _rotate(q, k, hadamard_key)
+    q, k, _ = _rotate(q, k, hadamard_key)
     (q8, sq), (k8, sk) = quantize(q, block_q), quantize(k, block_kv)
     # The FP8 GEMM: exact products of e4m3 values, accumulated in float32.
     s = jnp.einsum("bqhd,bkhd->bhqk", q8.astype(jnp.float32), k8.astype(jnp.float32))
     s = s * scale * _per_row(sq, block_q, q.shape[1]) * _per_col(sk, block_kv, k.shape[1])
     if is_causal:
-        visible = jnp.tril(jnp.ones(s.shape[-2:], bool), k.shape[1] - q.shape[1])
-        s = jnp.where(visible, s, -jnp.inf)
+        s = _hide_future(s)
     p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
     row_sum = jnp.sum(p, axis=-1)                                        # [b, h, q]
     v = v.astype(jnp.float32)
