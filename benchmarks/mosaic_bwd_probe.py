@@ -41,6 +41,7 @@ import dataclasses
 import importlib
 import json
 import traceback
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -63,74 +64,49 @@ def _spec(name: str) -> dict[str, str]:
 
 
 def _overrides(name: str) -> dict[str, int]:
-    """Fields of MosaicBackwardConfig to change (``regs`` and ``only`` are not fields: see
-    :func:`_registers` and :func:`_one_kernel`)."""
+    """Fields of MosaicBackwardConfig to change (``regs``, ``resident`` and ``only`` are not
+    fields: see :func:`_traced_with`)."""
     return {key: int(value) for key, value in _spec(name).items()
             if key not in ("regs", "only", "resident")}
 
 
+def _no_dq(st, operands, *, interpret):
+    return jnp.zeros(operands[0].shape, operands[0].dtype)
+
+
+def _no_dkdv(st, operands, *_, interpret):
+    zeros = jnp.zeros(operands[1].shape, operands[1].dtype)
+    return zeros, zeros
+
+
 @contextlib.contextmanager
-def _registers(name: str):
-    """``regs=240x24`` in the spec: trace the kernels with that ``setmaxnreg`` split between
-    the consumer and producer warpgroups (module constants, read at trace time)."""
+def _traced_with(name: str):
+    """Module attributes that the kernels read at trace time, changed for one spec:
+
+    * ``regs=240x24``: the ``setmaxnreg`` split between consumer and producer warpgroups;
+    * ``resident=D``: the fused dK/dV kernel keeps K and V in registers up to head_dim D
+      (``resident=0``: from SMEM);
+    * ``only=dkdv`` / ``only=dq``: the other kernel is replaced by zeros, which times one
+      kernel (and the delta pre-pass): where the backward's time goes.
+    """
     spec = _spec(name)
-    if "regs" not in spec:
+    swaps = []
+    if "regs" in spec:
+        consumer, producer = map(int, spec["regs"].split("x"))
+        swaps += [(mosaic_backward, "_CONSUMER_REGISTERS", consumer),
+                  (mosaic_backward, "_PRODUCER_REGISTERS", producer)]
+    if "resident" in spec:
+        swaps.append((mosaic_backward, "_RESIDENT_MAX_HEAD_DIM", int(spec["resident"])))
+    if "only" in spec:
+        if spec["only"] not in ("dkdv", "dq"):
+            raise ValueError(f"only={spec['only']}: choose dkdv or dq")
+        swaps += ([(mosaic_backward, "_call_dq", _no_dq)] if spec["only"] == "dkdv" else
+                  [(mosaic_backward, "_call_dkdv", _no_dkdv),
+                   (backward_d256, "call_dkdv", _no_dkdv)])
+    with contextlib.ExitStack() as stack:
+        for module, attr, value in swaps:
+            stack.enter_context(mock.patch.object(module, attr, value))
         yield
-        return
-    consumer, producer = map(int, spec["regs"].split("x"))
-    saved = mosaic_backward._CONSUMER_REGISTERS, mosaic_backward._PRODUCER_REGISTERS
-    mosaic_backward._CONSUMER_REGISTERS, mosaic_backward._PRODUCER_REGISTERS = (
-        consumer, producer)
-    try:
-        yield
-    finally:
-        mosaic_backward._CONSUMER_REGISTERS, mosaic_backward._PRODUCER_REGISTERS = saved
-
-
-@contextlib.contextmanager
-def _resident(name: str):
-    """``resident=D`` in the spec: trace the fused dK/dV kernel with K and V kept in
-    registers up to head_dim D (``resident=0``: from SMEM; a module constant)."""
-    spec = _spec(name)
-    if "resident" not in spec:
-        yield
-        return
-    saved = mosaic_backward._RESIDENT_MAX_HEAD_DIM
-    mosaic_backward._RESIDENT_MAX_HEAD_DIM = int(spec["resident"])
-    try:
-        yield
-    finally:
-        mosaic_backward._RESIDENT_MAX_HEAD_DIM = saved
-
-
-@contextlib.contextmanager
-def _one_kernel(name: str):
-    """``only=dkdv`` / ``only=dq`` in the spec: trace the backward with the other kernel
-    replaced by zeros (module functions, looked up at trace time), which times one kernel
-    (and the delta pre-pass): where the backward's time goes."""
-    only = _spec(name).get("only")
-    if only is None:
-        yield
-        return
-    if only not in ("dkdv", "dq"):
-        raise ValueError(f"only={only}: choose dkdv or dq")
-
-    def no_dq(st, operands, *, interpret):
-        return jnp.zeros(operands[0].shape, operands[0].dtype)
-
-    def no_dkdv(st, operands, *_, interpret):
-        zeros = jnp.zeros(operands[1].shape, operands[1].dtype)
-        return zeros, zeros
-    swaps = ([(mosaic_backward, "_call_dq", no_dq)] if only == "dkdv" else
-             [(mosaic_backward, "_call_dkdv", no_dkdv), (backward_d256, "call_dkdv", no_dkdv)])
-    saved = [(module, attr, getattr(module, attr)) for module, attr, _ in swaps]
-    for module, attr, stand_in in swaps:
-        setattr(module, attr, stand_in)
-    try:
-        yield
-    finally:
-        for module, attr, original in saved:
-            setattr(module, attr, original)
 
 
 def _pallas_backward(name: str, q, k, mask: MaskSpec, scale: float, attn_mask=None):
@@ -191,7 +167,7 @@ def bench_point(head_dim: int, seq_len: int, causal: bool, impls, max_seconds: f
                 ms, grads = both_ms - fwd_ms, reference
             else:
                 args = (q, k, v, out, lse, d_out)
-                with _registers(name), _one_kernel(name), _resident(name):
+                with _traced_with(name):
                     fn = _pallas_backward(name, q, k, mask, scale, attn_mask)
                     fn = fn.lower(*args).compile()
                 ms = time_fn(fn, [args], **timing).median_ms

@@ -304,7 +304,7 @@ def test_bwd_probe_times_one_kernel_with_the_other_left_out(only):
     out = jnp.asarray(out, q.dtype)
     delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
     with (plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()),
-          mosaic_bwd_probe._one_kernel(f"mosaic:only={only}")):
+          mosaic_bwd_probe._traced_with(f"mosaic:only={only}")):
         grads = mosaic_backward.backward(
             q, k, v, None, out, jnp.asarray(lse, jnp.float32), d_out, delta, mask=mask,
             scale=0.125, config=MosaicBackwardConfig(), interpret=True)
