@@ -323,8 +323,11 @@ class MemoryRow:
     tiled_peak: int
     standard_temp: int | None
     tiled_temp: int | None
-    fits: bool
-    why_not: str = ""  # where it does not fit: what said so
+    why_not: str = ""  # where standard attention does not fit the device: what said so
+
+    @property
+    def fits(self) -> bool:
+        return not self.why_not
 
 
 def _memory(args: argparse.Namespace, parser: argparse.ArgumentParser, _) -> int:
@@ -387,10 +390,9 @@ def _memory(args: argparse.Namespace, parser: argparse.ArgumentParser, _) -> int
                 if limit is not None and std.io_bytes + (std_temp or 0) > limit:
                     why_not = f"compiled: {(std.io_bytes + (std_temp or 0)) / 2**30:.1f} GiB"
         til_temp = compiled_temp_bytes(til_fn, *shapes)
-        fits = not why_not
-        rows.append(MemoryRow(length, std.peak_bytes, til.peak_bytes, std_temp, til_temp, fits,
+        rows.append(MemoryRow(length, std.peak_bytes, til.peak_bytes, std_temp, til_temp,
                               why_not))
-        if not fits:
+        if why_not:
             break
     print(memory_table(rows))
     if limit and not rows[-1].fits:
