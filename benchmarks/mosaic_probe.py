@@ -124,12 +124,14 @@ def check_api(path):
 
 def parse_config(spec: str) -> MosaicConfig:
     """``"64x128x2o"`` -> MosaicConfig(64, 128, 2, overlap=True); a ``c3`` suffix
-    (``"64x128x2oc3"``) asks for three consumer warpgroups."""
-    spec, _, consumers = spec.partition("c")
+    (``"64x128x2oc3"``) asks for three consumer warpgroups, a final ``p``
+    (``"128x128x2p"``, ``"64x128x2oc3p"``) for persistent CTAs."""
+    persistent = spec.endswith("p")
+    spec, _, consumers = spec.removesuffix("p").partition("c")
     overlap = spec.endswith("o")
     block_q, block_kv, stages = (int(x) for x in spec.rstrip("o").split("x"))
     return MosaicConfig(block_q, block_kv, stages, overlap=overlap,
-                        num_consumers=int(consumers or 2))
+                        num_consumers=int(consumers or 2), persistent=persistent)
 
 
 def parse_configs(items: list[str]) -> dict[int, list[MosaicConfig]]:
@@ -144,7 +146,8 @@ def parse_configs(items: list[str]) -> dict[int, list[MosaicConfig]]:
 def short(config: MosaicConfig) -> str:
     return (f"{config.block_q}x{config.block_kv}x{config.num_stages}"
             + ("o" if config.overlap else "")
-            + (f"c{config.num_consumers}" if config.num_consumers != 2 else ""))
+            + (f"c{config.num_consumers}" if config.num_consumers != 2 else "")
+            + ("p" if config.persistent else ""))
 
 
 def seconds_per_call(fn, args, iters: int, repeats: int) -> float:

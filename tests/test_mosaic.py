@@ -39,6 +39,12 @@ OVERLAP = MosaicConfig(block_q=64, block_kv=64, num_stages=2, overlap=True)
 THREE = MosaicConfig(block_q=64, block_kv=64, num_stages=2, overlap=True, num_consumers=3)
 
 
+def _persistent(config: MosaicConfig) -> MosaicConfig:
+    """``config`` with persistent CTAs: 2 in interpret mode, each looping over several
+    tiles (an uneven number when the tile count is odd)."""
+    return dataclasses.replace(config, persistent=True)
+
+
 def _inputs(shape_q, shape_kv, dtype, seed):
     rng = np.random.default_rng(seed)
     return (jnp.asarray(rng.standard_normal(shape_q), dtype),
@@ -96,6 +102,18 @@ CASES = {
     "three_consumers_causal_odd": (1, 250, 330, 2, 2, 64, F16, dict(is_causal=True), THREE),
     "three_consumers_window_rows_past_keys": (1, 320, 60, 1, 1, 64, BF16,
                                               dict(window=(10, 10)), THREE),
+    # Persistent CTAs: the K/V ring, Q prefetch, O tile and turns carry over tiles of
+    # different lengths (causal), of rows that see nothing, and over batch/head changes.
+    "persistent_dense_gqa": (2, 128, 192, 3, 1, 64, BF16, {}, _persistent(SMALL)),
+    "persistent_causal_odd_gqa": (1, 330, 330, 4, 2, 64, F16, dict(is_causal=True),
+                                  _persistent(SMALL)),
+    "persistent_overlap_causal_more_queries_than_keys": (
+        1, 300, 130, 3, 1, 64, BF16, dict(is_causal=True, causal_alignment="bottom_right"),
+        _persistent(OVERLAP)),
+    "persistent_three_consumers_window": (2, 250, 330, 2, 2, 64, F16, dict(window=(40, 20)),
+                                          _persistent(THREE)),
+    "persistent_head_dim_128": (1, 200, 300, 3, 3, 128, BF16, dict(is_causal=True),
+                                _persistent(MosaicConfig(64, 128, 2, overlap=True))),
 }
 
 
@@ -112,7 +130,9 @@ def test_interpret_matches_oracle(case):
     _assert_matches_oracle(q, k, v, out, lse, mask, scale)
 
 
-@pytest.mark.parametrize("config", [SMALL, OVERLAP, THREE], ids=["serial", "overlap", "three"])
+@pytest.mark.parametrize("config", [SMALL, OVERLAP, THREE, _persistent(SMALL),
+                                    _persistent(THREE)],
+                         ids=["serial", "overlap", "three", "persistent", "persistent_three"])
 def test_interpret_no_races(config):
     """The producer/consumer protocol under the interpreter's vector-clock race detector."""
     q, k, v = _inputs((1, 128, 2, 64), (1, 192, 1, 64), BF16, seed=7)
@@ -149,6 +169,9 @@ VARIANT_CASES = {
     # has no keys (rows 150..199: empty), and a second batch row with unordered ids.
     "segments_softcap_window_padded": (2, 200, 230, 2, 2, BF16, dict(window=(40, 10)), 20.0,
                                        SMALL),
+    "segments_softcap_window_padded_persistent": (2, 200, 230, 2, 2, BF16,
+                                                  dict(window=(40, 10)), 20.0,
+                                                  _persistent(OVERLAP)),
     "softcap_dense": (1, 128, 192, 2, 1, BF16, {}, 20.0, SMALL),
 }
 
@@ -156,7 +179,7 @@ VARIANT_CASES = {
 def _variant_ids(case, batch, seq_q, seq_kv):
     if case == "softcap_dense":
         return None
-    if case == "segments_softcap_window_padded":
+    if case.startswith("segments_softcap_window_padded"):
         q_ids = _doc_ids(batch, seq_q, [60, 150]) * 2  # 0, 2, 4: 4 has no keys
         kv_ids = _doc_ids(batch, seq_kv, [50, 140])  # 0, 1, 2
         return (q_ids.at[1].set(_shuffled_ids(seq_q, 1)[0]),
@@ -180,7 +203,7 @@ def test_interpret_variants_match_oracle(case):
                               interpret=True, softcap=softcap)
     _assert_matches_oracle(q, k, v, out, lse, mask, scale, segment_ids=segment_ids,
                            softcap=softcap)
-    if case == "segments_softcap_window_padded":
+    if case.startswith("segments_softcap_window_padded"):
         assert np.all(np.asarray(out[0, 150:]) == 0)  # the document without keys
 
 
@@ -314,6 +337,11 @@ LOGIT_CASES = {
     # Folded: the mask broadcasts to the bias's shape.
     "bias_mask_folded_causal": (2, 128, 160, 2, 1, BF16, "B1TS", "B11S",
                                 dict(is_causal=True), SMALL),
+    # Persistent CTAs: the rings and per-row reads follow each tile's batch and head.
+    "bias_mask_causal_gqa_odd_persistent": (2, 100, 170, 2, 1, BF16, "B1TS", "1N1S",
+                                            dict(is_causal=True), _persistent(OVERLAP)),
+    "bias_BNT1_persistent_three": (2, 192, 128, 2, 2, BF16, "BNT1", None, {},
+                                   _persistent(THREE)),
 }
 
 
@@ -452,6 +480,20 @@ def test_three_consumers_lower_for_cuda(block_kv, causal):
     _lower_for_cuda(shape, shape, BF16, mask, config, segments=causal)
 
 
+@pytest.mark.parametrize(("head_dim", "config"), [
+    (64, MosaicConfig(128, 128, 2, persistent=True)),
+    (64, MosaicConfig(64, 128, 2, overlap=True, num_consumers=3, persistent=True)),
+    (128, MosaicConfig(64, 128, 2, overlap=True, persistent=True)),
+])
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_lower_for_cuda(head_dim, config, causal):
+    """Persistent CTAs (grid = SM count, a loop over tiles, an O tile of their own), with
+    segment ids when causal (the tile's spans are read inside the loop)."""
+    shape_q, shape_kv = (2, 1000, 8, head_dim), (2, 900, 2, head_dim)
+    mask = MaskSpec(seq_q=1000, seq_kv=900, is_causal=causal)
+    _lower_for_cuda(shape_q, shape_kv, BF16, mask, config, segments=causal)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_masked_odd_shapes_lower_for_cuda(overlap):
     mask = MaskSpec(seq_q=1000, seq_kv=900, is_causal=True, causal_alignment="bottom_right",
@@ -511,6 +553,8 @@ def test_bias_mask_three_consumers_and_segments_lower_for_cuda(block_kv):
     (256, MosaicConfig(64, 128, 2), True, None),
     (256, MosaicConfig(64, 128, 2, overlap=True), False, None),  # a turn barrier per consumer
     (64, MosaicConfig(64, 256, 4, overlap=True, num_consumers=3), True, None),
+    (128, MosaicConfig(64, 128, 2, overlap=True, persistent=True), False, None),  # + O tile
+    (128, MosaicConfig(64, 128, 3, persistent=True), False, None),  # does not fit
     # (bias, bias dtype, mask): a float32 tile ring and an int8 key-row ring; fits.
     (128, MosaicConfig(64, 64, 2), False, ("1NTS", jnp.float32, "B11S")),
     # ... does not fit at 128 keys (fit_logit_rings would shrink it; here it must not).
@@ -615,6 +659,19 @@ def test_fit_logit_rings(head_dim, causal, seq):
                                          logit_rings=keys) == default
     assert mosaic_config.fit_logit_rings(default, head_dim, 2, segments=False,
                                          logit_rings=()) == default
+
+
+def test_fit_logit_rings_gives_up_persistence_before_block_sizes():
+    """A persistent CTA's O tile is the first thing a bias ring displaces."""
+    persistent = MosaicConfig(64, 128, 2, overlap=True, persistent=True)
+    tile = (LogitRing(True, 4),)
+    assert mosaic_config.fit_logit_rings(persistent, 128, 2, segments=False,
+                                         logit_rings=tile) == MosaicConfig(64, 64, 2,
+                                                                           overlap=True)
+    small = MosaicConfig(128, 128, 2, persistent=True)
+    keys = (LogitRing(False, 2),)
+    assert mosaic_config.fit_logit_rings(small, 64, 2, segments=False,
+                                         logit_rings=keys) == small
 
 
 def test_unsupported_reasons():

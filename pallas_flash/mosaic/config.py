@@ -89,6 +89,12 @@ class MosaicConfig:
         warpgroup runs its softmax two others keep the tensor cores busy). With 3 the
         register file is split 3 x 160 + 32, so it needs ``block_q = 64`` and the
         overlapped schedule, whose per-consumer turns extend to a round robin.
+      persistent: launch one CTA per SM (at most one per work tile) that loops over work
+        tiles (FA3's persistent kernel) instead of one CTA per tile. The producer then
+        streams the next tile's K/V, and each consumer loads its next Q tile, while the
+        consumers still finish the current tile, so a CTA's fixed costs (pipeline fill,
+        epilogue, launch) overlap work: they weigh most on short rows. Costs an O tile
+        of SMEM beside Q's (a TMA store may still read it when the next Q lands).
     """
 
     block_q: int = 64
@@ -96,6 +102,7 @@ class MosaicConfig:
     num_stages: int = 2
     overlap: bool = False
     num_consumers: int = NUM_CONSUMERS
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         if self.block_q not in (64, 128):
@@ -118,13 +125,14 @@ class MosaicConfig:
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, *, segments: bool = False,
                    logit_rings: tuple[LogitRing, ...] = ()) -> int:
-        """Shared memory of the GPU kernel: Q/O tiles, the K and V rings, LSE, barriers,
+        """Shared memory of the GPU kernel: Q/O tiles (one shared buffer, two when
+        ``persistent``), the K and V rings, LSE, barriers,
         with ``segments`` the ring of the keys' segment ids (int32, next to K's), and the
         rings of the bias / mask arrays (``logit_rings``, next to K's too).
 
         Matches what Mosaic GPU's lowering counts (checked by tests/test_mosaic.py).
         """
-        q_o = _align(self.rows_per_cta * head_dim * itemsize)
+        q_o = _align(self.rows_per_cta * head_dim * itemsize) * (2 if self.persistent else 1)
         kv = 2 * _align(self.num_stages * self.block_kv * head_dim * itemsize)
         lse = _align(self.rows_per_cta * 4)
         kv_ids = _align(self.num_stages * self.block_kv * 4) if segments else 0
@@ -152,7 +160,8 @@ def fit_logit_rings(config: MosaicConfig, head_dim: int, itemsize: int, *,
 
     A tile that varies along queries is read into registers next to S (``block_q *
     block_kv / 128`` more per thread, 128 for a float32 128 x 128 tile), so such a tile
-    takes 64-row warpgroups. Then ``num_stages``, then ``block_kv``, go down until the
+    takes 64-row warpgroups. Then persistence (its O tile), ``num_stages``, then
+    ``block_kv`` go down until the
     shared memory fits: a float32 tile ring of two 128-row CTAs x 128 keys x 2 stages alone
     is 128 KiB. Block sizes change the speed, never the result. Without rings the config
     is returned as it is, and ``check_fits`` still raises for one that does not fit (as it
@@ -168,7 +177,9 @@ def fit_logit_rings(config: MosaicConfig, head_dim: int, itemsize: int, *,
         return need <= SMEM_BUDGET
 
     while not fits(config):
-        if config.num_stages > 2:
+        if config.persistent:
+            config = dataclasses.replace(config, persistent=False)
+        elif config.num_stages > 2:
             config = dataclasses.replace(config, num_stages=config.num_stages - 1)
         elif config.block_kv > 64:
             config = dataclasses.replace(config, block_kv=config.block_kv - 64)

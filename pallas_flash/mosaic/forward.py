@@ -88,7 +88,7 @@ from pallas_flash.mosaic.config import (
     fit_logit_rings,
     padded_head_dim,
 )
-from pallas_flash.mosaic.pipeline import stream_kv
+from pallas_flash.mosaic.pipeline import observe_releases, stream_kv
 from pallas_flash.padding import pad_axis, round_up
 from pallas_flash.reference import EMPTY_ROW_LSE
 from pallas_flash.segments import cut_to_span, pad_segment_ids, tile_spans
@@ -109,6 +109,8 @@ _REGISTERS = {2: (_CONSUMER_REGISTERS, _PRODUCER_REGISTERS), 3: (160, 32)}
 # 128-byte swizzle: one swizzle row is 64 16-bit elements, so every SMEM tile is stored in
 # (8, 64) tiles, the layout wgmma reads without bank conflicts.
 _SWIZZLE = 128
+# Persistent CTAs in interpret mode: few, so that the CPU tests give each several tiles.
+_INTERPRET_CTAS = 2
 
 
 class _ScoreInputs(NamedTuple):
@@ -224,6 +226,13 @@ class _Static:
     num_consumers: int = NUM_CONSUMERS  # consumer warpgroups; the producer comes after
     bias: _LogitArray | None = None  # added to the scaled logits
     attn_mask: _LogitArray | None = None  # 0 hides a pair
+    heads: int = 1  # query heads; with batch and num_q_tiles, the grid of work tiles
+    batch: int = 1
+    persistent_ctas: int = 0  # CTAs that loop over the work tiles; 0: one CTA per tile
+
+    @property
+    def num_tiles(self) -> int:
+        return self.batch * self.heads * self.num_q_tiles
 
     @property
     def logits_in_base2(self) -> bool:
@@ -338,18 +347,64 @@ def _release_k(st: _Static, k_free, key_rings: _ScoreInputs, s, wg) -> _ScoreInp
     return _ScoreInputs(ids, bias, mask)
 
 
+class _Tile(NamedTuple):
+    """One work tile: ``num_consumers * block_q`` query rows of one (batch, head)."""
+
+    batch: jax.Array
+    head: jax.Array
+    q_tile: jax.Array  # index along the sequence, in CTA-sized tiles
+
+
+def _tiles(st: _Static):
+    """This CTA's work tiles: ``(count, tile_at)``, ``tile_at(i)`` the i-th one.
+
+    One CTA per tile: the grid's indices, one tile. Persistent CTAs: tiles are numbered
+    as that grid launches them (heads fastest, then q tiles, then batch) and CTA c takes
+    tiles c, c + num_ctas, ... Causal rows run heaviest first either way: the last tiles
+    to start are the short ones (FA3/tokamax's causal load balancing).
+    """
+    def tile(batch, head, q_tile):
+        if st.reverse_q_tiles:
+            q_tile = st.num_q_tiles - 1 - q_tile
+        return _Tile(batch, head, q_tile)
+
+    if not st.persistent_ctas:
+        only = tile(lax.axis_index("batch"), lax.axis_index("heads"),
+                    lax.axis_index("q_tiles"))
+        return 1, lambda i: only
+    cta, ctas = lax.axis_index("ctas"), st.persistent_ctas
+
+    def tile_at(i):
+        t = cta + i * ctas
+        rest = lax.div(t, st.heads)
+        return tile(lax.div(rest, st.num_q_tiles), lax.rem(t, st.heads),
+                    lax.rem(rest, st.num_q_tiles))
+    return lax.div(st.num_tiles - cta + ctas - 1, ctas), tile_at
+
+
+def _for_each_tile(count, body, init):
+    """``body(i, carry)`` for the CTA's tiles ``i < count``; a plain call for one tile."""
+    if isinstance(count, int) and count == 1:
+        return body(0, init)
+    return lax.fori_loop(0, count, body, init)
+
+
 def _kernel(q_ref, k_ref, v_ref, *refs, st: _Static, q_smem, k_smem, v_smem, lse_smem,
             q_ready, k_ready, v_ready, k_free, v_free, turn, kv_ids_smem=None, bias_smem=None,
-            mask_smem=None, p_smem=None):
-    """One CTA. Refs: q/out [B, Tq, N, D], k/v [B, Tk, K, D], lse [B, N, Tq] (GMEM);
-    q_smem [C, block_q, D], k_smem/v_smem [num_stages, block_kv, D], lse_smem [C, block_q]
-    (C consumers).
+            mask_smem=None, p_smem=None, o_smem=None):
+    """One CTA: one work tile, or a persistent CTA's tiles (:func:`_tiles`). Refs: q/out
+    [B, Tq, N, D], k/v [B, Tk, K, D], lse [B, N, Tq] (GMEM); q_smem [C, block_q, D],
+    k_smem/v_smem [num_stages, block_kv, D], lse_smem [C, block_q] (C consumers); o_smem
+    like q_smem when persistent (else O leaves through Q's tile).
 
     ``refs`` is ``out_ref, lse_ref`` preceded by, when present: with segment ids q_ids
     [B, Tq], kv_ids [B, Tk] and spans [B, 2, Tq / block_q] (GMEM), and kv_ids_smem
     [num_stages, block_kv] rides along K's ring; the bias operand, then the mask operand
     (:class:`_LogitArray`), whose rings bias_smem / mask_smem ride along K's ring too (one
     more TMA arrival on ``k_ready`` per copy: ``st.key_slot_copies``).
+
+    K/V ring steps are counted over the CTA's tiles (``ring_base``: the steps of its
+    earlier tiles), so the producer fills the ring for the next tile as slots free up.
     """
     *inputs, out_ref, lse_ref = refs
     inputs = iter(inputs)
@@ -359,24 +414,25 @@ def _kernel(q_ref, k_ref, v_ref, *refs, st: _Static, q_smem, k_smem, v_smem, lse
     mask_ref = next(inputs) if st.attn_mask is not None else None
     key_rings = _ScoreInputs(kv_ids_smem, bias_smem, mask_smem)
     bq, bkv = st.block_q, st.block_kv
-    batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-    q_tile = lax.axis_index("q_tiles")
-    if st.reverse_q_tiles:
-        q_tile = st.num_q_tiles - 1 - q_tile
     consumers = st.num_consumers
-    cta_q0 = q_tile * (consumers * bq)
-    # The K/V blocks any row of this CTA sees; the producer loads exactly these, once.
-    if st.segmented:  # each consumer's span may differ: load their union
-        first_block = q_tile * consumers
-        cta_first, cta_last = functools.reduce(_hull, (
-            _consumer_ranges(st, spans_ref, batch, first_block + c)[::3]
-            for c in range(consumers)))
-    else:
-        cta_first, _, _, cta_last = st.mask.kv_blocks(cta_q0, consumers * bq, bkv)
+    count, tile_at = _tiles(st)
 
-    def slot(j):
-        """Ring slot of K/V block j (blocks are numbered from the CTA's first)."""
-        return lax.rem(j - cta_first, st.num_stages)
+    def cta_blocks(tile: _Tile):
+        """The K/V blocks any row of the tile sees; the producer loads exactly these, once."""
+        if st.segmented:  # each consumer's span may differ: load their union
+            first_block = tile.q_tile * consumers
+            return functools.reduce(_hull, (
+                _consumer_ranges(st, spans_ref, tile.batch, first_block + c)[::3]
+                for c in range(consumers)))
+        first, _, _, last = st.mask.kv_blocks(tile.q_tile * (consumers * bq), consumers * bq,
+                                              bkv)
+        return first, last
+
+    def slot_of(ring_base, cta_first):
+        def slot(j):
+            """Ring slot of K/V block j (ring steps counted from the CTA's first load)."""
+            return lax.rem(ring_base + j - cta_first, st.num_stages)
+        return slot
 
     wg = lax.axis_index("wg")
     consumer_registers, producer_registers = _REGISTERS[consumers]
@@ -384,72 +440,112 @@ def _kernel(q_ref, k_ref, v_ref, *refs, st: _Static, q_smem, k_smem, v_smem, lse
     @pl.when(wg < consumers)
     def _consumer():
         plgpu.set_max_registers(consumer_registers, action="increase")
-        # This warpgroup's block ranges, inside the CTA's (it must step through all of the
-        # CTA's blocks to keep the ring and the ping-pong in lockstep with the other one).
-        ranges = tuple(jnp.clip(x, cta_first, cta_last) for x in _consumer_ranges(
-            st, spans_ref, batch, q_tile * consumers + wg))
-        q0 = cta_q0 + wg * bq
-        # This warpgroup's per-row inputs, laid out as the rows of S, loaded once.
-        rows = pl.ds(q0, bq)
-        q_ids = bias_rows = mask_rows = None
-        if st.segmented:  # (plain loads from GMEM: Mosaic GPU vectorises SMEM loads only)
-            q_ids = plgpu.load(q_ids_ref.at[batch, rows], layout=plgpu.Layout.WGMMA.reduce(1),
-                               optimized=False)
-        if st.bias is not None and st.bias.kind == "rows":
-            bias_rows = st.bias.read_rows(bias_ref, batch=batch, head=head, rows=rows)
-        if st.attn_mask is not None and st.attn_mask.kind == "rows":
-            mask_rows = st.attn_mask.read_rows(mask_ref, batch=batch, head=head, rows=rows)
-        _consumer_warpgroup(
-            wg, st, q_ref, out_ref, lse_ref, q_smem.at[wg], k_smem, v_smem, lse_smem.at[wg],
-            q_ready.at[wg], k_ready, v_ready, k_free, v_free, turn,
-            None if p_smem is None else p_smem.at[wg], key_rings, batch=batch, head=head,
-            q0=q0, row_inputs=_ScoreInputs(q_ids, bias_rows, mask_rows), ranges=ranges,
-            cta_first=cta_first, cta_last=cta_last, slot=slot)
+
+        def load_q(tile: _Tile):
+            rows = (tile.batch, pl.ds((tile.q_tile * consumers + wg) * bq, bq), tile.head)
+            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[wg], q_ready.at[wg])
+
+        def tile_work(i, ring_base):
+            tile = tile_at(i)
+            batch, head = tile.batch, tile.head
+            cta_first, cta_last = cta_blocks(tile)
+            # This warpgroup's block ranges, inside the CTA's (it must step through all of
+            # the CTA's blocks to keep the ring and the ping-pong in lockstep with the
+            # other consumers).
+            ranges = tuple(jnp.clip(x, cta_first, cta_last) for x in _consumer_ranges(
+                st, spans_ref, batch, tile.q_tile * consumers + wg))
+            q0 = (tile.q_tile * consumers + wg) * bq
+            # This warpgroup's per-row inputs, laid out as the rows of S, loaded once.
+            rows = pl.ds(q0, bq)
+            q_ids = bias_rows = mask_rows = None
+            if st.segmented:  # (plain loads from GMEM: Mosaic GPU vectorises SMEM loads only)
+                q_ids = plgpu.load(q_ids_ref.at[batch, rows],
+                                   layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+            if st.bias is not None and st.bias.kind == "rows":
+                bias_rows = st.bias.read_rows(bias_ref, batch=batch, head=head, rows=rows)
+            if st.attn_mask is not None and st.attn_mask.kind == "rows":
+                mask_rows = st.attn_mask.read_rows(mask_ref, batch=batch, head=head, rows=rows)
+
+            def load_next_q():
+                pl.when(i + 1 < count)(lambda: load_q(tile_at(i + 1)))
+
+            _consumer_warpgroup(
+                wg, st, out_ref, lse_ref, q_smem.at[wg], k_smem, v_smem, lse_smem.at[wg],
+                q_ready.at[wg], k_ready, v_ready, k_free, v_free, turn,
+                None if p_smem is None else p_smem.at[wg], key_rings,
+                o_tile=q_smem.at[wg] if o_smem is None else o_smem.at[wg],
+                load_next_q=load_next_q if st.persistent_ctas else None, batch=batch,
+                head=head, q0=q0, row_inputs=_ScoreInputs(q_ids, bias_rows, mask_rows),
+                ranges=ranges, cta_first=cta_first, cta_last=cta_last,
+                slot=slot_of(ring_base, cta_first))
+            return ring_base + cta_last - cta_first
+
+        load_q(tile_at(0))
+        turns = _OverlappedTurns if st.overlap else _SerialTurns
+        turns.begin(st, wg, turn)
+        _for_each_tile(count, tile_work, 0)
+        turns.end(st, wg, turn)
+        plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == consumers)  # the last warpgroup
     def _producer():
         plgpu.set_max_registers(producer_registers, action="decrease")
-        kv_head = lax.div(head, st.group)  # GQA: K/V are indexed, never repeated
 
-        def load(ref, smem, ready, j):
-            rows = (batch, pl.ds(j * bkv, bkv), kv_head)
-            plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot(j)], ready.at[slot(j)])
+        def tile_loads(i, loaded):
+            tile = tile_at(i)
+            batch, head = tile.batch, tile.head
+            kv_head = lax.div(head, st.group)  # GQA: K/V are indexed, never repeated
+            cta_first, cta_last = cta_blocks(tile)
+            slot = slot_of(loaded, cta_first)
 
-        consumer_rows = [pl.ds(cta_q0 + c * bq, bq) for c in range(consumers)]
+            def load(ref, smem, ready, j):
+                rows = (batch, pl.ds(j * bkv, bkv), kv_head)
+                plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot(j)], ready.at[slot(j)])
 
-        def load_k(j):
-            load(k_ref, k_smem, k_ready, j)
-            keys, ready = pl.ds(j * bkv, bkv), k_ready.at[slot(j)]
-            if st.segmented:  # the keys' ids, 4 * block_kv bytes, on K's barrier
-                plgpu.copy_gmem_to_smem(kv_ids_ref.at[batch, keys], kv_ids_smem.at[slot(j)],
-                                        ready)
-            for array, ref, ring in ((st.bias, bias_ref, bias_smem),
-                                     (st.attn_mask, mask_ref, mask_smem)):
-                if ring is not None:  # bias / mask tiles or rows of block j, on K's barrier
-                    array.load_block(ref, ring.at[slot(j)], ready, batch=batch, head=head,
-                                     rows=consumer_rows, keys=keys)
-        load_v = functools.partial(load, v_ref, v_smem, v_ready)
+            cta_q0 = tile.q_tile * (consumers * bq)
+            consumer_rows = [pl.ds(cta_q0 + c * bq, bq) for c in range(consumers)]
 
-        # The consumers read the slots' key ids / bias / mask through the generic proxy:
-        # a proxy fence orders those reads before the TMA (async proxy) overwrites them.
-        stream_kv(num_stages=st.num_stages, first=cta_first, last=cta_last, slot=slot,
-                  load_k=load_k, load_v=load_v, k_free=k_free, v_free=v_free,
-                  before_k_refill=plgpu.commit_smem if st.reads_key_slots else None)
+            def load_k(j):
+                load(k_ref, k_smem, k_ready, j)
+                keys, ready = pl.ds(j * bkv, bkv), k_ready.at[slot(j)]
+                if st.segmented:  # the keys' ids, 4 * block_kv bytes, on K's barrier
+                    plgpu.copy_gmem_to_smem(kv_ids_ref.at[batch, keys],
+                                            kv_ids_smem.at[slot(j)], ready)
+                for array, ref, ring in ((st.bias, bias_ref, bias_smem),
+                                         (st.attn_mask, mask_ref, mask_smem)):
+                    if ring is not None:  # bias / mask tiles or rows of block j, on K's barrier
+                        array.load_block(ref, ring.at[slot(j)], ready, batch=batch, head=head,
+                                         rows=consumer_rows, keys=keys)
+            load_v = functools.partial(load, v_ref, v_smem, v_ready)
+
+            # The consumers read the slots' key ids / bias / mask through the generic
+            # proxy: a proxy fence orders those reads before the TMA (async proxy)
+            # overwrites them.
+            stream_kv(num_stages=st.num_stages, first=cta_first, last=cta_last, slot=slot,
+                      load_k=load_k, load_v=load_v, k_free=k_free, v_free=v_free,
+                      before_k_refill=plgpu.commit_smem if st.reads_key_slots else None,
+                      loaded_before=loaded)
+            return loaded + cta_last - cta_first
+
+        loaded = _for_each_tile(count, tile_loads, 0)
+        observe_releases(num_stages=st.num_stages, loaded=loaded, k_free=k_free,
+                         v_free=v_free)
 
 
-def _consumer_warpgroup(wg, st: _Static, q_ref, out_ref, lse_ref, q_tile, k_smem, v_smem,
-                        lse_tile, q_ready, k_ready, v_ready, k_free, v_free, turn, p_tile,
-                        key_rings, *, batch, head, q0, row_inputs, ranges, cta_first, cta_last,
-                        slot):
+def _consumer_warpgroup(wg, st: _Static, out_ref, lse_ref, q_tile, k_smem, v_smem, lse_tile,
+                        q_ready, k_ready, v_ready, k_free, v_free, turn, p_tile, key_rings, *,
+                        o_tile, load_next_q, batch, head, q0, row_inputs, ranges, cta_first,
+                        cta_last, slot):
     """Rows [q0, q0 + block_q) of one head: Algorithm 1 of FA3 for one consumer warpgroup.
 
-    ``ranges``: this warpgroup's (first, full_first, full_last, last) KV blocks, inside the
-    CTA's [cta_first, cta_last); ``row_inputs``: its rows' segment ids, bias and mask
-    ([block_q] each, None where absent); ``key_rings``: the SMEM rings next to K's.
+    The Q tile's copy into ``q_tile`` was issued on ``q_ready`` by the caller. ``ranges``:
+    this warpgroup's (first, full_first, full_last, last) KV blocks, inside the CTA's
+    [cta_first, cta_last); ``row_inputs``: its rows' segment ids, bias and mask ([block_q]
+    each, None where absent); ``key_rings``: the SMEM rings next to K's. ``o_tile``: where
+    O goes before its TMA store (Q's tile, or a tile of its own for a persistent CTA,
+    which calls ``load_next_q`` as soon as the last Q·Kᵀ has read Q).
     """
     bq, bkv, d = st.block_q, st.block_kv, st.head_dim
-    q_rows = (batch, pl.ds(q0, bq), head)
-    plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_tile, q_ready)
     shape = (bq, bkv)
 
     def softmax(scores, m_i, j, block: _ScoreInputs, *, masked: bool):
@@ -502,16 +598,19 @@ def _consumer_warpgroup(wg, st: _Static, q_ref, out_ref, lse_ref, q_tile, k_smem
         v_free, turn, p_tile, key_rings, cta_first=cta_first, cta_last=cta_last, slot=slot)
 
     # Epilogue (Alg. 1 lines 12-14): normalise once, O and LSE leave through SMEM + TMA.
+    if load_next_q is not None:
+        load_next_q()  # its TMA runs under this epilogue
+        # The previous tile's O and LSE stores must have read their tiles.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     empty = l_i == 0.0  # rows that saw no key: O = 0, lse = EMPTY_ROW_LSE
     l_safe = jnp.where(empty, 1.0, l_i)
     o = o * _row(1.0 / l_safe, o.shape)
     lse = jnp.where(empty, EMPTY_ROW_LSE, (m_i + jnp.log2(l_safe)) * _LN2)
-    q_tile[...] = o.astype(st.dtype)  # Q is dead after the last Q·Kᵀ: reuse its tile
+    o_tile[...] = o.astype(st.dtype)  # Q's tile unless persistent: Q is dead by now
     lse_tile[...] = lse
     plgpu.commit_smem()  # register stores -> visible to the TMA engine
-    plgpu.copy_smem_to_gmem(q_tile, out_ref.at[q_rows])
+    plgpu.copy_smem_to_gmem(o_tile, out_ref.at[batch, pl.ds(q0, bq), head])
     plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[batch, head, pl.ds(q0, bq)])
-    plgpu.wait_smem_to_gmem(0)
 
 
 def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem, k_ready,
@@ -577,8 +676,6 @@ def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem
     skip_step = functools.partial(_serial_skip_step, slot=slot, turn=turn, k_free=k_free,
                                   v_ready=v_ready, v_free=v_free, wait_k=wait_k)
     wait_k(cta_first)
-    # Consumer 1 starts one turn late, so the two alternate on the tensor cores.
-    pl.when(wg == 1)(functools.partial(_sync, turn))
     masked_step = functools.partial(step, masked=True)
     unmasked_step = functools.partial(step, masked=False)
     if st.has_lower_band:
@@ -588,9 +685,38 @@ def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem
         carry = lax.fori_loop(full_first, full_last, unmasked_step, carry)  # the fast loop
     if st.has_upper_mask:
         carry = lax.fori_loop(full_last, last, masked_step, carry)
-    carry = lax.fori_loop(last, cta_last, skip_step, carry)
-    pl.when(wg == 0)(functools.partial(_sync, turn))  # ... and consumer 0 ends one late
-    return carry
+    return lax.fori_loop(last, cta_last, skip_step, carry)
+
+
+class _SerialTurns:
+    """The serial schedule's stagger, once per CTA (it carries over a persistent CTA's
+    tiles): consumer 1 starts one turn late, so the two alternate on the tensor cores,
+    and consumer 0 ends one late."""
+
+    @staticmethod
+    def begin(st: _Static, wg, turn) -> None:
+        del st
+        pl.when(wg == 1)(functools.partial(_sync, turn))
+
+    @staticmethod
+    def end(st: _Static, wg, turn) -> None:
+        del st
+        pl.when(wg == 0)(functools.partial(_sync, turn))
+
+
+class _OverlappedTurns:
+    """The overlapped schedule's round robin, once per CTA: the last consumer hands
+    consumer 0 the first turn, and consumer 0 takes the one the last consumer hands over
+    at its last step."""
+
+    @staticmethod
+    def begin(st: _Static, wg, turn) -> None:
+        pl.when(wg == st.num_consumers - 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
+
+    @staticmethod
+    def end(st: _Static, wg, turn) -> None:
+        del st
+        pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
 
 
 def _serial_skip_step(j, carry, *, slot, turn, k_free, v_ready, v_free, wait_k):
@@ -726,8 +852,6 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_
     # P of the previous block rides in the carry; a placeholder until the head's.
     p_none = plgpu.layout_cast(jnp.zeros((bq, bkv), st.dtype), plgpu.Layout.WGMMA)
     carry = (*carry, p_none)
-    # Consumer 0 issues first: the last consumer hands it the first turn.
-    pl.when(wg == st.num_consumers - 1)(pass_turn)
     masked_step = functools.partial(step, masked=True)
     unmasked_step = functools.partial(step, masked=False)
     carry = lax.fori_loop(cta_first, first, skip_step, carry)
@@ -748,9 +872,7 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_
         pass_turn()
         return o
     o = lax.cond(nonempty, tail, no_tail, o, p_last)
-    carry = lax.fori_loop(last, cta_last, skip_step, (o, m_i, l_i))
-    pl.when(wg == 0)(take_turn)  # the turn the last consumer handed over at its last step
-    return carry
+    return lax.fori_loop(last, cta_last, skip_step, (o, m_i, l_i))
 
 
 def _pv_through_smem(o, p16, p_tile, v_tile, wait_next_k):
@@ -767,6 +889,13 @@ def _pv_through_smem(o, p16, p_tile, v_tile, wait_next_k):
         wait_next_k()
         return pv_acc[...]
     return o + pl.run_scoped(gemm, plgpu.ACC(o.shape, jnp.float32))
+
+
+def _sm_count() -> int:
+    """Streaming multiprocessors of the first GPU: one persistent CTA each (one CTA fills
+    an SM: 3-4 warpgroups at up to 232 registers per thread)."""
+    # 132 (H100/H200 SXM) where the device does not say, e.g. when lowering on a CPU.
+    return getattr(jax.devices()[0], "core_count", 132)
 
 
 def _pad(x: jax.Array, seq: int, head_dim: int) -> jax.Array:
@@ -900,7 +1029,10 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         num_q_tiles=seq_q_pad // rows_per_cta, kv_padded=seq_kv_pad != seq_kv,
         overlap=config.overlap, pv_through_smem=interpret, softcap=softcap,
         segmented=segmented, num_consumers=config.num_consumers, bias=bias_array,
-        attn_mask=mask_array)
+        attn_mask=mask_array, heads=heads, batch=batch)
+    if config.persistent:
+        ctas = min(st.num_tiles, _INTERPRET_CTAS if interpret else _sm_count())
+        st = dataclasses.replace(st, persistent_ctas=ctas)
     consumers = st.num_consumers
 
     transforms = _smem_transforms(itemsize)
@@ -932,6 +1064,13 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
     if st.pv_through_smem:
         scratch["p_smem"] = plgpu.SMEM(
             (consumers, st.block_q, st.block_kv), q.dtype, transforms=transforms)
+    if st.persistent_ctas:
+        scratch["o_smem"] = plgpu.SMEM((consumers, st.block_q, dim), q.dtype,
+                                       transforms=transforms)
+    if st.persistent_ctas:
+        grid, grid_names = (st.persistent_ctas,), ("ctas",)
+    else:
+        grid, grid_names = (heads, st.num_q_tiles, batch), ("heads", "q_tiles", "batch")
 
     call = plgpu.kernel(
         functools.partial(_kernel, st=st),
@@ -940,8 +1079,8 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
             jax.ShapeDtypeStruct((batch, heads, seq_q_pad), jnp.float32),
         ),
         scratch_types=scratch,
-        grid=(heads, st.num_q_tiles, batch),
-        grid_names=("heads", "q_tiles", "batch"),
+        grid=grid,
+        grid_names=grid_names,
         num_threads=consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),

@@ -67,7 +67,7 @@ from pallas_flash.mosaic.forward import (
     _serial_skip_step,
     _sync,
 )
-from pallas_flash.mosaic.pipeline import stream_kv
+from pallas_flash.mosaic.pipeline import observe_releases, stream_kv
 from pallas_flash.padding import pad_axis, round_up
 from pallas_flash.reference import EMPTY_ROW_LSE
 
@@ -159,6 +159,8 @@ def check_config(config: MosaicConfig, head_dim: int) -> None:
     """Raises ValueError when ``config`` cannot run this kernel at ``head_dim`` on sm90."""
     if config.overlap:
         raise ValueError("config.overlap: the FP8 kernel has only the serial schedule")
+    if config.persistent:
+        raise ValueError("config.persistent: the FP8 kernel runs one CTA per tile")
     need = smem_bytes(config, head_dim)
     if need > SMEM_BUDGET:
         raise ValueError(
@@ -223,6 +225,8 @@ def _kernel(q_ref, k_ref, vt_ref, q_scale_ref, k_scale_ref, v_scale_ref, out_ref
 
         stream_kv(num_stages=st.num_stages, first=cta_first, last=cta_last, slot=slot,
                   load_k=load_k, load_v=load_v, k_free=k_free, v_free=v_free)
+        observe_releases(num_stages=st.num_stages, loaded=cta_last - cta_first,
+                         k_free=k_free, v_free=v_free)
 
 
 def _consumer_warpgroup(wg, st: _Static, q_gmem, out_gmem, lse_gmem, scales, q_tile, k_smem,

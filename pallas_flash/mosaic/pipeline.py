@@ -4,6 +4,11 @@ FlashAttention-3, Sec. 3.1 ("warp specialization"): one warpgroup only issues TM
 K_j and V_j into a ``num_stages``-deep ring of SMEM slots. Each slot has a *ready* mbarrier
 per tensor (arrived by the TMA engine, awaited by the consumers) and a *free* mbarrier per
 tensor (arrived by every consumer once it no longer reads the slot, awaited here).
+
+The ring is one stream per CTA: a persistent CTA (one that loops over several work tiles)
+keeps filling it across its tiles, so the next tile's first blocks load while the
+consumers finish the current one. Ring step ``g`` (counted from the CTA's first load) uses
+slot ``g % num_stages``.
 """
 
 from __future__ import annotations
@@ -14,40 +19,49 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+from jax import lax
 
 
 def stream_kv(*, num_stages: int, first: jax.Array, last: jax.Array,
               slot: Callable[[jax.Array], jax.Array], load_k: Callable[[jax.Array], None],
               load_v: Callable[[jax.Array], None], k_free, v_free,
-              before_k_refill: Callable[[], None] | None = None) -> None:
+              before_k_refill: Callable[[], None] | None = None,
+              loaded_before: jax.Array | int = 0) -> None:
     """Loads K/V blocks ``[first, last)`` into the ring, each once.
 
     ``load_k(j)`` / ``load_v(j)`` issue the TMA copies of block j into ring slot
     ``slot(j)`` (on its ready barriers); ``k_free`` / ``v_free``: the slots' free barriers.
-    ``before_k_refill``: runs once K's slot is free and before it is overwritten (e.g. a
-    proxy fence after the consumers read the slot through the generic proxy).
+    ``loaded_before``: ring steps this CTA issued before block ``first`` (earlier tiles
+    of a persistent CTA); the first ``num_stages`` steps of the CTA fill empty slots, every
+    later one waits until the consumers freed its slot. ``before_k_refill``: runs once K's
+    slot is free and before it is overwritten (e.g. a proxy fence after the consumers read
+    the slot through the generic proxy). The caller ends with :func:`observe_releases`.
     """
-    # Prologue: fill the ring.
-    for i in range(num_stages):
-        @pl.when(first + i < last)
-        def _fill(j=first + i):
-            load_k(j)
-            load_v(j)
+    @pl.loop(first, last)
+    def _load(j):
+        refill = j - first + loaded_before >= num_stages
 
-    # Steady state: a slot is refilled once every consumer freed it. K is reloaded before V
-    # because the consumers free K_j first (right after S = Q·K_jᵀ).
-    @pl.loop(first + num_stages, last)
-    def _refill(j):
-        plgpu.barrier_wait(k_free.at[slot(j)])
-        if before_k_refill is not None:
-            before_k_refill()
+        # K is reloaded before V because the consumers free K_j first (right after
+        # S = Q·K_jᵀ).
+        @pl.when(refill)
+        def _():
+            plgpu.barrier_wait(k_free.at[slot(j)])
+            if before_k_refill is not None:
+                before_k_refill()
         load_k(j)
-        plgpu.barrier_wait(v_free.at[slot(j)])
+        pl.when(refill)(lambda: plgpu.barrier_wait(v_free.at[slot(j)]))
         load_v(j)
 
-    # Observe the last releases too: a thread that waits on an mbarrier must see every
-    # phase of it (the phase bit would otherwise be out of step; interpret mode checks).
-    @pl.loop(jnp.maximum(first, last - num_stages), last)
-    def _drain(j):
-        plgpu.barrier_wait(k_free.at[slot(j)])
-        plgpu.barrier_wait(v_free.at[slot(j)])
+
+def observe_releases(*, num_stages: int, loaded: jax.Array | int, k_free, v_free) -> None:
+    """Waits for the consumers' releases of the last ``num_stages`` of ``loaded`` ring steps.
+
+    A thread that waits on an mbarrier must see every phase of it (the phase bit would
+    otherwise be out of step; interpret mode checks), and :func:`stream_kv` waits only on
+    the releases of the slots it refills.
+    """
+    @pl.loop(jnp.maximum(0, loaded - num_stages), loaded)
+    def _drain(step):
+        slot = lax.rem(step, num_stages)
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])

@@ -78,6 +78,20 @@ def test_configs(config):
     _check(1, 1024, 1024, 8, 8, 64, BF16, config=config, is_causal=True)
 
 
+@pytest.mark.parametrize(("head_dim", "config"), [
+    (64, MosaicConfig(128, 128, 2, persistent=True)),
+    (64, MosaicConfig(64, 128, 2, persistent=True)),
+    (64, MosaicConfig(64, 128, 2, overlap=True, num_consumers=3, persistent=True)),
+    (128, MosaicConfig(64, 128, 2, overlap=True, persistent=True)),
+])
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_ctas(head_dim, config, causal):
+    """Persistent CTAs with 2-3 tiles each (3 x 16 heads x 6-8 row tiles over 132 SMs):
+    odd lengths, GQA, and causal tiles of different lengths in one CTA."""
+    _check(3, 1500, 1500, 16, 4, head_dim, BF16, config=config, seed=head_dim + causal,
+           is_causal=causal)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_three_consumers_long_rows_gqa_odd_lengths(causal):
     """Three consumers (the head_dim 64 default for long dense rows: 192-row CTAs,
