@@ -205,6 +205,9 @@ def candidate_configs(implementation: str, q_shape: Sequence[int], kv_shape: Seq
         # Three consumers (160 registers each) only in the combination they allow.
         configs += [MosaicConfig(64, block_kv, stages, overlap=True, num_consumers=3)
                     for block_kv, stages in itertools.product((64, 128), _MOSAIC_NUM_STAGES)]
+        # Persistent CTAs with 64-row warpgroups (128-row ones spill in the tile loop).
+        configs += [dataclasses.replace(c, persistent=True) for c in configs
+                    if c.block_q == 64]
         configs = [c for c in configs if _fits_mosaic(c, head_dim, itemsize)]
     elif implementation == "triton":
         from pallas_flash.triton.config import fit_row_operands, shrink_to_sequence

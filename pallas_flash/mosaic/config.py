@@ -220,11 +220,33 @@ def default_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicConfig:
     64x128x2 c3   0.84 / 0.99 / 1.04 / 1.15    0.62 / 0.80 / 0.92 / 1.10
     ============  ===========================  ===========================
 
-    (* 0.98 in an earlier run; the card is shared and single points drift.) So: 128-row
-    warpgroups up to L 2048, where the CTA's fixed costs (Q load, epilogue) weigh most;
-    three consumers for long rows (the softmax of a block at head_dim 64 takes as long as
-    its two GEMMs, and a third warpgroup keeps the tensor cores fed); serial 64x128 for
+    (* 0.98 in an earlier run; the card is shared and single points drift.) Three
+    consumers win on long rows (the softmax of a block at head_dim 64 takes as long as
+    its two GEMMs, and a third warpgroup keeps the tensor cores fed); serial 64x128 on
     causal rows of middle length, whose 192-row CTAs would cross more diagonal blocks.
+
+    Persistent CTAs (``p``; 2026-11-30, ``mosaic_probe.py --head-dims 64 --configs
+    64=...``, two runs, ratio to cuDNN at L 1024 / 2048 / 4096 / 8192 / 16384, second run):
+
+    ==============  ========================================  ==========================
+    config          dense                                     causal (L <= 4096)
+    ==============  ========================================  ==========================
+    128x128x2       0.98 / 1.00 / 0.99 / 1.00 / 0.99          0.90 / 0.95 / 0.96
+    64x256x2 p      1.07 / 1.09 / 1.06 / 1.04 / 1.03
+    64x128x2 c3     0.78 / 0.95 / 1.01 / 1.10 / 1.13
+    64x128x2 c3 p   0.86 / 0.92 / 1.08 / 1.12 / 1.14
+    64x128x2                                                  0.89 / 0.96 / 1.01
+    64x128x2 p                                                1.00 / 1.01 / 1.01
+    ==============  ========================================  ==========================
+
+    (first run: 64x256x2 p dense 1.05 / 1.07, 64x128x2 p causal 0.96 / 1.01 / 1.02, c3 p
+    1.06 / 1.12 / 1.13 at L 4096 / 8192 / 16384, vs c3 1.00 / 1.09 / 1.11). Short rows
+    gain most: a CTA's fixed costs (pipeline fill, Q load, epilogue) overlap the previous
+    tile's work. A 128-row warpgroup spills registers in the tile loop (0.72-0.76 with
+    ``p``), and causal rows longer than 2048 run better with the hardware's dynamic CTA
+    scheduling than with a fixed round robin of unequal tiles. At head_dim 128 ``p``
+    gained 4-9 % dense at L <= 4096 in two runs and lost 11-21 % at L 1024 / 2048 in a
+    third, and lost 10-20 % causal: not a default there.
     """
     del dtype
     head_dim = padded_head_dim(q_shape[-1])
@@ -233,9 +255,14 @@ def default_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicConfig:
     if head_dim > 64:
         return MosaicConfig(block_q=64, block_kv=128, num_stages=2, overlap=True)
     seq_kv = kv_shape[1]
+    if mask.is_dense:
+        if seq_kv <= 2048:
+            return MosaicConfig(block_q=64, block_kv=256, num_stages=2, persistent=True)
+        return MosaicConfig(block_q=64, block_kv=128, num_stages=2, overlap=True,
+                            num_consumers=3, persistent=True)
     if seq_kv <= 2048:
-        return MosaicConfig(block_q=128, block_kv=128, num_stages=2)
-    if mask.is_dense or seq_kv >= 16384:
+        return MosaicConfig(block_q=64, block_kv=128, num_stages=2, persistent=True)
+    if seq_kv >= 16384:
         return MosaicConfig(block_q=64, block_kv=128, num_stages=2, overlap=True,
                             num_consumers=3)
     return MosaicConfig(block_q=64, block_kv=128, num_stages=2)

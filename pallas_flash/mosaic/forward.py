@@ -359,9 +359,11 @@ def _tiles(st: _Static):
     """This CTA's work tiles: ``(count, tile_at)``, ``tile_at(i)`` the i-th one.
 
     One CTA per tile: the grid's indices, one tile. Persistent CTAs: tiles are numbered
-    as that grid launches them (heads fastest, then q tiles, then batch) and CTA c takes
-    tiles c, c + num_ctas, ... Causal rows run heaviest first either way: the last tiles
-    to start are the short ones (FA3/tokamax's causal load balancing).
+    in the order that grid launches its CTAs (Pallas makes the last grid axis CUDA's
+    fastest: batch, then q tiles, then heads), and CTA c takes tiles c, c + num_ctas, ...
+    That order matters: the tiles running at one time then share a head, hence the K/V
+    blocks they stream, which stay in L2. Causal rows run heaviest first either way: the last
+    tiles to start are the short ones (FA3/tokamax's causal load balancing).
     """
     def tile(batch, head, q_tile):
         if st.reverse_q_tiles:
@@ -376,8 +378,8 @@ def _tiles(st: _Static):
 
     def tile_at(i):
         t = cta + i * ctas
-        rest = lax.div(t, st.heads)
-        return tile(lax.div(rest, st.num_q_tiles), lax.rem(t, st.heads),
+        rest = lax.div(t, st.batch)
+        return tile(lax.rem(t, st.batch), lax.div(rest, st.num_q_tiles),
                     lax.rem(rest, st.num_q_tiles))
     return lax.div(st.num_tiles - cta + ctas - 1, ctas), tile_at
 
