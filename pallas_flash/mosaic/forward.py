@@ -32,6 +32,13 @@ Two consumer schedules (``MosaicConfig.overlap``):
 the softmax of a block takes as long as its GEMMs): CTAs of ``3 * block_q`` rows, the
 register file split 3 x 160 + 32, and the overlapped schedule's turns passed round robin.
 
+**Persistent CTAs** (``MosaicConfig.persistent``, FA3's persistent kernel): one CTA per SM
+loops over work tiles (:func:`_tiles`). The producer's ring runs on across tiles, each
+consumer loads its next Q tile once its last Q·Kᵀ has read the current one, and O leaves
+through an SMEM tile of its own, so the next tile's loads run under this tile's epilogue;
+the consumers' ping-pong stagger is set up once per CTA (:class:`_SerialTurns`,
+:class:`_OverlappedTurns`).
+
 Block skipping comes from :class:`~pallas_flash.masking.MaskSpec.kv_blocks`: K/V blocks
 outside the CTA's ``[first, last)`` are never loaded (causal: nothing above the diagonal),
 blocks inside a consumer's ``[full_first, full_last)`` run the unmasked fast loop, and
@@ -620,7 +627,8 @@ def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem
                  slot):
     """Per block: S = Q·K_jᵀ, wait, softmax, O += P·V_j, wait (no intra-warpgroup overlap).
 
-    ``turn`` is one 2-arrival mbarrier at which the two consumers meet twice per block.
+    ``turn`` is one 2-arrival mbarrier at which the two consumers meet twice per block
+    (consumer 1 one turn behind: :class:`_SerialTurns`).
     """
     first, full_first, full_last, last = ranges
 

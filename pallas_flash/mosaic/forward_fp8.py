@@ -170,13 +170,20 @@ def check_config(config: MosaicConfig, head_dim: int) -> None:
 
 
 def default_config(head_dim: int) -> MosaicConfig:
-    """The bf16 kernel's tiles (64 rows per consumer, 2 stages), which fit in FP8 too.
+    """64 rows per consumer and 2 stages, as the bf16 kernel; 256-key blocks up to head_dim
+    128, 64-key blocks above (the separate bf16 O tile, 64 KiB at head_dim 256, leaves room
+    for no more).
 
-    block_kv 128 up to head_dim 128. At head_dim 256 the separate bf16 O tile (64 KiB)
-    leaves room for 64-key blocks only. Untuned on the card.
+    ``benchmarks/fp8_probe.py --head-dims 128 256 --lengths 16384 --configs
+    128=64x128x2,64x256x2,64x192x2,64x128x3 --configs 256=64x64x2,64x64x3`` (2026-11-30,
+    H200; kernel TFLOP/s, dense / causal): head_dim 128 64x128x2 663 / 672, 64x256x2
+    783 / 702, 64x192x2 732 / 637, 64x128x3 636 / 603; head_dim 256 64x64x2 826 / 817,
+    64x64x3 786 / 745. Wide key blocks halve the per-block costs of the serial schedule
+    (barriers, O's rescale, the scale loads) that FP8's faster GEMMs expose; the P tile goes
+    through SMEM, so S's 128 registers per thread are the only ones that grow.
     """
     head_dim = padded_head_dim(head_dim)
-    return MosaicConfig(block_q=64, block_kv=128 if head_dim <= 128 else 64, num_stages=2)
+    return MosaicConfig(block_q=64, block_kv=256 if head_dim <= 128 else 64, num_stages=2)
 
 
 def _kernel(q_ref, k_ref, vt_ref, q_scale_ref, k_scale_ref, v_scale_ref, out_ref, lse_ref, *,
