@@ -244,9 +244,9 @@ def default_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicConfig:
     gain most: a CTA's fixed costs (pipeline fill, Q load, epilogue) overlap the previous
     tile's work. A 128-row warpgroup spills registers in the tile loop (0.72-0.76 with
     ``p``), and causal rows longer than 2048 run better with the hardware's dynamic CTA
-    scheduling than with a fixed round robin of unequal tiles. At head_dim 128 ``p``
-    gained 4-9 % dense at L <= 4096 in two runs and lost 11-21 % at L 1024 / 2048 in a
-    third, and lost 10-20 % causal: not a default there.
+    scheduling than with a fixed round robin of unequal tiles. At head_dim 128 ``p`` was
+    mixed dense at L 1024 / 2048 / 4096 (+8 / +5 / +7 % in one run, -20 / +18 / -7 % in
+    another) and lost 12-27 % causal: not a default there.
     """
     del dtype
     head_dim = padded_head_dim(q_shape[-1])
