@@ -211,6 +211,7 @@ def test_quantize_operands_layout():
     (dict(implementation="triton"), "implementation"),
     (dict(implementation="mosaic"), "Hopper"),
     (dict(config=MosaicConfig(64, 128, 2, overlap=True)), "overlap"),
+    (dict(config=MosaicConfig(64, 128, 2, persistent=True)), "persistent"),
     (dict(q_shape=(1, 64, 2, 256), kv_shape=(1, 64, 1, 256), config=MosaicConfig(64, 256, 2)),
      "shared memory"),
     (dict(q_shape=(1, 64, 2, 96), kv_shape=(1, 64, 1, 96), hadamard_key=jax.random.key(0)),

@@ -160,12 +160,12 @@ def fit_logit_rings(config: MosaicConfig, head_dim: int, itemsize: int, *,
 
     A tile that varies along queries is read into registers next to S (``block_q *
     block_kv / 128`` more per thread, 128 for a float32 128 x 128 tile), so such a tile
-    takes 64-row warpgroups. Then persistence (its O tile), ``num_stages``, then
-    ``block_kv`` go down until the
-    shared memory fits: a float32 tile ring of two 128-row CTAs x 128 keys x 2 stages alone
-    is 128 KiB. Block sizes change the speed, never the result. Without rings the config
-    is returned as it is, and ``check_fits`` still raises for one that does not fit (as it
-    does if even 64 x 64 x 2 does not: :func:`.forward.unsupported` keeps such head dims out).
+    takes 64-row warpgroups. Then persistence (its O tile), ``num_stages`` and
+    ``block_kv`` go, in that order, until the shared memory fits: a float32 tile ring of
+    two 128-row CTAs x 128 keys x 2 stages alone is 128 KiB. Block sizes change the
+    speed, never the result. Without rings the config is returned as it is, and
+    ``check_fits`` still raises for one that does not fit (as it does if even 64 x 64 x 2
+    does not: :func:`.forward.unsupported` keeps such head dims out).
     """
     if not logit_rings:
         return config

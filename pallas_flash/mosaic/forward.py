@@ -95,7 +95,7 @@ from pallas_flash.mosaic.config import (
     fit_logit_rings,
     padded_head_dim,
 )
-from pallas_flash.mosaic.pipeline import observe_releases, stream_kv
+from pallas_flash.mosaic.pipeline import observe_releases, ring_slot, stream_kv
 from pallas_flash.padding import pad_axis, round_up
 from pallas_flash.reference import EMPTY_ROW_LSE
 from pallas_flash.segments import cut_to_span, pad_segment_ids, tile_spans
@@ -440,7 +440,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, st: _Static, q_smem, k_smem, v_smem, lse
     def slot_of(ring_base, cta_first):
         def slot(j):
             """Ring slot of K/V block j (ring steps counted from the CTA's first load)."""
-            return lax.rem(ring_base + j - cta_first, st.num_stages)
+            return ring_slot(ring_base + j - cta_first, st.num_stages)
         return slot
 
     wg = lax.axis_index("wg")

@@ -67,7 +67,7 @@ from pallas_flash.mosaic.forward import (
     _serial_skip_step,
     _sync,
 )
-from pallas_flash.mosaic.pipeline import observe_releases, stream_kv
+from pallas_flash.mosaic.pipeline import observe_releases, ring_slot, stream_kv
 from pallas_flash.padding import pad_axis, round_up
 from pallas_flash.reference import EMPTY_ROW_LSE
 
@@ -201,7 +201,7 @@ def _kernel(q_ref, k_ref, vt_ref, q_scale_ref, k_scale_ref, v_scale_ref, out_ref
     cta_first, _, _, cta_last = st.mask.kv_blocks(cta_q0, NUM_CONSUMERS * bq, bkv)
 
     def slot(j):
-        return lax.rem(j - cta_first, st.num_stages)
+        return ring_slot(j - cta_first, st.num_stages)
 
     wg = lax.axis_index("wg")
 

@@ -8,7 +8,7 @@ tensor (arrived by every consumer once it no longer reads the slot, awaited here
 The ring is one stream per CTA: a persistent CTA (one that loops over several work tiles)
 keeps filling it across its tiles, so the next tile's first blocks load while the
 consumers finish the current one. Ring step ``g`` (counted from the CTA's first load) uses
-slot ``g % num_stages``.
+slot ``g % num_stages`` (:func:`ring_slot`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
+
+
+def ring_slot(step: jax.Array, num_stages: int) -> jax.Array:
+    """The slot of ring step ``step`` (counted from the CTA's first load)."""
+    return lax.rem(step, num_stages)
 
 
 def stream_kv(*, num_stages: int, first: jax.Array, last: jax.Array,
@@ -62,6 +67,6 @@ def observe_releases(*, num_stages: int, loaded: jax.Array | int, k_free, v_free
     """
     @pl.loop(jnp.maximum(0, loaded - num_stages), loaded)
     def _drain(step):
-        slot = lax.rem(step, num_stages)
+        slot = ring_slot(step, num_stages)
         plgpu.barrier_wait(k_free.at[slot])
         plgpu.barrier_wait(v_free.at[slot])
