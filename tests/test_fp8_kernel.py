@@ -38,20 +38,26 @@ from pallas_flash.reference import attention_float64
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# (batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal, hadamard, block_q, block_kv)
+# (batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal, hadamard, block_q, block_kv,
+#  overlap)
 CASES = {
     # One K tile: no running maximum to move, so even the reference matches to rounding.
-    "dense_one_tile": (1, 128, 64, 2, 1, 64, False, False, 64, 64),
-    "dense_gqa_three_tiles": (1, 128, 192, 2, 1, 64, False, False, 64, 64),
+    "dense_one_tile": (1, 128, 64, 2, 1, 64, False, False, 64, 64, False),
+    "dense_gqa_three_tiles": (1, 128, 192, 2, 1, 64, False, False, 64, 64, False),
     # Odd lengths (padded rows and keys), bottom-right causal, GQA.
-    "causal_odd_gqa": (1, 100, 130, 2, 1, 64, True, False, 64, 64),
+    "causal_odd_gqa": (1, 100, 130, 2, 1, 64, True, False, 64, 64, False),
     # Two CTAs, block skipping above the diagonal, head_dim 128 with 128-key tiles.
-    "causal_d128": (1, 256, 256, 1, 1, 128, True, False, 64, 128),
+    "causal_d128": (1, 256, 256, 1, 1, 128, True, False, 64, 128, False),
     # Rotated Q/K; head_dim != block_kv (the Vᵀ and P tiles are not square).
-    "hadamard_d128_kv64": (1, 128, 128, 2, 2, 128, False, True, 64, 64),
-    "causal_d256": (1, 128, 128, 1, 1, 256, True, False, 64, 64),
+    "hadamard_d128_kv64": (1, 128, 128, 2, 2, 128, False, True, 64, 64, False),
+    "causal_d256": (1, 128, 128, 1, 1, 256, True, False, 64, 64, False),
+    # The overlapped schedule: P̃ double-buffered in SMEM, O rescaled after P·V's wait.
+    "overlap_dense_gqa_three_tiles": (1, 128, 192, 2, 1, 64, False, False, 64, 64, True),
+    "overlap_causal_odd_gqa": (1, 100, 130, 2, 1, 64, True, False, 64, 64, True),
+    "overlap_causal_d128": (1, 256, 256, 1, 1, 128, True, False, 64, 128, True),
+    "overlap_causal_d256": (1, 128, 128, 1, 1, 256, True, False, 64, 64, True),
 }
-RACE_CHECKED = "causal_odd_gqa"
+RACE_CHECKED = ("causal_odd_gqa", "overlap_causal_odd_gqa")
 
 
 def _rel(a, b) -> float:
@@ -68,19 +74,20 @@ def _inputs(batch, seq_q, seq_kv, heads, kv_heads, head_dim, seed=0):
 
 def measure(case: str) -> dict:
     """Runs one interpret case; errors of the kernel's out and lse against the references."""
-    batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal, rotate, bq, bkv = CASES[case]
+    batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal, rotate, bq, bkv, overlap = (
+        CASES[case])
     q, k, v = _inputs(batch, seq_q, seq_kv, heads, kv_heads, head_dim, seed=len(case))
     key = jax.random.key(1) if rotate else None
-    config = MosaicConfig(block_q=bq, block_kv=bkv, num_stages=2)
+    config = MosaicConfig(block_q=bq, block_kv=bkv, num_stages=2, overlap=overlap)
     kwargs = dict(is_causal=causal, hadamard_key=key, config=config, return_residual=True)
-    # The interpreter's vector-clock race detector on one case (barrier protocol, P and O
-    # tiles): about twice as slow.
-    params = plgpu.InterpretGPUParams(detect_races=case == RACE_CHECKED)
+    # The interpreter's vector-clock race detector on one case per schedule (barrier
+    # protocol, P and O tiles): about twice as slow.
+    params = plgpu.InterpretGPUParams(detect_races=case in RACE_CHECKED)
     with plgpu.force_gpu_interpret_mode(params):
         out, lse = fp8.attention_fp8(q, k, v, implementation="mosaic", interpret=True,
                                      **kwargs)
         out.block_until_ready()
-    races = case == RACE_CHECKED and interpret_pallas_call.get_races().races_found
+    races = case in RACE_CHECKED and interpret_pallas_call.get_races().races_found
     ref, _ = fp8.attention_fp8(q, k, v, implementation="xla", **kwargs)
     online, online_lse = fp8.attention_fp8_online(q, k, v, block_q=bq, block_kv=bkv,
                                                   is_causal=causal, hadamard_key=key)
@@ -144,7 +151,7 @@ def pretend_hopper(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 def test_default_configs_lower_for_cuda(head_dim, causal, pretend_hopper):
     """Layout inference, K-major FP8 wgmma operands (Vᵀ, P via SMEM), the SMEM budget."""
-    config = forward_fp8.default_config(head_dim)
+    config = forward_fp8.default_config(head_dim, causal)
     assert forward_fp8.smem_bytes(config, head_dim) <= mosaic_config.SMEM_BUDGET
     _lower_for_cuda((2, 1024, 8, head_dim), (2, 1024, 2, head_dim), config, causal)
 
@@ -157,6 +164,8 @@ def test_odd_shapes_lower_for_cuda(pretend_hopper):
     (128, MosaicConfig(64, 128, 4)),   # fits
     (256, MosaicConfig(64, 64, 3)),    # fits
     (256, MosaicConfig(64, 128, 2)),   # does not: the separate bf16 O tile
+    (128, MosaicConfig(64, 192, 2, overlap=True)),  # fits, with a second P tile
+    (128, MosaicConfig(64, 256, 2, overlap=True)),  # does not
 ])
 def test_smem_accounting_matches_lowering(head_dim, config, monkeypatch, pretend_hopper):
     shape = (1, 1024, 2, head_dim)
@@ -210,7 +219,7 @@ def test_quantize_operands_layout():
     (dict(q_shape=(1, 80, 2, 64), is_causal=True), "is_causal"),
     (dict(implementation="triton"), "implementation"),
     (dict(implementation="mosaic"), "Hopper"),
-    (dict(config=MosaicConfig(64, 128, 2, overlap=True)), "overlap"),
+    (dict(config=MosaicConfig(64, 128, 2, overlap=True, num_consumers=3)), "num_consumers"),
     (dict(config=MosaicConfig(64, 128, 2, persistent=True)), "persistent"),
     (dict(q_shape=(1, 64, 2, 256), kv_shape=(1, 64, 1, 256), config=MosaicConfig(64, 256, 2)),
      "shared memory"),
@@ -229,8 +238,9 @@ def test_bad_arguments_are_refused(kwargs, message):
 
 def test_default_config_fits():
     for head_dim in (16, 64, 96, 128, 192, 256):
-        config = forward_fp8.default_config(head_dim)
-        forward_fp8.check_config(config, mosaic_config.padded_head_dim(head_dim))
+        for causal in (False, True):
+            config = forward_fp8.default_config(head_dim, causal)
+            forward_fp8.check_config(config, mosaic_config.padded_head_dim(head_dim))
 
 
 if __name__ == "__main__":

@@ -758,14 +758,9 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_
     issue their GEMMs in a strict round robin (alternation with two) and each one's
     softmax overlaps the others' GEMMs.
     """
-    first, full_first, full_last, last = ranges
+    first, last = ranges[0], ranges[3]
     bq, bkv = st.block_q, st.block_kv
-
-    def take_turn():
-        plgpu.barrier_wait(turn.at[wg])
-
-    def pass_turn():
-        plgpu.barrier_arrive(turn.at[lax.rem(wg + 1, st.num_consumers)])
+    take_turn, pass_turn = turns = _round_robin(turn, wg, st.num_consumers)
 
     def pv_operand(p16):
         """P as wgmma's A operand: from registers (FA3); through SMEM when interpreting."""
@@ -779,14 +774,7 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_
         """The first visible block: S, softmax, no P·V yet (O is still 0)."""
         o, m_i, _, _ = carry
         s = slot(first)
-        plgpu.barrier_wait(k_ready.at[s])
-        take_turn()
-
-        def qk(s_acc):
-            plgpu.wgmma(s_acc, q_tile, k_smem.at[s].T)
-            pass_turn()
-            return s_acc[...]
-        scores = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+        scores = _head_scores(q_tile, k_smem.at[s], k_ready.at[s], turns)
         block = _release_k(st, k_free, key_rings, s, wg)
         p, m_new, _ = softmax(scores, m_i, first, block, masked=st.has_mask)
         return o, m_new, p.sum(axis=1), p.astype(st.dtype)
@@ -848,41 +836,89 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_
         plgpu.barrier_arrive(v_free.at[s])
         return o
 
-    def skip_step(j, carry):
-        """A block only the other consumer needs: the same barriers and turn, no math."""
-        s = slot(j)
-        plgpu.barrier_wait(k_ready.at[s])
-        take_turn()
-        pass_turn()
-        plgpu.barrier_arrive(k_free.at[s])
-        plgpu.barrier_wait(v_ready.at[s])
-        plgpu.barrier_arrive(v_free.at[s])
-        return carry
-
-    # P of the previous block rides in the carry; a placeholder until the head's.
-    p_none = plgpu.layout_cast(jnp.zeros((bq, bkv), st.dtype), plgpu.Layout.WGMMA)
-    carry = (*carry, p_none)
-    masked_step = functools.partial(step, masked=True)
-    unmasked_step = functools.partial(step, masked=False)
-    carry = lax.fori_loop(cta_first, first, skip_step, carry)
-    nonempty = first < last
-    carry = lax.cond(nonempty, head, lambda carry: carry, carry)
-    after_head = first + 1
-    if st.has_lower_band:
-        carry = lax.fori_loop(after_head, full_first, masked_step, carry)
-    if st.has_unmasked_blocks:
-        carry = lax.fori_loop(jnp.maximum(after_head, full_first), full_last, unmasked_step,
-                              carry)
-    if st.has_upper_mask:
-        carry = lax.fori_loop(jnp.maximum(after_head, full_last), last, masked_step, carry)
-    o, m_i, l_i, p_last = carry
+    skip_step = functools.partial(_overlapped_skip_step, slot=slot, turns=turns,
+                                  k_ready=k_ready, k_free=k_free, v_ready=v_ready,
+                                  v_free=v_free)
 
     def no_tail(o, p_last):
         take_turn()  # one turn per consumer either way, so that the turns stay paired
         pass_turn()
         return o
-    o = lax.cond(nonempty, tail, no_tail, o, p_last)
-    return lax.fori_loop(last, cta_last, skip_step, (o, m_i, l_i))
+
+    def last_pv(nonempty, carry):
+        o, m_i, l_i, p_last = carry
+        return lax.cond(nonempty, tail, no_tail, o, p_last), m_i, l_i
+
+    # P of the previous block rides in the carry; a placeholder until the head's.
+    p_none = plgpu.layout_cast(jnp.zeros((bq, bkv), st.dtype), plgpu.Layout.WGMMA)
+    return _walk_overlapped(
+        (*carry, p_none), ranges, cta_first=cta_first, cta_last=cta_last, head=head,
+        step=step, last_pv=last_pv, skip_step=skip_step, lower_band=st.has_lower_band,
+        unmasked=st.has_unmasked_blocks, upper_mask=st.has_upper_mask)
+
+
+def _walk_overlapped(carry, ranges, *, cta_first, cta_last, head, step, last_pv, skip_step,
+                     lower_band: bool, unmasked: bool, upper_mask: bool):
+    """One consumer's walk over its CTA's blocks [cta_first, cta_last) in the overlapped
+    schedule: ``skip_step`` for the blocks outside its ``ranges`` (first, full_first,
+    full_last, last), ``head`` for its first visible block, ``step(j, carry, masked=)`` for
+    the others (the loops the flags say can be non-empty), and ``last_pv(nonempty,
+    carry)`` for the P·V of its last block (only the turn when it sees no block)."""
+    first, full_first, full_last, last = ranges
+    masked_step = functools.partial(step, masked=True)
+    carry = lax.fori_loop(cta_first, first, skip_step, carry)
+    nonempty = first < last
+    carry = lax.cond(nonempty, head, lambda carry: carry, carry)
+    after_head = first + 1
+    if lower_band:
+        carry = lax.fori_loop(after_head, full_first, masked_step, carry)
+    if unmasked:
+        carry = lax.fori_loop(jnp.maximum(after_head, full_first), full_last,
+                              functools.partial(step, masked=False), carry)
+    if upper_mask:
+        carry = lax.fori_loop(jnp.maximum(after_head, full_last), last, masked_step, carry)
+    return lax.fori_loop(last, cta_last, skip_step, last_pv(nonempty, carry))
+
+
+def _round_robin(turn, wg, num_consumers: int):
+    """``(take_turn, pass_turn)`` of the overlapped schedule: ``turn`` holds one
+    single-arrival mbarrier per consumer; a consumer waits on its own before issuing its
+    GEMMs and arrives at the next consumer's after."""
+    def take_turn():
+        plgpu.barrier_wait(turn.at[wg])
+
+    def pass_turn():
+        plgpu.barrier_arrive(turn.at[lax.rem(wg + 1, num_consumers)])
+    return take_turn, pass_turn
+
+
+def _head_scores(q_tile, k_tile, k_ready, turns) -> jax.Array:
+    """S = Q·Kᵀ of a consumer's first visible block in the overlapped schedule (no P·V to
+    issue with it yet): wait for K, take the turn, issue, pass the turn, wait for S."""
+    take_turn, pass_turn = turns
+    plgpu.barrier_wait(k_ready)
+    take_turn()
+
+    def qk(s_acc):
+        plgpu.wgmma(s_acc, q_tile, k_tile.T)
+        pass_turn()
+        return s_acc[...]
+    return pl.run_scoped(qk, plgpu.ACC((q_tile.shape[0], k_tile.shape[0]), jnp.float32))
+
+
+def _overlapped_skip_step(j, carry, *, slot, turns, k_ready, k_free, v_ready, v_free):
+    """The overlapped schedule's step for block j when another consumer of the CTA needs
+    it and this one does not: the same barriers and turn (``turns``: take, pass) as a
+    real step, no math."""
+    take_turn, pass_turn = turns
+    s = slot(j)
+    plgpu.barrier_wait(k_ready.at[s])
+    take_turn()
+    pass_turn()
+    plgpu.barrier_arrive(k_free.at[s])
+    plgpu.barrier_wait(v_ready.at[s])
+    plgpu.barrier_arrive(v_free.at[s])
+    return carry
 
 
 def _pv_through_smem(o, p16, p_tile, v_tile, wait_next_k):

@@ -30,7 +30,9 @@ What FP8 changes, and why:
   ``s_V,last / 448 / l``. Folding s_V into P instead would change P's rounding; a fresh
   accumulator per block would cost head_dim / 2 registers per thread (128 at head_dim 256).
 
-Only the serial consumer schedule exists here (no FA3 intra-warpgroup overlap).
+Both consumer schedules of the bf16 kernel exist (``MosaicConfig.overlap``): serial, and
+FA3's intra-warpgroup overlap, where P̃ going through SMEM costs a second P tile per
+consumer instead of P's registers (:func:`_overlapped_loop`).
 
 CPU testing: interpret mode runs FP8 wgmma, but not ``pl.run_state`` (how wgmma accumulates
 into the O registers). With ``interpret=True`` P·V lands in a fresh accumulator and is added
@@ -63,9 +65,15 @@ from pallas_flash.mosaic.forward import (
     _LOG2E,
     _PRODUCER,
     _PRODUCER_REGISTERS,
+    _head_scores,
+    _overlapped_skip_step,
+    _OverlappedTurns,
+    _round_robin,
     _row,
     _serial_skip_step,
+    _SerialTurns,
     _sync,
+    _walk_overlapped,
 )
 from pallas_flash.mosaic.pipeline import observe_releases, ring_slot, stream_kv
 from pallas_flash.padding import pad_axis, round_up
@@ -111,6 +119,8 @@ class _Static:
     num_q_tiles: int  # CTAs along the sequence, each of NUM_CONSUMERS * block_q rows
     kv_padded: bool  # seq_kv was padded up to whole blocks
     interpret: bool  # P·V into a fresh accumulator (see the module docstring)
+    overlap: bool = False  # FA3's intra-warpgroup pipelining (MosaicConfig.overlap)
+    num_consumers: int = NUM_CONSUMERS
 
     @property
     def reverse_q_tiles(self) -> bool:
@@ -123,6 +133,10 @@ class _Static:
     @property
     def has_upper_mask(self) -> bool:
         return self.mask.is_causal or self.mask.window is not None or self.kv_padded
+
+    @property
+    def has_mask(self) -> bool:
+        return self.has_lower_band or self.has_upper_mask
 
 
 def _transforms(minor: int, dtype) -> tuple:
@@ -140,25 +154,27 @@ def _transforms(minor: int, dtype) -> tuple:
 def smem_bytes(config: MosaicConfig, head_dim: int) -> int:
     """Shared memory of the kernel, as Mosaic GPU's lowering counts it (1 KiB per buffer).
 
-    Q tiles and the K / Vᵀ rings in e4m3, one e4m3 P tile per consumer, a separate bf16
-    O tile per consumer (the e4m3 Q tile is too small to hold it), LSE, mbarriers.
+    Q tiles and the K / Vᵀ rings in e4m3, one e4m3 P tile per consumer (two with
+    ``overlap``), a separate bf16 O tile per consumer (the e4m3 Q tile is too small to
+    hold it), LSE, mbarriers.
     """
     def align(nbytes):
         return round_up(nbytes, 1024)
     bq, bkv, stages = config.block_q, config.block_kv, config.num_stages
     q = align(NUM_CONSUMERS * bq * head_dim)
     kv = 2 * align(stages * bkv * head_dim)
-    p = align(NUM_CONSUMERS * bq * bkv)
+    p = align(NUM_CONSUMERS * (2 if config.overlap else 1) * bq * bkv)
     o = align(NUM_CONSUMERS * bq * head_dim * OUT_DTYPE.itemsize)
     lse = align(NUM_CONSUMERS * bq * 4)
-    barriers = 8 * (NUM_CONSUMERS + 4 * stages + 1)  # as the bf16 kernel's
+    turns = NUM_CONSUMERS if config.overlap else 1  # as the bf16 kernel's barriers
+    barriers = 8 * (NUM_CONSUMERS + 4 * stages + turns)
     return q + kv + p + o + lse + barriers
 
 
 def check_config(config: MosaicConfig, head_dim: int) -> None:
     """Raises ValueError when ``config`` cannot run this kernel at ``head_dim`` on sm90."""
-    if config.overlap:
-        raise ValueError("config.overlap: the FP8 kernel has only the serial schedule")
+    if config.num_consumers != NUM_CONSUMERS:
+        raise ValueError(f"config.num_consumers: the FP8 kernel has {NUM_CONSUMERS} consumers")
     if config.persistent:
         raise ValueError("config.persistent: the FP8 kernel runs one CTA per tile")
     need = smem_bytes(config, head_dim)
@@ -169,21 +185,40 @@ def check_config(config: MosaicConfig, head_dim: int) -> None:
             "block_kv or num_stages")
 
 
-def default_config(head_dim: int) -> MosaicConfig:
-    """64 rows per consumer and 2 stages, as the bf16 kernel; 256-key blocks up to head_dim
-    128, 64-key blocks above (the separate bf16 O tile, 64 KiB at head_dim 256, leaves room
-    for no more).
+def default_config(head_dim: int, causal: bool = False) -> MosaicConfig:
+    """64 rows per consumer and 2 stages, as the bf16 kernel. Up to head_dim 128: 256-key
+    blocks and the serial schedule on dense rows, 128-key blocks overlapped on causal ones;
+    above: 64-key blocks, overlapped (the separate bf16 O tile, 64 KiB at head_dim 256,
+    leaves room for no more).
 
-    ``benchmarks/fp8_probe.py --head-dims 128 256 --lengths 16384 --configs
-    128=64x128x2,64x256x2,64x192x2,64x128x3 --configs 256=64x64x2,64x64x3`` (2026-11-30,
-    H200; kernel TFLOP/s, dense / causal): head_dim 128 64x128x2 663 / 672, 64x256x2
-    783 / 702, 64x192x2 732 / 637, 64x128x3 636 / 603; head_dim 256 64x64x2 826 / 817,
-    64x64x3 786 / 745. Wide key blocks halve the per-block costs of the serial schedule
-    (barriers, O's rescale, the scale loads) that FP8's faster GEMMs expose; the P tile goes
-    through SMEM, so S's 128 registers per thread are the only ones that grow.
+    Kernel TFLOP/s on an H200 (``benchmarks/fp8_probe.py``, 2026-11-30), dense / causal.
+    Serial tiles (``--configs 128=64x128x2,64x256x2,64x192x2,64x128x3 --configs
+    256=64x64x2,64x64x3``, L 16384): head_dim 128 64x128x2 663 / 672, 64x256x2 783 / 702,
+    64x192x2 732 / 637, 64x128x3 636 / 603; head_dim 256 64x64x2 826 / 817, 64x64x3
+    786 / 745. Wide key blocks halve the per-block costs of the serial schedule (barriers,
+    O's rescale, the scale loads) that FP8's faster GEMMs expose. The overlapped schedule
+    (``o``; ``--configs 128=64x256x2,64x192x2o,64x128x2o,64x192x2 --configs
+    256=64x64x2,64x64x2o``, second session), L 4096 / 16384:
+
+    ==========  ===================  ===================
+    config      dense                causal
+    ==========  ===================  ===================
+    128: 256x2  744 / 796            399 / 658
+    128: 192x2  611 / 719            268 / 608
+    128: 192x2o 633 / 779            437 / 691
+    128: 128x2o 688 / 751            594 / 747
+    256: 64x2   808 / 831            461 / 845
+    256: 64x2o  884 / 886            837 / 914
+    ==========  ===================  ===================
+
+    A 256-key block with a second P tile does not fit next to the bf16 O tile.
     """
     head_dim = padded_head_dim(head_dim)
-    return MosaicConfig(block_q=64, block_kv=256 if head_dim <= 128 else 64, num_stages=2)
+    if head_dim > 128:
+        return MosaicConfig(block_q=64, block_kv=64, num_stages=2, overlap=True)
+    if causal and head_dim > 64:
+        return MosaicConfig(block_q=64, block_kv=128, num_stages=2, overlap=True)
+    return MosaicConfig(block_q=64, block_kv=256, num_stages=2)
 
 
 def _kernel(q_ref, k_ref, vt_ref, q_scale_ref, k_scale_ref, v_scale_ref, out_ref, lse_ref, *,
@@ -239,71 +274,36 @@ def _kernel(q_ref, k_ref, vt_ref, q_scale_ref, k_scale_ref, v_scale_ref, out_ref
 def _consumer_warpgroup(wg, st: _Static, q_gmem, out_gmem, lse_gmem, scales, q_tile, k_smem,
                         vt_smem, p_tile, o_tile, lse_tile, q_ready, k_ready, v_ready, k_free,
                         v_free, turn, *, q0, cta_first, cta_last, slot):
-    """Rows [q0, q0 + block_q): the bf16 kernel's serial loop with FP8 GEMMs and scales."""
+    """Rows [q0, q0 + block_q): the bf16 kernel's consumer with FP8 GEMMs and scales.
+
+    ``p_tile``: this consumer's e4m3 P tile, two of them ([2, block_q, block_kv]) with the
+    overlapped schedule.
+    """
     bq, bkv, d = st.block_q, st.block_kv, st.head_dim
     q_scale, k_scales, v_scales = scales
     plgpu.copy_gmem_to_smem(q_gmem, q_tile, q_ready)
     ranges = tuple(jnp.clip(x, cta_first, cta_last) for x in st.mask.kv_blocks(q0, bq, bkv))
-    first, full_first, full_last, last = ranges
     # Dequantization of S_j = Q̃·K̃_jᵀ: s_Q·s_K,j folded into the exponent's scale.
     q_scale_log2 = q_scale * st.scale_log2
 
-    def wait_k(j):
-        @pl.when(j < cta_last)
-        def _():
-            plgpu.barrier_wait(k_ready.at[slot(j)])
-
-    def pv(o, s, j):
-        """O += P̃·Ṽ_j; Vᵀ's (D, keys) tile read through a transposed view: K-major B."""
-        vt = vt_smem.at[s].T
-        if st.interpret:  # interpret mode: a fresh accumulator, then added
-            def fresh(pv_acc):
-                plgpu.wgmma(pv_acc, p_tile, vt)
-                wait_k(j + 1)
-                return pv_acc[...]
-            return o + pl.run_scoped(fresh, plgpu.ACC(o.shape, jnp.float32))
-
-        def gemm(o_acc):
-            plgpu.wgmma(o_acc, p_tile, vt)
-            wait_k(j + 1)  # overlaps the GEMM
-        return pl.run_state(gemm)(plgpu.ACC.init(o))
-
-    def step(j, carry, *, masked: bool):
-        o, m_i, l_i, v_scale_prev = carry
-        s = slot(j)
-        # Scalar loads of the tile scales, issued before the GEMM so that it hides them.
-        scale_log2 = q_scale_log2 * k_scales[j]
-        v_scale = v_scales[j]
-
-        def qk(s_acc):
-            plgpu.wgmma(s_acc, q_tile, k_smem.at[s].T)
-            _sync(turn)  # ping (see the bf16 kernel's _serial_loop)
-            return s_acc[...]
-        scores = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
-        plgpu.barrier_arrive(k_free.at[s])
+    def softmax(scores, m_i, l_i, j, k_scale, p_out, *, masked: bool):
+        """Online softmax of S_j in base 2 (FA3 Alg. 1 lines 9-11); P̃_j = e4m3(P_j·448)
+        goes to ``p_out``. Returns the new m and l, and alpha, O's factor to the new m.
+        ``k_scale``: s_K,j, loaded before the GEMM so that the GEMM hides the load."""
         if masked:
             rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
             cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
             scores = jnp.where(st.mask.visible(rows + q0, cols + j * bkv), scores, -jnp.inf)
-        # Online softmax in base 2 (FA3 Alg. 1 lines 9-11); a row that has seen no key
-        # keeps m = -inf and subtracts 0, so that its P and l stay 0 rather than NaN.
+        # A row that has seen no key keeps m = -inf and subtracts 0, so that its P and l
+        # stay 0 rather than NaN.
+        scale_log2 = q_scale_log2 * k_scale
         m_new = jnp.maximum(m_i, scores.max(axis=1) * scale_log2)
         m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         p = jnp.exp2(scores * scale_log2 - _row(m_sub, scores.shape))
         alpha = jnp.exp2(m_i - m_sub)
-        l_i = l_i * alpha + p.sum(axis=1)  # from the unrounded P
-        p_tile[...] = (p * P_SCALE).astype(E4M3)
+        p_out[...] = (p * P_SCALE).astype(E4M3)
         plgpu.commit_smem()  # register stores -> visible to wgmma
-        o = o * _row(alpha * (v_scale_prev / v_scale), o.shape)
-        plgpu.barrier_arrive(turn)  # pong: softmax done, the other consumer may go on
-        plgpu.barrier_wait(v_ready.at[s])
-        plgpu.barrier_wait(turn)
-        o = pv(o, s, j)
-        plgpu.barrier_arrive(v_free.at[s])
-        return o, m_new, l_i, v_scale
-
-    skip_step = functools.partial(_serial_skip_step, slot=slot, turn=turn, k_free=k_free,
-                                  v_ready=v_ready, v_free=v_free, wait_k=wait_k)
+        return m_new, l_i * alpha + p.sum(axis=1), alpha  # l from the unrounded P
 
     carry = (
         plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA),
@@ -312,17 +312,14 @@ def _consumer_warpgroup(wg, st: _Static, q_gmem, out_gmem, lse_gmem, scales, q_t
         jnp.float32(1.0),  # s_V of the previous block; O is still 0, so any value works
     )
     plgpu.barrier_wait(q_ready)
-    wait_k(cta_first)
-    pl.when(wg == 1)(functools.partial(_sync, turn))  # consumer 1 starts one turn late
-    masked_step = functools.partial(step, masked=True)
-    if st.has_lower_band:
-        carry = lax.fori_loop(cta_first, first, skip_step, carry)
-        carry = lax.fori_loop(first, full_first, masked_step, carry)
-    carry = lax.fori_loop(full_first, full_last, functools.partial(step, masked=False), carry)
-    if st.has_upper_mask:
-        carry = lax.fori_loop(full_last, last, masked_step, carry)
-    o, m_i, l_i, v_scale = lax.fori_loop(last, cta_last, skip_step, carry)
-    pl.when(wg == 0)(functools.partial(_sync, turn))  # ... and consumer 0 ends one late
+    loop, turns = (_overlapped_loop, _OverlappedTurns) if st.overlap else (_serial_loop,
+                                                                          _SerialTurns)
+    turns.begin(st, wg, turn)
+    o, m_i, l_i, v_scale = loop(
+        wg, st, carry, ranges, softmax, q_tile, k_smem, vt_smem, p_tile, k_ready, v_ready,
+        k_free, v_free, turn, scales=(k_scales, v_scales), cta_first=cta_first,
+        cta_last=cta_last, slot=slot)
+    turns.end(st, wg, turn)
 
     # Epilogue: undo P's 448 and the last V scale, normalise; O and LSE leave via TMA.
     empty = l_i == 0.0
@@ -334,6 +331,164 @@ def _consumer_warpgroup(wg, st: _Static, q_gmem, out_gmem, lse_gmem, scales, q_t
     plgpu.copy_smem_to_gmem(o_tile, out_gmem)
     plgpu.copy_smem_to_gmem(lse_tile, lse_gmem)
     plgpu.wait_smem_to_gmem(0)
+
+
+def _pv(st: _Static, o, p_tile, vt_tile, during=None):
+    """O += P̃·Ṽ with Vᵀ's (D, keys) tile read through a transposed view (K-major B);
+    ``during()`` runs while the GEMM does. Interpret mode: a fresh accumulator, then added."""
+    if st.interpret:
+        def fresh(pv_acc):
+            plgpu.wgmma(pv_acc, p_tile, vt_tile.T)
+            if during is not None:
+                during()
+            return pv_acc[...]
+        return o + pl.run_scoped(fresh, plgpu.ACC(o.shape, jnp.float32))
+
+    def gemm(o_acc):
+        plgpu.wgmma(o_acc, p_tile, vt_tile.T)
+        if during is not None:
+            during()
+    return pl.run_state(gemm)(plgpu.ACC.init(o))
+
+
+def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, vt_smem, p_tile,
+                 k_ready, v_ready, k_free, v_free, turn, *, scales, cta_first, cta_last,
+                 slot):
+    """The bf16 kernel's serial schedule: S_j, softmax (P̃_j to SMEM), P̃_j·Ṽ_j.
+    ``scales``: s_K and s_V per key block ([blocks] GMEM refs)."""
+    del wg
+    first, full_first, full_last, last = ranges
+    bq, bkv = st.block_q, st.block_kv
+    k_scales, v_scales = scales
+
+    def wait_k(j):
+        @pl.when(j < cta_last)
+        def _():
+            plgpu.barrier_wait(k_ready.at[slot(j)])
+
+    def step(j, carry, *, masked: bool):
+        o, m_i, l_i, v_scale_prev = carry
+        s = slot(j)
+        k_scale, v_scale = k_scales[j], v_scales[j]  # scalar loads, hidden by the GEMM
+
+        def qk(s_acc):
+            plgpu.wgmma(s_acc, q_tile, k_smem.at[s].T)
+            _sync(turn)  # ping (see the bf16 kernel's _serial_loop)
+            return s_acc[...]
+        scores = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[s])
+        m_new, l_i, alpha = softmax(scores, m_i, l_i, j, k_scale, p_tile, masked=masked)
+        o = o * _row(alpha * (v_scale_prev / v_scale), o.shape)
+        plgpu.barrier_arrive(turn)  # pong: softmax done, the other consumer may go on
+        plgpu.barrier_wait(v_ready.at[s])
+        plgpu.barrier_wait(turn)
+        o = _pv(st, o, p_tile, vt_smem.at[s], during=lambda: wait_k(j + 1))
+        plgpu.barrier_arrive(v_free.at[s])
+        return o, m_new, l_i, v_scale
+
+    skip_step = functools.partial(_serial_skip_step, slot=slot, turn=turn, k_free=k_free,
+                                  v_ready=v_ready, v_free=v_free, wait_k=wait_k)
+    wait_k(cta_first)
+    masked_step = functools.partial(step, masked=True)
+    if st.has_lower_band:
+        carry = lax.fori_loop(cta_first, first, skip_step, carry)
+        carry = lax.fori_loop(first, full_first, masked_step, carry)
+    carry = lax.fori_loop(full_first, full_last, functools.partial(step, masked=False), carry)
+    if st.has_upper_mask:
+        carry = lax.fori_loop(full_last, last, masked_step, carry)
+    return lax.fori_loop(last, cta_last, skip_step, carry)
+
+
+def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, vt_smem,
+                     p_tiles, k_ready, v_ready, k_free, v_free, turn, *, scales, cta_first,
+                     cta_last, slot):
+    """The bf16 kernel's overlapped schedule (FA3 Sec. 3.2) with FP8 GEMMs.
+
+    Step j issues S_j = Q̃·K̃_jᵀ and O += P̃_{j-1}·Ṽ_{j-1}, waits for S_j only, and runs the
+    softmax of S_j while the P·V GEMM runs. P̃ goes through SMEM, so overlapping costs no
+    registers for P̃_{j-1}, only a second P tile: P̃_j is stored into tile j % 2 while
+    the GEMM reads tile (j - 1) % 2. Once that GEMM is done, O is rescaled by
+    ``alpha_j · s_V,j-1 / s_V,j`` (the accumulator holds O · 448 / s_V of the last block
+    added, as in the serial schedule).
+    """
+    first, last = ranges[0], ranges[3]
+    bq, bkv = st.block_q, st.block_kv
+    k_scales, v_scales = scales
+    take_turn, pass_turn = turns = _round_robin(turn, wg, NUM_CONSUMERS)
+
+    def p_tile(j):
+        return p_tiles.at[lax.rem(j, 2)]
+
+    def head(carry):
+        """The first visible block: S, softmax, no P·V yet (O is still 0)."""
+        o, m_i, l_i, _ = carry
+        s = slot(first)
+        k_scale, v_scale = k_scales[first], v_scales[first]
+        scores = _head_scores(q_tile, k_smem.at[s], k_ready.at[s], turns)
+        plgpu.barrier_arrive(k_free.at[s])
+        m_new, l_new, _ = softmax(scores, m_i, l_i, first, k_scale, p_tile(first),
+                                  masked=st.has_mask)
+        return o, m_new, l_new, v_scale
+
+    def step(j, carry, *, masked: bool):
+        """Block j > first: S_j and P̃_{j-1}·Ṽ_{j-1} in flight together."""
+        o, m_i, l_i, v_scale_prev = carry
+        s, s_prev = slot(j), slot(j - 1)
+        k_scale, v_scale = k_scales[j], v_scales[j]
+        plgpu.barrier_wait(k_ready.at[s])
+        take_turn()
+
+        def gemms(s_acc, pv_acc):
+            plgpu.wgmma(s_acc, q_tile, k_smem.at[s].T)
+            plgpu.barrier_wait(v_ready.at[s_prev])
+            plgpu.wgmma(pv_acc, p_tile(j - 1), vt_smem.at[s_prev].T)
+            pass_turn()  # the other warpgroup's GEMMs queue behind ours
+            scores = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)  # S_j; P·V still runs
+            plgpu.barrier_arrive(k_free.at[s])
+            return softmax(scores, m_i, l_i, j, k_scale, p_tile(j), masked=masked)
+
+        if st.interpret:  # P·V into a fresh accumulator, then added
+            (m_new, l_new, alpha), pv = pl.run_scoped(
+                lambda s_acc, pv_acc: (gemms(s_acc, pv_acc), pv_acc[...]),
+                plgpu.ACC((bq, bkv), jnp.float32), plgpu.ACC(o.shape, jnp.float32))
+            o = o + pv
+        else:
+            def body(refs):
+                o_acc, s_acc, results = refs
+                for ref, x in zip(results, gemms(s_acc, o_acc), strict=True):
+                    ref[...] = x
+            zeros = plgpu.layout_cast(jnp.zeros((bq, bkv), jnp.float32), plgpu.Layout.WGMMA)
+            # Leaving run_state waits for the P·V GEMM (wgmma.wait_group 0).
+            o, _, (m_new, l_new, alpha) = pl.run_state(body)((
+                plgpu.ACC.init(o), plgpu.ACC.init(zeros), (m_i, l_i, m_i)))
+        plgpu.barrier_arrive(v_free.at[s_prev])  # Ṽ_{j-1} is read
+        return o * _row(alpha * (v_scale_prev / v_scale), o.shape), m_new, l_new, v_scale
+
+    def tail(o):
+        """O += P̃·Ṽ of the last visible block."""
+        s = slot(last - 1)
+        take_turn()
+        plgpu.barrier_wait(v_ready.at[s])
+        o = _pv(st, o, p_tile(last - 1), vt_smem.at[s], during=pass_turn)
+        plgpu.barrier_arrive(v_free.at[s])
+        return o
+
+    def no_tail(o):
+        take_turn()  # one turn per consumer either way, so that the turns stay paired
+        pass_turn()
+        return o
+
+    def last_pv(nonempty, carry):
+        o, m_i, l_i, v_scale = carry
+        return lax.cond(nonempty, tail, no_tail, o), m_i, l_i, v_scale
+
+    skip_step = functools.partial(_overlapped_skip_step, slot=slot, turns=turns,
+                                  k_ready=k_ready, k_free=k_free, v_ready=v_ready,
+                                  v_free=v_free)
+    return _walk_overlapped(
+        carry, ranges, cta_first=cta_first, cta_last=cta_last, head=head, step=step,
+        last_pv=last_pv, skip_step=skip_step, lower_band=st.has_lower_band, unmasked=True,
+        upper_mask=st.has_upper_mask)
 
 
 def _check_operands(ops: Fp8Operands, config: MosaicConfig) -> None:
@@ -363,7 +518,7 @@ def forward(ops: Fp8Operands, *, mask: MaskSpec, scale: float, config: MosaicCon
         ``config.block_kv`` tile; head_dim at most 256.
       mask: visibility; its ``seq_q``/``seq_kv`` are the real lengths.
       scale: logit scale (applied to the dequantized Q·Kᵀ).
-      config: tiles (``overlap`` must be False); :func:`check_config` must pass.
+      config: tiles and schedule; :func:`check_config` must pass.
       interpret: run in Mosaic GPU interpret mode on the CPU.
 
     Returns:
@@ -388,14 +543,15 @@ def forward(ops: Fp8Operands, *, mask: MaskSpec, scale: float, config: MosaicCon
         mask=mask, scale_log2=scale * _LOG2E, block_q=config.block_q,
         block_kv=config.block_kv, num_stages=config.num_stages, head_dim=dim,
         group=heads // kv_heads, num_q_tiles=seq_q_pad // rows_per_cta,
-        kv_padded=seq_kv_pad != seq_kv, interpret=interpret)
+        kv_padded=seq_kv_pad != seq_kv, interpret=interpret, overlap=config.overlap)
 
     bq, bkv, stages = st.block_q, st.block_kv, st.num_stages
     scratch = dict(
         q_smem=plgpu.SMEM((NUM_CONSUMERS, bq, dim), E4M3, transforms=_transforms(dim, E4M3)),
         k_smem=plgpu.SMEM((stages, bkv, dim), E4M3, transforms=_transforms(dim, E4M3)),
         vt_smem=plgpu.SMEM((stages, dim, bkv), E4M3, transforms=_transforms(bkv, E4M3)),
-        p_smem=plgpu.SMEM((NUM_CONSUMERS, bq, bkv), E4M3, transforms=_transforms(bkv, E4M3)),
+        p_smem=plgpu.SMEM((NUM_CONSUMERS, *((2,) if st.overlap else ()), bq, bkv), E4M3,
+                          transforms=_transforms(bkv, E4M3)),
         o_smem=plgpu.SMEM((NUM_CONSUMERS, bq, dim), OUT_DTYPE,
                           transforms=_transforms(dim, OUT_DTYPE)),
         lse_smem=plgpu.SMEM((NUM_CONSUMERS, bq), jnp.float32),
@@ -404,7 +560,9 @@ def forward(ops: Fp8Operands, *, mask: MaskSpec, scale: float, config: MosaicCon
         v_ready=plgpu.Barrier(num_barriers=stages),
         k_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
         v_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
-        turn=plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+        # Serial schedule: one barrier both consumers meet at; overlapped: one per consumer.
+        turn=(plgpu.Barrier(num_barriers=NUM_CONSUMERS) if st.overlap
+              else plgpu.Barrier(num_arrivals=NUM_CONSUMERS)),
     )
     call = plgpu.kernel(
         functools.partial(_kernel, st=st),
