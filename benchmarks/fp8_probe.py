@@ -110,7 +110,7 @@ def bench(path, head_dim: int, causal: bool, seq_len: int, *, config: MosaicConf
                        for key in keys)
             mask = MaskSpec(seq_q=seq_len, seq_kv=seq_len, is_causal=causal)
             scale = head_dim ** -0.5
-            config = config or forward_fp8.default_config(head_dim, causal)
+            config = config or forward_fp8.default_config(head_dim)
             entry["config"] = short(config)
             quantize = jax.jit(lambda q, k, v: fp8.quantize_operands(
                 q, k, v, block_q=config.block_q, block_kv=config.block_kv))

@@ -331,7 +331,7 @@ def attention_fp8(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool =
       config: the kernel's tiles and schedule (:class:`~pallas_flash.mosaic.MosaicConfig`;
         not ``persistent``, two consumers); Q is quantized per ``block_q`` rows and K, V
         per ``block_kv`` keys, whichever implementation runs. Default:
-        :func:`pallas_flash.mosaic.forward_fp8.default_config` (per head_dim and causal).
+        :func:`pallas_flash.mosaic.forward_fp8.default_config`.
       return_residual: also return ``lse: [B, T, N]`` float32 (natural log).
       implementation: ``"mosaic"`` (the kernel: sm90, or the CPU with ``interpret=True``),
         ``"xla"`` (:func:`attention_fp8_reference`, any backend, same numerics, slow);
@@ -349,8 +349,7 @@ def attention_fp8(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool =
     _check_inputs(q, k, v, is_causal)
     head_dim, heads, kv_heads = q.shape[3], q.shape[2], k.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    if config is None:
-        config = forward_fp8.default_config(head_dim, causal=is_causal)
+    config = forward_fp8.default_config(head_dim) if config is None else config
     forward_fp8.check_config(config, padded_head_dim(head_dim))
     if _implementation(implementation, interpret) == "xla":
         group = heads // kv_heads

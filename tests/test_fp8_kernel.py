@@ -151,7 +151,7 @@ def pretend_hopper(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 def test_default_configs_lower_for_cuda(head_dim, causal, pretend_hopper):
     """Layout inference, K-major FP8 wgmma operands (Vᵀ, P via SMEM), the SMEM budget."""
-    config = forward_fp8.default_config(head_dim, causal)
+    config = forward_fp8.default_config(head_dim)
     assert forward_fp8.smem_bytes(config, head_dim) <= mosaic_config.SMEM_BUDGET
     _lower_for_cuda((2, 1024, 8, head_dim), (2, 1024, 2, head_dim), config, causal)
 
@@ -163,9 +163,10 @@ def test_odd_shapes_lower_for_cuda(pretend_hopper):
 @pytest.mark.parametrize(("head_dim", "config"), [
     (128, MosaicConfig(64, 128, 4)),   # fits
     (256, MosaicConfig(64, 64, 3)),    # fits
-    (256, MosaicConfig(64, 128, 2)),   # does not: the separate bf16 O tile
-    (128, MosaicConfig(64, 192, 2, overlap=True)),  # fits, with a second P tile
-    (128, MosaicConfig(64, 256, 2, overlap=True)),  # does not
+    (256, MosaicConfig(64, 128, 2)),   # fits: the bf16 O tiles share the P tiles' memory
+    (256, MosaicConfig(64, 128, 3)),   # does not
+    (128, MosaicConfig(64, 256, 2, overlap=True)),  # fits, with a second P tile
+    (128, MosaicConfig(64, 256, 3, overlap=True)),  # does not
 ])
 def test_smem_accounting_matches_lowering(head_dim, config, monkeypatch, pretend_hopper):
     shape = (1, 1024, 2, head_dim)
@@ -238,9 +239,8 @@ def test_bad_arguments_are_refused(kwargs, message):
 
 def test_default_config_fits():
     for head_dim in (16, 64, 96, 128, 192, 256):
-        for causal in (False, True):
-            config = forward_fp8.default_config(head_dim, causal)
-            forward_fp8.check_config(config, mosaic_config.padded_head_dim(head_dim))
+        config = forward_fp8.default_config(head_dim)
+        forward_fp8.check_config(config, mosaic_config.padded_head_dim(head_dim))
 
 
 if __name__ == "__main__":

@@ -154,9 +154,9 @@ def _transforms(minor: int, dtype) -> tuple:
 def smem_bytes(config: MosaicConfig, head_dim: int) -> int:
     """Shared memory of the kernel, as Mosaic GPU's lowering counts it (1 KiB per buffer).
 
-    Q tiles and the K / Vᵀ rings in e4m3, one e4m3 P tile per consumer (two with
-    ``overlap``), a separate bf16 O tile per consumer (the e4m3 Q tile is too small to
-    hold it), LSE, mbarriers.
+    Q tiles and the K / Vᵀ rings in e4m3; one e4m3 P tile per consumer (two with
+    ``overlap``) and a bf16 O tile per consumer (the e4m3 Q tile is too small to hold it)
+    in one union, since O is stored only once every P tile is dead; LSE, mbarriers.
     """
     def align(nbytes):
         return round_up(nbytes, 1024)
@@ -167,8 +167,8 @@ def smem_bytes(config: MosaicConfig, head_dim: int) -> int:
     o = align(NUM_CONSUMERS * bq * head_dim * OUT_DTYPE.itemsize)
     lse = align(NUM_CONSUMERS * bq * 4)
     turns = NUM_CONSUMERS if config.overlap else 1  # as the bf16 kernel's barriers
-    barriers = 8 * (NUM_CONSUMERS + 4 * stages + turns)
-    return q + kv + p + o + lse + barriers
+    barriers = 8 * (NUM_CONSUMERS + 4 * stages + turns + 1)  # + P's end of use
+    return q + kv + max(p, o) + lse + barriers
 
 
 def check_config(config: MosaicConfig, head_dim: int) -> None:
@@ -185,47 +185,48 @@ def check_config(config: MosaicConfig, head_dim: int) -> None:
             "block_kv or num_stages")
 
 
-def default_config(head_dim: int, causal: bool = False) -> MosaicConfig:
-    """64 rows per consumer and 2 stages, as the bf16 kernel. Up to head_dim 128: 256-key
-    blocks and the serial schedule on dense rows, 128-key blocks overlapped on causal ones;
-    above: 64-key blocks, overlapped (the separate bf16 O tile, 64 KiB at head_dim 256,
-    leaves room for no more).
+def default_config(head_dim: int) -> MosaicConfig:
+    """64 rows per consumer and 2 stages, as the bf16 kernel, and FA3's overlapped schedule
+    with 256-key blocks up to head_dim 128 and 128-key blocks above; up to head_dim 64 the
+    serial schedule with 256-key blocks (the overlapped one is not measured there).
 
     Kernel TFLOP/s on an H200 (``benchmarks/fp8_probe.py``, 2026-11-30), dense / causal.
-    Serial tiles (``--configs 128=64x128x2,64x256x2,64x192x2,64x128x3 --configs
-    256=64x64x2,64x64x3``, L 16384): head_dim 128 64x128x2 663 / 672, 64x256x2 783 / 702,
-    64x192x2 732 / 637, 64x128x3 636 / 603; head_dim 256 64x64x2 826 / 817, 64x64x3
-    786 / 745. Wide key blocks halve the per-block costs of the serial schedule (barriers,
-    O's rescale, the scale loads) that FP8's faster GEMMs expose. The overlapped schedule
-    (``o``; ``--configs 128=64x256x2,64x192x2o,64x128x2o,64x192x2 --configs
-    256=64x64x2,64x64x2o``, second session), L 4096 / 16384:
+    Serial tiles, with separate P and O tiles (``--configs
+    128=64x128x2,64x256x2,64x192x2,64x128x3 --configs 256=64x64x2,64x64x3``, L 16384):
+    head_dim 128 64x128x2 663 / 672, 64x256x2 783 / 702, 64x192x2 732 / 637, 64x128x3
+    636 / 603; head_dim 256 64x64x2 826 / 817, 64x64x3 786 / 745. Wide key blocks halve
+    the per-block costs (barriers, O's rescale, the scale loads) that FP8's faster GEMMs
+    expose. The overlapped schedule (``o``) needs a second P tile; with the O tiles in
+    the P tiles' memory (a union, since O is stored only once every P tile is dead),
+    256-key blocks fit at head_dim 128 and 128-key blocks at 256. L 16384, in one run:
 
-    ==========  ===================  ===================
-    config      dense                causal
-    ==========  ===================  ===================
-    128: 256x2  744 / 796            399 / 658
-    128: 192x2  611 / 719            268 / 608
-    128: 192x2o 633 / 779            437 / 691
-    128: 128x2o 688 / 751            594 / 747
-    256: 64x2   808 / 831            461 / 845
-    256: 64x2o  884 / 886            837 / 914
-    ==========  ===================  ===================
+    ==========  ============
+    config      dense / causal
+    ==========  ============
+    128: 256x2  807 / 615
+    128: 256x2o 883 / 814
+    128: 128x2o 758 / 758
+    256: 64x2o  948 / 971
+    256: 128x2o 1182 / 1109
+    ==========  ============
 
-    A 256-key block with a second P tile does not fit next to the bf16 O tile.
+    (An earlier run without the union, L 4096 / 16384: head_dim 128 dense 256x2 744 /
+    796, 128x2o 688 / 751; causal 256x2 399 / 658, 128x2o 594 / 747; head_dim 256 64x2
+    808 / 831 dense and 461 / 845 causal, 64x2o 884 / 886 and 837 / 914.)
     """
     head_dim = padded_head_dim(head_dim)
     if head_dim > 128:
-        return MosaicConfig(block_q=64, block_kv=64, num_stages=2, overlap=True)
-    if causal and head_dim > 64:
         return MosaicConfig(block_q=64, block_kv=128, num_stages=2, overlap=True)
-    return MosaicConfig(block_q=64, block_kv=256, num_stages=2)
+    return MosaicConfig(block_q=64, block_kv=256, num_stages=2, overlap=head_dim > 64)
 
 
 def _kernel(q_ref, k_ref, vt_ref, q_scale_ref, k_scale_ref, v_scale_ref, out_ref, lse_ref, *,
-            st: _Static, q_smem, k_smem, vt_smem, p_smem, o_smem, lse_smem, q_ready, k_ready,
-            v_ready, k_free, v_free, turn):
+            st: _Static, q_smem, k_smem, vt_smem, p_o_smem, lse_smem, q_ready, k_ready,
+            v_ready, k_free, v_free, turn, p_done):
     """One CTA. GMEM: q/out [B, Tq, N, D], k [B, Tk, K, D], vt [B, K, D, Tk], lse [B, N, Tq],
-    scales [B, tiles, heads]. SMEM: q/p/o per consumer, k/vt rings of ``num_stages``."""
+    scales [B, tiles, heads]. SMEM: q/p/o per consumer (p and o in one union), k/vt rings
+    of ``num_stages``."""
+    p_smem, o_smem = p_o_smem
     bq, bkv = st.block_q, st.block_kv
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
     kv_head = lax.div(head, st.group)  # GQA: K/V are indexed, never repeated
@@ -250,7 +251,8 @@ def _kernel(q_ref, k_ref, vt_ref, q_scale_ref, k_scale_ref, v_scale_ref, out_ref
             wg, st, q_ref.at[batch, pl.ds(q0, bq), head], out_ref.at[batch, pl.ds(q0, bq), head],
             lse_ref.at[batch, head, pl.ds(q0, bq)], scales, q_smem.at[wg], k_smem, vt_smem,
             p_smem.at[wg], o_smem.at[wg], lse_smem.at[wg], q_ready.at[wg], k_ready, v_ready,
-            k_free, v_free, turn, q0=q0, cta_first=cta_first, cta_last=cta_last, slot=slot)
+            k_free, v_free, turn, p_done, q0=q0, cta_first=cta_first, cta_last=cta_last,
+            slot=slot)
 
     @pl.when(wg == _PRODUCER)
     def _producer():
@@ -273,11 +275,12 @@ def _kernel(q_ref, k_ref, vt_ref, q_scale_ref, k_scale_ref, v_scale_ref, out_ref
 
 def _consumer_warpgroup(wg, st: _Static, q_gmem, out_gmem, lse_gmem, scales, q_tile, k_smem,
                         vt_smem, p_tile, o_tile, lse_tile, q_ready, k_ready, v_ready, k_free,
-                        v_free, turn, *, q0, cta_first, cta_last, slot):
+                        v_free, turn, p_done, *, q0, cta_first, cta_last, slot):
     """Rows [q0, q0 + block_q): the bf16 kernel's consumer with FP8 GEMMs and scales.
 
     ``p_tile``: this consumer's e4m3 P tile, two of them ([2, block_q, block_kv]) with the
-    overlapped schedule.
+    overlapped schedule. ``o_tile`` shares its memory with both consumers' P tiles: it is
+    written once both have passed ``p_done`` (2 arrivals), after their last P·V.
     """
     bq, bkv, d = st.block_q, st.block_kv, st.head_dim
     q_scale, k_scales, v_scales = scales
@@ -326,6 +329,7 @@ def _consumer_warpgroup(wg, st: _Static, q_gmem, out_gmem, lse_gmem, scales, q_t
     l_safe = jnp.where(empty, 1.0, l_i)
     o = o * _row((v_scale / P_SCALE) / l_safe, o.shape)
     lse_tile[...] = jnp.where(empty, EMPTY_ROW_LSE, (m_i + jnp.log2(l_safe)) * _LN2)
+    _sync(p_done)  # every P tile is read: O may overwrite them
     o_tile[...] = o.astype(OUT_DTYPE)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_tile, out_gmem)
@@ -550,10 +554,11 @@ def forward(ops: Fp8Operands, *, mask: MaskSpec, scale: float, config: MosaicCon
         q_smem=plgpu.SMEM((NUM_CONSUMERS, bq, dim), E4M3, transforms=_transforms(dim, E4M3)),
         k_smem=plgpu.SMEM((stages, bkv, dim), E4M3, transforms=_transforms(dim, E4M3)),
         vt_smem=plgpu.SMEM((stages, dim, bkv), E4M3, transforms=_transforms(bkv, E4M3)),
-        p_smem=plgpu.SMEM((NUM_CONSUMERS, *((2,) if st.overlap else ()), bq, bkv), E4M3,
-                          transforms=_transforms(bkv, E4M3)),
-        o_smem=plgpu.SMEM((NUM_CONSUMERS, bq, dim), OUT_DTYPE,
-                          transforms=_transforms(dim, OUT_DTYPE)),
+        p_o_smem=plgpu.RefUnion(
+            plgpu.SMEM((NUM_CONSUMERS, *((2,) if st.overlap else ()), bq, bkv), E4M3,
+                       transforms=_transforms(bkv, E4M3)),
+            plgpu.SMEM((NUM_CONSUMERS, bq, dim), OUT_DTYPE,
+                       transforms=_transforms(dim, OUT_DTYPE))),
         lse_smem=plgpu.SMEM((NUM_CONSUMERS, bq), jnp.float32),
         q_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
         k_ready=plgpu.Barrier(num_barriers=stages),
@@ -563,6 +568,7 @@ def forward(ops: Fp8Operands, *, mask: MaskSpec, scale: float, config: MosaicCon
         # Serial schedule: one barrier both consumers meet at; overlapped: one per consumer.
         turn=(plgpu.Barrier(num_barriers=NUM_CONSUMERS) if st.overlap
               else plgpu.Barrier(num_arrivals=NUM_CONSUMERS)),
+        p_done=plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
     )
     call = plgpu.kernel(
         functools.partial(_kernel, st=st),

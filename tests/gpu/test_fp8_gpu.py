@@ -34,8 +34,8 @@ def _rel(a, b) -> float:
 @pytest.mark.parametrize(("shape", "causal", "rotate"), [
     ((2, 2048, 2048, 8, 8, 128), False, False),
     ((1, 1000, 1500, 16, 4, 64), True, True),       # GQA, odd lengths, bottom-right, Hadamard
-    ((1, 2048, 2048, 8, 8, 256), True, False),      # the overlapped schedule (64-key blocks)
-    ((2, 2048, 2048, 8, 8, 128), True, False),      # ... with 128-key blocks
+    ((1, 2048, 2048, 8, 8, 256), True, False),      # the overlapped schedule, 128-key blocks
+    ((2, 2048, 2048, 8, 8, 128), True, False),      # ... with 256-key blocks, causal
 ])
 def test_kernel_matches_references(shape, causal, rotate):
     batch, seq_q, seq_kv, heads, kv_heads, head_dim = shape
@@ -44,7 +44,7 @@ def test_kernel_matches_references(shape, causal, rotate):
     k, v = (jax.random.normal(key, (batch, seq_kv, kv_heads, head_dim), jnp.bfloat16)
             for key in keys[1:3])
     hadamard_key = keys[3] if rotate else None
-    config = forward_fp8.default_config(head_dim, causal)
+    config = forward_fp8.default_config(head_dim)
     out, lse = jax.jit(lambda q, k, v: fp8.attention_fp8(
         q, k, v, is_causal=causal, hadamard_key=hadamard_key, implementation="mosaic",
         return_residual=True))(q, k, v)
