@@ -791,32 +791,19 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_
             plgpu.barrier_wait(v_ready.at[s_prev])
             plgpu.wgmma(pv_acc, pv_operand(p_prev), v_smem.at[s_prev])
             pass_turn()  # the other warpgroup's GEMMs queue behind ours
-            return plgpu.wgmma_accumulator_load(s_acc, wait_n=1)  # S_j; P·V still runs
-
-        def softmax_of(scores):
+            scores = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)  # S_j; P·V still runs
             block = _release_k(st, k_free, key_rings, s, wg)
             p, m_new, alpha = softmax(scores, m_i, j, block, masked=masked)
             return p, m_new, l_i * alpha + p.sum(axis=1), alpha
 
-        if st.pv_through_smem:  # interpret mode: P·V into a fresh accumulator, then added
-            scores, pv = pl.run_scoped(
-                lambda s_acc, pv_acc: (gemms(s_acc, pv_acc), pv_acc[...]),
-                plgpu.ACC((bq, bkv), jnp.float32), plgpu.ACC(o.shape, jnp.float32))
-            o = o + pv
-            p, m_new, l_new, alpha = softmax_of(scores)
-        else:
-            def body(refs):
-                o_acc, s_acc, results = refs
-                for ref, x in zip(results, softmax_of(gemms(s_acc, o_acc)), strict=True):
-                    ref[...] = x
-            zeros = plgpu.layout_cast(jnp.zeros((bq, bkv), jnp.float32), plgpu.Layout.WGMMA)
-            # Leaving run_state waits for the P·V GEMM (wgmma.wait_group 0).
-            o, _, (p, m_new, l_new, alpha) = pl.run_state(body)((
-                plgpu.ACC.init(o), plgpu.ACC.init(zeros), (zeros, m_i, l_i, m_i)))
-            # P_j must not be cast to 16 bits before that wait: LLVM gives P_j the registers
-            # of P_{j-1} (the loop carry), which the P·V GEMM is still reading, and ptxas
-            # then serialises every wgmma of the kernel (warning C7513). The barrier pins
-            # the cast after the wait.
+        o, (p, m_new, l_new, alpha) = _softmax_under_pv(
+            o, (bq, bkv), gemms, lambda zeros: (zeros, m_i, l_i, m_i),
+            interpret=st.pv_through_smem)
+        if not st.pv_through_smem:
+            # P_j must not be cast to 16 bits before P·V's wait: LLVM gives P_j the
+            # registers of P_{j-1} (the loop carry), which the P·V GEMM is still reading,
+            # and ptxas then serialises every wgmma of the kernel (warning C7513). The
+            # barrier pins the cast after the wait.
             p = lax.optimization_barrier(p)
         plgpu.barrier_arrive(v_free.at[s_prev])  # V_{j-1} is read
         return o * _row(alpha, o.shape), m_new, l_new, p.astype(st.dtype)
@@ -878,6 +865,33 @@ def _walk_overlapped(carry, ranges, *, cta_first, cta_last, head, step, last_pv,
     if upper_mask:
         carry = lax.fori_loop(jnp.maximum(after_head, full_last), last, masked_step, carry)
     return lax.fori_loop(last, cta_last, skip_step, last_pv(nonempty, carry))
+
+
+def _softmax_under_pv(o, s_shape, gemms, results_like, *, interpret: bool):
+    """One step of the overlapped schedule once the turn is taken: ``gemms(s_acc, pv_acc)``
+    issues S_j ([s_shape] float32) and P_{j-1}·V_{j-1} (into ``pv_acc``) and returns what
+    it computes while P·V runs (the softmax of S_j). Returns O + P·V and those results,
+    after P·V's wait.
+
+    ``results_like(zeros)``: arrays shaped as the results, given a zero S tile. On the GPU
+    P·V accumulates into O's registers (``run_state``, whose exit waits for the GEMM:
+    wgmma.wait_group 0); interpret mode cannot run ``run_state``, so there P·V lands in a
+    fresh accumulator that is added to O.
+    """
+    if interpret:
+        results, pv = pl.run_scoped(
+            lambda s_acc, pv_acc: (gemms(s_acc, pv_acc), pv_acc[...]),
+            plgpu.ACC(s_shape, jnp.float32), plgpu.ACC(o.shape, jnp.float32))
+        return o + pv, results
+
+    def body(refs):
+        o_acc, s_acc, results = refs
+        for ref, x in zip(results, gemms(s_acc, o_acc), strict=True):
+            ref[...] = x
+    zeros = plgpu.layout_cast(jnp.zeros(s_shape, jnp.float32), plgpu.Layout.WGMMA)
+    o, _, results = pl.run_state(body)((
+        plgpu.ACC.init(o), plgpu.ACC.init(zeros), results_like(zeros)))
+    return o, results
 
 
 def _round_robin(turn, wg, num_consumers: int):

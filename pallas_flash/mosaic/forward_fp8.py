@@ -72,6 +72,7 @@ from pallas_flash.mosaic.forward import (
     _row,
     _serial_skip_step,
     _SerialTurns,
+    _softmax_under_pv,
     _sync,
     _walk_overlapped,
 )
@@ -120,7 +121,10 @@ class _Static:
     kv_padded: bool  # seq_kv was padded up to whole blocks
     interpret: bool  # P·V into a fresh accumulator (see the module docstring)
     overlap: bool = False  # FA3's intra-warpgroup pipelining (MosaicConfig.overlap)
-    num_consumers: int = NUM_CONSUMERS
+
+    @property
+    def num_consumers(self) -> int:  # as the bf16 kernel's _Static, for its turn classes
+        return NUM_CONSUMERS
 
     @property
     def reverse_q_tiles(self) -> bool:
@@ -451,20 +455,8 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, vt
             plgpu.barrier_arrive(k_free.at[s])
             return softmax(scores, m_i, l_i, j, k_scale, p_tile(j), masked=masked)
 
-        if st.interpret:  # P·V into a fresh accumulator, then added
-            (m_new, l_new, alpha), pv = pl.run_scoped(
-                lambda s_acc, pv_acc: (gemms(s_acc, pv_acc), pv_acc[...]),
-                plgpu.ACC((bq, bkv), jnp.float32), plgpu.ACC(o.shape, jnp.float32))
-            o = o + pv
-        else:
-            def body(refs):
-                o_acc, s_acc, results = refs
-                for ref, x in zip(results, gemms(s_acc, o_acc), strict=True):
-                    ref[...] = x
-            zeros = plgpu.layout_cast(jnp.zeros((bq, bkv), jnp.float32), plgpu.Layout.WGMMA)
-            # Leaving run_state waits for the P·V GEMM (wgmma.wait_group 0).
-            o, _, (m_new, l_new, alpha) = pl.run_state(body)((
-                plgpu.ACC.init(o), plgpu.ACC.init(zeros), (m_i, l_i, m_i)))
+        o, (m_new, l_new, alpha) = _softmax_under_pv(
+            o, (bq, bkv), gemms, lambda zeros: (m_i, l_i, m_i), interpret=st.interpret)
         plgpu.barrier_arrive(v_free.at[s_prev])  # Ṽ_{j-1} is read
         return o * _row(alpha * (v_scale_prev / v_scale), o.shape), m_new, l_new, v_scale
 
