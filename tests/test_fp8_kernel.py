@@ -39,25 +39,28 @@ from pallas_flash.reference import attention_float64
 ROOT = Path(__file__).resolve().parents[1]
 
 # (batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal, hadamard, block_q, block_kv,
-#  overlap)
+#  overlap, consumers)
 CASES = {
     # One K tile: no running maximum to move, so even the reference matches to rounding.
-    "dense_one_tile": (1, 128, 64, 2, 1, 64, False, False, 64, 64, False),
-    "dense_gqa_three_tiles": (1, 128, 192, 2, 1, 64, False, False, 64, 64, False),
+    "dense_one_tile": (1, 128, 64, 2, 1, 64, False, False, 64, 64, False, 2),
+    "dense_gqa_three_tiles": (1, 128, 192, 2, 1, 64, False, False, 64, 64, False, 2),
     # Odd lengths (padded rows and keys), bottom-right causal, GQA.
-    "causal_odd_gqa": (1, 100, 130, 2, 1, 64, True, False, 64, 64, False),
+    "causal_odd_gqa": (1, 100, 130, 2, 1, 64, True, False, 64, 64, False, 2),
     # Two CTAs, block skipping above the diagonal, head_dim 128 with 128-key tiles.
-    "causal_d128": (1, 256, 256, 1, 1, 128, True, False, 64, 128, False),
+    "causal_d128": (1, 256, 256, 1, 1, 128, True, False, 64, 128, False, 2),
     # Rotated Q/K; head_dim != block_kv (the Vᵀ and P tiles are not square).
-    "hadamard_d128_kv64": (1, 128, 128, 2, 2, 128, False, True, 64, 64, False),
-    "causal_d256": (1, 128, 128, 1, 1, 256, True, False, 64, 64, False),
+    "hadamard_d128_kv64": (1, 128, 128, 2, 2, 128, False, True, 64, 64, False, 2),
+    "causal_d256": (1, 128, 128, 1, 1, 256, True, False, 64, 64, False, 2),
     # The overlapped schedule: P̃ double-buffered in SMEM, O rescaled after P·V's wait.
-    "overlap_dense_gqa_three_tiles": (1, 128, 192, 2, 1, 64, False, False, 64, 64, True),
-    "overlap_causal_odd_gqa": (1, 100, 130, 2, 1, 64, True, False, 64, 64, True),
-    "overlap_causal_d128": (1, 256, 256, 1, 1, 128, True, False, 64, 128, True),
-    "overlap_causal_d256": (1, 128, 128, 1, 1, 256, True, False, 64, 64, True),
+    "overlap_dense_gqa_three_tiles": (1, 128, 192, 2, 1, 64, False, False, 64, 64, True, 2),
+    "overlap_causal_odd_gqa": (1, 100, 130, 2, 1, 64, True, False, 64, 64, True, 2),
+    "overlap_causal_d128": (1, 256, 256, 1, 1, 128, True, False, 64, 128, True, 2),
+    "overlap_causal_d256": (1, 128, 128, 1, 1, 256, True, False, 64, 64, True, 2),
+    # Three consumers (192 rows per CTA): the round robin over three warpgroups, odd lengths.
+    "three_consumers_causal_odd_gqa": (1, 200, 230, 2, 1, 64, True, False, 64, 64, True, 3),
+    "three_consumers_dense_d128": (1, 192, 256, 1, 1, 128, False, False, 64, 128, True, 3),
 }
-RACE_CHECKED = ("causal_odd_gqa", "overlap_causal_odd_gqa")
+RACE_CHECKED = ("causal_odd_gqa", "overlap_causal_odd_gqa", "three_consumers_causal_odd_gqa")
 
 
 def _rel(a, b) -> float:
@@ -74,11 +77,12 @@ def _inputs(batch, seq_q, seq_kv, heads, kv_heads, head_dim, seed=0):
 
 def measure(case: str) -> dict:
     """Runs one interpret case; errors of the kernel's out and lse against the references."""
-    batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal, rotate, bq, bkv, overlap = (
-        CASES[case])
+    (batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal, rotate, bq, bkv, overlap,
+     consumers) = CASES[case]
     q, k, v = _inputs(batch, seq_q, seq_kv, heads, kv_heads, head_dim, seed=len(case))
     key = jax.random.key(1) if rotate else None
-    config = MosaicConfig(block_q=bq, block_kv=bkv, num_stages=2, overlap=overlap)
+    config = MosaicConfig(block_q=bq, block_kv=bkv, num_stages=2, overlap=overlap,
+                          num_consumers=consumers)
     kwargs = dict(is_causal=causal, hadamard_key=key, config=config, return_residual=True)
     # The interpreter's vector-clock race detector on one case per schedule (barrier
     # protocol, P and O tiles): about twice as slow.
@@ -167,6 +171,8 @@ def test_odd_shapes_lower_for_cuda(pretend_hopper):
     (256, MosaicConfig(64, 128, 3)),   # does not
     (128, MosaicConfig(64, 256, 2, overlap=True)),  # fits, with a second P tile
     (128, MosaicConfig(64, 256, 3, overlap=True)),  # does not
+    (128, MosaicConfig(64, 128, 4, overlap=True, num_consumers=3)),  # fits: 3 Q, P and O tiles
+    (128, MosaicConfig(64, 128, 4, overlap=True, num_consumers=3)),  # does not
 ])
 def test_smem_accounting_matches_lowering(head_dim, config, monkeypatch, pretend_hopper):
     shape = (1, 1024, 2, head_dim)
@@ -220,7 +226,9 @@ def test_quantize_operands_layout():
     (dict(q_shape=(1, 80, 2, 64), is_causal=True), "is_causal"),
     (dict(implementation="triton"), "implementation"),
     (dict(implementation="mosaic"), "Hopper"),
-    (dict(config=MosaicConfig(64, 128, 2, overlap=True, num_consumers=3)), "num_consumers"),
+    (dict(config=MosaicConfig(64, 256, 2, overlap=True, num_consumers=3)), "num_consumers"),
+    (dict(q_shape=(1, 64, 2, 256), kv_shape=(1, 64, 1, 256),
+          config=MosaicConfig(64, 64, 2, overlap=True, num_consumers=3)), "block_kv"),
     (dict(config=MosaicConfig(64, 128, 2, persistent=True)), "persistent"),
     (dict(q_shape=(1, 64, 2, 256), kv_shape=(1, 64, 1, 256), config=MosaicConfig(64, 256, 2)),
      "shared memory"),

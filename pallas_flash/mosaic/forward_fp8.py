@@ -3,8 +3,9 @@
 Shah et al. 2024, "FlashAttention-3", Sec. 3.3: both GEMMs run on FP8 tensor cores (twice
 the bf16 rate) with one scale per tile (block quantization). The CTA is the bf16 kernel's
 (:mod:`pallas_flash.mosaic.forward`): a TMA producer warpgroup filling a ``num_stages``-deep
-K/V ring and two consumer warpgroups of ``block_q`` rows each that ping-pong on the tensor
-cores, with the same barriers, block skipping (:meth:`MaskSpec.kv_blocks`) and epilogue.
+K/V ring and two (or three, ``MosaicConfig.num_consumers``) consumer warpgroups of
+``block_q`` rows each that take turns on the tensor cores, with the same barriers, block
+skipping (:meth:`MaskSpec.kv_blocks`) and epilogue.
 What FP8 changes, and why:
 
 * **Operands are quantized outside the kernel** (:func:`pallas_flash.fp8.quantize_operands`):
@@ -54,17 +55,14 @@ from jax import lax
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic.config import (
     MAX_HEAD_DIM,
-    NUM_CONSUMERS,
     SMEM_BUDGET,
     MosaicConfig,
     padded_head_dim,
 )
 from pallas_flash.mosaic.forward import (
-    _CONSUMER_REGISTERS,
     _LN2,
     _LOG2E,
-    _PRODUCER,
-    _PRODUCER_REGISTERS,
+    _REGISTERS,
     _head_scores,
     _overlapped_skip_step,
     _OverlappedTurns,
@@ -117,14 +115,11 @@ class _Static:
     num_stages: int
     head_dim: int
     group: int  # query heads per K/V head (GQA)
-    num_q_tiles: int  # CTAs along the sequence, each of NUM_CONSUMERS * block_q rows
+    num_consumers: int  # consumer warpgroups of block_q rows; the producer comes after
+    num_q_tiles: int  # CTAs along the sequence, each of num_consumers * block_q rows
     kv_padded: bool  # seq_kv was padded up to whole blocks
     interpret: bool  # P·V into a fresh accumulator (see the module docstring)
     overlap: bool = False  # FA3's intra-warpgroup pipelining (MosaicConfig.overlap)
-
-    @property
-    def num_consumers(self) -> int:  # as the bf16 kernel's _Static, for its turn classes
-        return NUM_CONSUMERS
 
     @property
     def reverse_q_tiles(self) -> bool:
@@ -155,6 +150,10 @@ def _transforms(minor: int, dtype) -> tuple:
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
+#: With three consumers: the most S and O columns (block_kv + head_dim) one thread holds.
+_THREE_CONSUMER_COLUMNS = 256
+
+
 def smem_bytes(config: MosaicConfig, head_dim: int) -> int:
     """Shared memory of the kernel, as Mosaic GPU's lowering counts it (1 KiB per buffer).
 
@@ -165,22 +164,28 @@ def smem_bytes(config: MosaicConfig, head_dim: int) -> int:
     def align(nbytes):
         return round_up(nbytes, 1024)
     bq, bkv, stages = config.block_q, config.block_kv, config.num_stages
-    q = align(NUM_CONSUMERS * bq * head_dim)
+    consumers = config.num_consumers
+    q = align(consumers * bq * head_dim)
     kv = 2 * align(stages * bkv * head_dim)
-    p = align(NUM_CONSUMERS * (2 if config.overlap else 1) * bq * bkv)
-    o = align(NUM_CONSUMERS * bq * head_dim * OUT_DTYPE.itemsize)
-    lse = align(NUM_CONSUMERS * bq * 4)
-    turns = NUM_CONSUMERS if config.overlap else 1  # as the bf16 kernel's barriers
-    barriers = 8 * (NUM_CONSUMERS + 4 * stages + turns + 1)  # + P's end of use
+    p = align(consumers * (2 if config.overlap else 1) * bq * bkv)
+    o = align(consumers * bq * head_dim * OUT_DTYPE.itemsize)
+    lse = align(consumers * bq * 4)
+    turns = consumers if config.overlap else 1  # as the bf16 kernel's barriers
+    barriers = 8 * (consumers + 4 * stages + turns + 1)  # + P's end of use
     return q + kv + max(p, o) + lse + barriers
 
 
 def check_config(config: MosaicConfig, head_dim: int) -> None:
     """Raises ValueError when ``config`` cannot run this kernel at ``head_dim`` on sm90."""
-    if config.num_consumers != NUM_CONSUMERS:
-        raise ValueError(f"config.num_consumers: the FP8 kernel has {NUM_CONSUMERS} consumers")
     if config.persistent:
         raise ValueError("config.persistent: the FP8 kernel runs one CTA per tile")
+    if config.num_consumers == 3 and config.block_kv + head_dim > _THREE_CONSUMER_COLUMNS:
+        # S (block_kv / 2 f32 registers per thread) and O (head_dim / 2) in 160 registers;
+        # at 320 columns ptxas gives up (64x256 at head_dim 64, 64x64 at 256, on an H200).
+        raise ValueError(
+            f"config.num_consumers=3 needs block_kv + head_dim <= {_THREE_CONSUMER_COLUMNS} "
+            f"(S and O in 160 registers per thread), got block_kv={config.block_kv}, "
+            f"head_dim={head_dim}; use num_consumers=2")
     need = smem_bytes(config, head_dim)
     if need > SMEM_BUDGET:
         raise ValueError(
@@ -190,12 +195,12 @@ def check_config(config: MosaicConfig, head_dim: int) -> None:
 
 
 def default_config(head_dim: int) -> MosaicConfig:
-    """64 rows per consumer and 2 stages, as the bf16 kernel, and FA3's overlapped schedule
-    with 256-key blocks up to head_dim 128 and 128-key blocks above; up to head_dim 64 the
-    serial schedule with 256-key blocks (the overlapped one is not measured there).
+    """64 rows per consumer and 2 stages, as the bf16 kernel, with FA3's overlapped
+    schedule: 128-key blocks above head_dim 128, 256-key blocks at 65-128, and three
+    consumers of 128-key blocks up to 64.
 
-    Kernel TFLOP/s on an H200 (``benchmarks/fp8_probe.py``, 2026-11-30), dense / causal.
-    Serial tiles, with separate P and O tiles (``--configs
+    Kernel TFLOP/s on an H200 (``benchmarks/fp8_probe.py``), dense / causal. Serial tiles,
+    with separate P and O tiles (2026-11-30, ``--configs
     128=64x128x2,64x256x2,64x192x2,64x128x3 --configs 256=64x64x2,64x64x3``, L 16384):
     head_dim 128 64x128x2 663 / 672, 64x256x2 783 / 702, 64x192x2 732 / 637, 64x128x3
     636 / 603; head_dim 256 64x64x2 826 / 817, 64x64x3 786 / 745. Wide key blocks halve
@@ -214,14 +219,28 @@ def default_config(head_dim: int) -> MosaicConfig:
     256: 128x2o 1182 / 1109
     ==========  ============
 
-    (An earlier run without the union, L 4096 / 16384: head_dim 128 dense 256x2 744 /
-    796, 128x2o 688 / 751; causal 256x2 399 / 658, 128x2o 594 / 747; head_dim 256 64x2
-    808 / 831 dense and 461 / 845 causal, 64x2o 884 / 886 and 837 / 914.)
+    Three consumers (``c3``: 160 registers per thread, so S and O must be narrow, see
+    :func:`check_config`) hide more of the softmax's latency where its share is largest,
+    at head_dim 64 (2026-11-30, dense / causal; L 4096 | L 16384):
+
+    ============  ===================  ===================
+    config        L 4096               L 16384
+    ============  ===================  ===================
+    64x256x2      419 / 301            460 / 414
+    64x128x2oc3   427 / 330            509 / 453
+    64x128x3oc3   407 / 310            488 / 451
+    64x64x2oc3    352 / 278            400 / 350
+    ============  ===================  ===================
+
+    At head_dim 128 they lose: 64x128x2oc3 830 / 756 against 906 / 800 for 64x256x2o
+    (L 16384), 704 / 514 against 800 / 526 (L 4096).
     """
     head_dim = padded_head_dim(head_dim)
     if head_dim > 128:
         return MosaicConfig(block_q=64, block_kv=128, num_stages=2, overlap=True)
-    return MosaicConfig(block_q=64, block_kv=256, num_stages=2, overlap=head_dim > 64)
+    if head_dim > 64:
+        return MosaicConfig(block_q=64, block_kv=256, num_stages=2, overlap=True)
+    return MosaicConfig(block_q=64, block_kv=128, num_stages=2, overlap=True, num_consumers=3)
 
 
 def _kernel(q_ref, k_ref, vt_ref, q_scale_ref, k_scale_ref, v_scale_ref, out_ref, lse_ref, *,
@@ -237,17 +256,19 @@ def _kernel(q_ref, k_ref, vt_ref, q_scale_ref, k_scale_ref, v_scale_ref, out_ref
     q_tile = lax.axis_index("q_tiles")
     if st.reverse_q_tiles:
         q_tile = st.num_q_tiles - 1 - q_tile
-    cta_q0 = q_tile * (NUM_CONSUMERS * bq)
-    cta_first, _, _, cta_last = st.mask.kv_blocks(cta_q0, NUM_CONSUMERS * bq, bkv)
+    consumers = st.num_consumers
+    cta_q0 = q_tile * (consumers * bq)
+    cta_first, _, _, cta_last = st.mask.kv_blocks(cta_q0, consumers * bq, bkv)
 
     def slot(j):
         return ring_slot(j - cta_first, st.num_stages)
 
     wg = lax.axis_index("wg")
+    consumer_registers, producer_registers = _REGISTERS[consumers]
 
-    @pl.when(wg < NUM_CONSUMERS)
+    @pl.when(wg < consumers)
     def _consumer():
-        plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+        plgpu.set_max_registers(consumer_registers, action="increase")
         q0 = cta_q0 + wg * bq
         scales = (q_scale_ref[batch, lax.div(q0, bq), head],
                   k_scale_ref.at[batch, :, kv_head], v_scale_ref.at[batch, :, kv_head])
@@ -258,10 +279,10 @@ def _kernel(q_ref, k_ref, vt_ref, q_scale_ref, k_scale_ref, v_scale_ref, out_ref
             k_free, v_free, turn, p_done, q0=q0, cta_first=cta_first, cta_last=cta_last,
             slot=slot)
 
-    @pl.when(wg == _PRODUCER)
+    @pl.when(wg == consumers)  # the last warpgroup
     def _producer():
         # The bf16 kernel's producer, with Vᵀ tiles: (head_dim, block_kv) of vt.
-        plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+        plgpu.set_max_registers(producer_registers, action="decrease")
 
         def load_k(j):
             plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(j * bkv, bkv), kv_head],
@@ -283,8 +304,8 @@ def _consumer_warpgroup(wg, st: _Static, q_gmem, out_gmem, lse_gmem, scales, q_t
     """Rows [q0, q0 + block_q): the bf16 kernel's consumer with FP8 GEMMs and scales.
 
     ``p_tile``: this consumer's e4m3 P tile, two of them ([2, block_q, block_kv]) with the
-    overlapped schedule. ``o_tile`` shares its memory with both consumers' P tiles: it is
-    written once both have passed ``p_done`` (2 arrivals), after their last P·V.
+    overlapped schedule. ``o_tile`` shares its memory with every consumer's P tiles: it is
+    written once all have passed ``p_done`` (one arrival each), after their last P·V.
     """
     bq, bkv, d = st.block_q, st.block_kv, st.head_dim
     q_scale, k_scales, v_scales = scales
@@ -422,7 +443,7 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, vt
     first, last = ranges[0], ranges[3]
     bq, bkv = st.block_q, st.block_kv
     k_scales, v_scales = scales
-    take_turn, pass_turn = turns = _round_robin(turn, wg, NUM_CONSUMERS)
+    take_turn, pass_turn = turns = _round_robin(turn, wg, st.num_consumers)
 
     def p_tile(j):
         return p_tiles.at[lax.rem(j, 2)]
@@ -532,35 +553,36 @@ def forward(ops: Fp8Operands, *, mask: MaskSpec, scale: float, config: MosaicCon
         raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got {head_dim}")
     dim = padded_head_dim(head_dim)
     check_config(config, dim)
-    rows_per_cta = NUM_CONSUMERS * config.block_q
+    consumers = config.num_consumers
+    rows_per_cta = consumers * config.block_q
     seq_q_pad = round_up(seq_q, rows_per_cta)
     seq_kv_pad = round_up(seq_kv, config.block_kv)
     st = _Static(
         mask=mask, scale_log2=scale * _LOG2E, block_q=config.block_q,
         block_kv=config.block_kv, num_stages=config.num_stages, head_dim=dim,
-        group=heads // kv_heads, num_q_tiles=seq_q_pad // rows_per_cta,
+        group=heads // kv_heads, num_consumers=consumers, num_q_tiles=seq_q_pad // rows_per_cta,
         kv_padded=seq_kv_pad != seq_kv, interpret=interpret, overlap=config.overlap)
 
     bq, bkv, stages = st.block_q, st.block_kv, st.num_stages
     scratch = dict(
-        q_smem=plgpu.SMEM((NUM_CONSUMERS, bq, dim), E4M3, transforms=_transforms(dim, E4M3)),
+        q_smem=plgpu.SMEM((consumers, bq, dim), E4M3, transforms=_transforms(dim, E4M3)),
         k_smem=plgpu.SMEM((stages, bkv, dim), E4M3, transforms=_transforms(dim, E4M3)),
         vt_smem=plgpu.SMEM((stages, dim, bkv), E4M3, transforms=_transforms(bkv, E4M3)),
         p_o_smem=plgpu.RefUnion(
-            plgpu.SMEM((NUM_CONSUMERS, *((2,) if st.overlap else ()), bq, bkv), E4M3,
+            plgpu.SMEM((consumers, *((2,) if st.overlap else ()), bq, bkv), E4M3,
                        transforms=_transforms(bkv, E4M3)),
-            plgpu.SMEM((NUM_CONSUMERS, bq, dim), OUT_DTYPE,
+            plgpu.SMEM((consumers, bq, dim), OUT_DTYPE,
                        transforms=_transforms(dim, OUT_DTYPE))),
-        lse_smem=plgpu.SMEM((NUM_CONSUMERS, bq), jnp.float32),
-        q_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+        lse_smem=plgpu.SMEM((consumers, bq), jnp.float32),
+        q_ready=plgpu.Barrier(num_barriers=consumers),
         k_ready=plgpu.Barrier(num_barriers=stages),
         v_ready=plgpu.Barrier(num_barriers=stages),
-        k_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
-        v_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
-        # Serial schedule: one barrier both consumers meet at; overlapped: one per consumer.
-        turn=(plgpu.Barrier(num_barriers=NUM_CONSUMERS) if st.overlap
-              else plgpu.Barrier(num_arrivals=NUM_CONSUMERS)),
-        p_done=plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+        k_free=plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
+        v_free=plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
+        # Serial schedule: one barrier the two consumers meet at; overlapped: one per consumer.
+        turn=(plgpu.Barrier(num_barriers=consumers) if st.overlap
+              else plgpu.Barrier(num_arrivals=consumers)),
+        p_done=plgpu.Barrier(num_arrivals=consumers),
     )
     call = plgpu.kernel(
         functools.partial(_kernel, st=st),
@@ -571,7 +593,7 @@ def forward(ops: Fp8Operands, *, mask: MaskSpec, scale: float, config: MosaicCon
         scratch_types=scratch,
         grid=(heads, st.num_q_tiles, batch),
         grid_names=("heads", "q_tiles", "batch"),
-        num_threads=NUM_CONSUMERS + 1,
+        num_threads=consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=plgpu.InterpretGPUParams() if interpret else None,

@@ -15,7 +15,7 @@ import pytest
 
 from pallas_flash import fp8, reference
 from pallas_flash.masking import MaskSpec
-from pallas_flash.mosaic import forward_fp8
+from pallas_flash.mosaic import MosaicConfig, forward_fp8
 
 
 def _is_sm90() -> bool:
@@ -31,23 +31,29 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize(("shape", "causal", "rotate"), [
-    ((2, 2048, 2048, 8, 8, 128), False, False),
-    ((1, 1000, 1500, 16, 4, 64), True, True),       # GQA, odd lengths, bottom-right, Hadamard
-    ((1, 2048, 2048, 8, 8, 256), True, False),      # the overlapped schedule, 128-key blocks
-    ((2, 2048, 2048, 8, 8, 128), True, False),      # ... with 256-key blocks, causal
+_THREE_CONSUMERS = MosaicConfig(64, 128, 2, overlap=True, num_consumers=3)
+
+
+@pytest.mark.parametrize(("shape", "causal", "rotate", "config"), [
+    ((2, 2048, 2048, 8, 8, 128), False, False, None),  # None: the default config
+    # GQA, odd lengths, bottom-right, Hadamard; three consumers (the head_dim 64 default).
+    ((1, 1000, 1500, 16, 4, 64), True, True, None),
+    ((1, 2048, 2048, 8, 8, 256), True, False, None),   # overlapped, 128-key blocks
+    ((2, 2048, 2048, 8, 8, 128), True, False, None),   # ... with 256-key blocks, causal
+    # Three consumers at their widest S + O (block_kv + head_dim = 256), odd lengths.
+    ((1, 1500, 1300, 8, 2, 128), False, False, _THREE_CONSUMERS),
 ])
-def test_kernel_matches_references(shape, causal, rotate):
+def test_kernel_matches_references(shape, causal, rotate, config):
     batch, seq_q, seq_kv, heads, kv_heads, head_dim = shape
     keys = jax.random.split(jax.random.key(sum(shape)), 4)
     q = jax.random.normal(keys[0], (batch, seq_q, heads, head_dim), jnp.bfloat16)
     k, v = (jax.random.normal(key, (batch, seq_kv, kv_heads, head_dim), jnp.bfloat16)
             for key in keys[1:3])
     hadamard_key = keys[3] if rotate else None
-    config = forward_fp8.default_config(head_dim)
+    config = config or forward_fp8.default_config(head_dim)
     out, lse = jax.jit(lambda q, k, v: fp8.attention_fp8(
-        q, k, v, is_causal=causal, hadamard_key=hadamard_key, implementation="mosaic",
-        return_residual=True))(q, k, v)
+        q, k, v, is_causal=causal, hadamard_key=hadamard_key, config=config,
+        implementation="mosaic", return_residual=True))(q, k, v)
     assert out.shape == q.shape and out.dtype == jnp.bfloat16
     assert lse.shape == (batch, seq_q, heads) and lse.dtype == jnp.float32
     online, online_lse = jax.jit(lambda q, k, v: fp8.attention_fp8_online(
