@@ -9,7 +9,8 @@ The FlashAttention papers' setup: bf16, batch Â· seq_len = 16384 tokens, heads Â
 Implementations, all on the same inputs and residuals (out, lse from the Mosaic forward):
 
 * ``mosaic``: :func:`pallas_flash.mosaic.backward.backward` with the default backward
-  config (``deterministic=True``: the separate dQ kernel);
+  config, the one the API runs (the fused dQ at head_dim 64, the separate dQ kernel above;
+  ``mosaic:deterministic=1`` forces the separate dQ kernel);
 * ``mosaic_fused``: the same with ``deterministic=False`` (dQ fused into the dK/dV kernel
   with TMA reduce-adds);
 * ``triton``: the Triton backward with its default config;
@@ -117,8 +118,9 @@ def _pallas_backward(name: str, q, k, mask: MaskSpec, scale: float, attn_mask=No
     else:
         fn = mosaic_backward.backward
         config = default_backward_config(q.shape, k.shape, q.dtype, mask)
-        config = dataclasses.replace(config, deterministic=name != "mosaic_fused",
-                                     **_overrides(name))
+        if name == "mosaic_fused":
+            config = dataclasses.replace(config, deterministic=False)
+        config = dataclasses.replace(config, **_overrides(name))
 
     def run(q, k, v, out, lse, d_out):
         delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32),

@@ -220,7 +220,8 @@ def test_interpret_no_races():
 
 # --- the fused dQ (deterministic=False) ---------------------------------------------------
 
-# (head_dim, causal): head_dim 128 shares dQ between the consumers (splits_dq), 64 does not.
+# (head_dim, causal): head_dim 128 splits dQ's columns between the consumers (splits_dq);
+# at 64 the consumer that owns a step's ring slot adds all of it.
 FUSED_CASES = [(64, True), (128, False), (128, True)]
 
 

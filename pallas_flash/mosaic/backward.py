@@ -36,14 +36,15 @@ keep their accumulators in registers.
   price is recomputing S and dP: seven GEMMs instead of five.
 * fused (FA3) — the dK/dV consumers publish dSᵀ of the streamed query block in SMEM and
   add ``dS·K`` into a zeroed float32 dQ in GMEM with TMA reduce-adds (:func:`_reduce_dq`);
-  the order of the additions varies between runs. At head_dim 128 the two consumers share
-  the work as FA3 does (:func:`~pallas_flash.mosaic.config.splits_dq`): once both dSᵀ of
-  the step are in SMEM (the ``exchanged`` barrier), consumer c adds columns
-  ``[c·D/2, (c+1)·D/2)`` of dS·K over all the CTA's keys — one reduce-add of the CTA's
-  partial per step, and a [block_q, D/2] accumulator. At head_dim 64 the halves would cut
-  a swizzle width, and each consumer adds all of dS·K over its own keys, with K and V in
-  registers (:func:`_resident`); that is the faster mode there, and the default. At head_dim
-  128 the shared design ran at 0.61-0.85x the deterministic mode's speed
+  the order of the additions varies between runs. Once both dSᵀ of the step are in SMEM
+  (the ``exchanged`` barrier), dS·K over all the CTA's keys is added once per step — one
+  reduce-add of the CTA's partial, which halves the float32 staging stores and the L2
+  traffic of each consumer adding its own. At head_dim 128 the two consumers share that
+  work as FA3 does (:func:`~pallas_flash.mosaic.config.splits_dq`): consumer c adds
+  columns ``[c·D/2, (c+1)·D/2)``, with a [block_q, D/2] accumulator. At head_dim 64 the
+  halves would cut a swizzle width, so the consumer that owns the step's ring slot adds all
+  of it, with K and V in registers (:func:`_resident`); that is the faster mode there, and
+  the default. At head_dim 128 the shared design ran at 0.61-0.85x the deterministic mode's speed
   (:func:`~pallas_flash.mosaic.config.default_backward_config` has the timings and where its
   time goes). Interpret mode has no TMA reduce-add: there each consumer stores its partial
   sums per key tile, and XLA adds them.
@@ -181,9 +182,9 @@ class _Static:
 
     @property
     def split_dq(self) -> bool:
-        """The fused dQ shared by the consumers (:func:`~pallas_flash.mosaic.config.splits_dq`):
-        half the reduce-add traffic and half the dQ accumulator of one consumer adding all
-        of dS·K over its own keys."""
+        """The fused dQ split by columns between the consumers
+        (:func:`~pallas_flash.mosaic.config.splits_dq`): half the dQ accumulator, and both
+        consumers busy at every step; otherwise one consumer per step adds all of it."""
         return self.fuse_dq and splits_dq(self.head_dim, self.dtype.itemsize)
 
     @property
@@ -409,8 +410,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
     rows' ids, on lse's ready barrier: one more TMA arrival); a_smem [2, block_kv, block_q]
     (interpret mode only); with ``st.fuse_dq``: ds_smem [stages, 2, block_kv, block_q]
     (each consumer's dSᵀ), dq_smem [2, block_q, D or D/2] float32 (each consumer's dQ
-    staging tile) and, with ``st.split_dq``, the ``exchanged`` barriers (both dSᵀ of a
-    step are in SMEM) and ``dq_done`` (neither consumer reads the other's K tile again).
+    staging tile), the ``exchanged`` barriers (both dSᵀ of a step are in SMEM) and
+    ``dq_done`` (neither consumer reads the other's K tile again).
     """
     (q_ids_ref, kv_ids_ref, spans_ref), logit_refs, refs = _unpack_refs(st, refs)
     dq_ref, dk_ref, dv_ref = refs if st.fuse_dq else (None, *refs)
@@ -477,25 +478,29 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
             return dq_ref.at[batch, rows, head]
 
         def add_dq(s, i, head):
-            """FA3's dQ: this consumer's share of dS·K for query block i, added into dQ."""
-            if not st.split_dq:  # all of the head dim, over this consumer's keys
-                _reduce_dq(st, ((ds_smem.at[s, wg], k_tile),), dq_smem.at[wg],
-                           dq_rows(i, head))
-                return
-            def columns(h):  # over both consumers' keys
-                cols = pl.ds(h * (st.head_dim // NUM_CONSUMERS), st.head_dim // NUM_CONSUMERS)
+            """FA3's dQ for query block i: dS·K over both consumers' keys, added into dQ
+            once per step: by column halves, one per consumer (``st.split_dq``), or all of
+            it by the consumer that owns the ring slot (``s % 2``, so that each exchange
+            barrier has one waiter, which sees all of its phases)."""
+            width = st.head_dim // NUM_CONSUMERS if st.split_dq else st.head_dim
+
+            def add(part):
+                plgpu.barrier_wait(exchanged.at[s])  # the other consumer's dSᵀ is in SMEM
+                cols = pl.ds(part * width, width)
                 pairs = tuple((ds_smem.at[s, c], k_smem.at[c, :, cols])
                               for c in range(NUM_CONSUMERS))
-                _reduce_dq(st, pairs, dq_smem.at[h], dq_rows(i, head).at[:, cols])
-            for h in range(NUM_CONSUMERS):  # a static column half per consumer
-                pl.when(wg == h)(functools.partial(columns, h))
+                _reduce_dq(st, pairs, dq_smem.at[wg], dq_rows(i, head).at[:, cols])
+            if st.split_dq:
+                for h in range(NUM_CONSUMERS):  # a static column half per consumer
+                    pl.when(wg == h)(functools.partial(add, h))
+            else:
+                pl.when(wg == lax.rem(s, NUM_CONSUMERS))(functools.partial(add, 0))
 
         def publish_ds(s, ds_t):
             """This consumer's dSᵀ into the step's exchange slot (the dQ GEMMs read it)."""
             ds_smem.at[s, wg][...] = ds_t
             plgpu.commit_smem()
-            if st.split_dq:
-                plgpu.barrier_arrive(exchanged.at[s])
+            plgpu.barrier_arrive(exchanged.at[s])
         plgpu.barrier_wait(k_ready.at[wg])
         plgpu.barrier_wait(v_ready.at[wg])
         k_a, v_a = (_resident(st, t, a_tile is not None) for t in (k_tile, v_tile))
@@ -533,9 +538,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
                     if st.fuse_dq:  # dS = (dSᵀ)ᵀ is read from SMEM, transposed
                         publish_ds(s, ds_t)
                     plgpu.wgmma(dk_acc, _operand_a(ds_t, a_tile), q_tile)
-                    if st.fuse_dq:  # issued behind dK += dSᵀ·Q_i; waits for both
-                        if st.split_dq:  # ... and for the other consumer's dSᵀ
-                            plgpu.barrier_wait(exchanged.at[s])
+                    if st.fuse_dq:  # issued behind dK += dSᵀ·Q_i, waits for both
                         add_dq(s, i, head)
                     plgpu.wgmma_wait(0)  # Q_i and dO_i are read: the slot may be refilled
 
@@ -546,13 +549,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
 
             def skip(i, head_step0, *, head):
                 """A block only the other consumer needs: same barriers, no math (with the
-                shared dQ: a zero dSᵀ, and this consumer's half of the other's dS·K)."""
+                fused dQ: a zero dSᵀ, and this consumer's share of the step's dS·K)."""
                 s = slot(head_step0 + i)
                 _wait_all(ready, s)
-                if st.split_dq:
+                if st.fuse_dq:
                     zeros = jnp.zeros((bkv, bq), st.dtype)
                     publish_ds(s, plgpu.layout_cast(zeros, plgpu.Layout.WGMMA))
-                    plgpu.barrier_wait(exchanged.at[s])
                     add_dq(s, i, head)
                 plgpu.barrier_arrive(free.at[s])
                 return head_step0
@@ -572,7 +574,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
 
         dk, dv = pl.run_scoped(accumulate, plgpu.ACC((bkv, st.head_dim), jnp.float32),
                                plgpu.ACC((bkv, st.head_dim), jnp.float32))
-        if st.split_dq:  # the other consumer's last dQ GEMM has read this one's K tile
+        if st.fuse_dq:  # the other consumer's last dQ GEMM has read this one's K tile
             plgpu.barrier_arrive(dq_done)
             plgpu.barrier_wait(dq_done)
         # Epilogue: dK_j = scale · Σ dSᵀ·Q (S was scaled); out through the K/V tiles + TMA.
@@ -948,10 +950,9 @@ def _call_dkdv(st: _Static, operands, dq_acc, *, interpret: bool):
         scratch["ds_smem"] = _tiles(st, stages, NUM_CONSUMERS, bkv, bq)
         dq_columns = d // NUM_CONSUMERS if st.split_dq else d
         scratch["dq_smem"] = _tiles(st, NUM_CONSUMERS, bq, dq_columns, dtype=jnp.float32)
-        if st.split_dq:
-            scratch["exchanged"] = plgpu.Barrier(num_arrivals=NUM_CONSUMERS,
-                                                 num_barriers=stages)
-            scratch["dq_done"] = plgpu.Barrier(num_arrivals=NUM_CONSUMERS)
+        # Both dSᵀ of a step are in SMEM; neither consumer reads the other's K tile again.
+        scratch["exchanged"] = plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages)
+        scratch["dq_done"] = plgpu.Barrier(num_arrivals=NUM_CONSUMERS)
         extra = (dq_acc,)
     return plgpu.kernel(
         functools.partial(_dkdv_kernel, st=st),

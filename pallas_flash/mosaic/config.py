@@ -269,10 +269,10 @@ def default_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicConfig:
 
 
 def splits_dq(head_dim: int, itemsize: int) -> bool:
-    """Whether the fused dQ (``deterministic=False``) is shared by the two consumers of a
-    dK/dV CTA, each adding half the head dim of dS·K over both consumers' keys (FA3): the
+    """Whether the fused dQ (``deterministic=False``) is split between the two consumers of
+    a dK/dV CTA, each adding half the head dim of dS·K over both consumers' keys (FA3): the
     halves must be whole 128-byte swizzle widths of the K tiles (head_dim 128 in 16 bits);
-    otherwise each consumer adds all of it over its own keys."""
+    otherwise the consumer that owns the step's ring slot adds all of it."""
     return head_dim // NUM_CONSUMERS * itemsize >= 128
 
 
@@ -343,7 +343,7 @@ class MosaicBackwardConfig:
             fused_dq = (_align(self.num_stages * NUM_CONSUMERS * self.block_kv
                                * self.block_q * itemsize)
                         + _align(NUM_CONSUMERS * self.block_q * dq_columns * 4)
-                        + (8 * (self.num_stages + 1) if split else 0))  # exchanged, dq_done
+                        + 8 * (self.num_stages + 1))  # exchanged, dq_done
         # Consumers own block_kv keys, the ring walks block_q queries.
         logits = _rings_bytes(logit_rings, owned=self.block_kv, walked=self.block_q,
                               num_stages=self.num_stages)
@@ -460,12 +460,17 @@ def default_backward_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicB
     At head_dim 64, 128 rows per step ran 231-258 TFLOP/s (L 4096/16384, dense) and 64
     rows 375 / 390 (2026-11-29, ``benchmarks/mosaic_bwd_probe.py``; cuDNN 393 / 425).
 
-    dQ: at head_dim 64 the fused dQ (FA3; each consumer reduce-adds dS·K over its own keys,
-    K and V in registers: :func:`pallas_flash.mosaic.backward._resident`) ran 0.97-1.06x
-    cuDNN at L 2048-16384, causal or not, and the separate dQ kernel 0.90-0.99x
-    (2026-11-30, ``--head-dims 64 --impls 'mosaic:resident=0;mosaic_fused;cudnn'``), so it is the
-    default there unless ``XLA_FLAGS`` asks for deterministic ops
-    (:func:`deterministic_requested`): its additions into dQ come in a varying order. At
+    dQ: at head_dim 64 the fused dQ (FA3, K and V in registers:
+    :func:`pallas_flash.mosaic.backward._resident`) is the default unless ``XLA_FLAGS`` asks
+    for deterministic ops (:func:`deterministic_requested`): its additions into dQ come in
+    a varying order. With each consumer reduce-adding dS·K over its own keys it ran
+    0.97-1.06x cuDNN at L 2048-16384, causal or not, and the separate dQ kernel 0.90-0.99x
+    (2026-11-30, ``--head-dims 64 --impls 'mosaic:resident=0;mosaic_fused;cudnn'``). One
+    reduce-add per step over both consumers' keys, by the consumer that owns the ring slot,
+    halves the float32 staging stores and the L2 traffic (L2 was 80 % busy under ncu): at
+    L 2048 / 4096 / 16384, dense then causal, 338 / 413 / 448 and 295 / 328 / 422 TFLOP/s
+    against 322 / 385 / 423 and 286 / 330 / 395 (cuDNN 342 / 379 / 433 and 318 / 297 /
+    407; the separate dQ kernel 297 / 340 / 385 and 203 / 281 / 375; 2026-11-30). At
     head_dim 128 the fused dQ (shared by the two consumers, :func:`splits_dq`) ran
     0.61-0.85x the separate kernel (2026-11-30, L 4096 / 16384). Leaving its parts out
     one at a time (L 16384 causal) showed where the time goes: the dK/dV GEMMs alone 3.6
