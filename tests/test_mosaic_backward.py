@@ -220,20 +220,21 @@ def test_interpret_no_races():
 
 # --- the fused dQ (deterministic=False) ---------------------------------------------------
 
-# (head_dim, causal): head_dim 128 splits dQ's columns between the consumers (splits_dq);
-# at 64 the consumer that owns a step's ring slot adds all of it.
-FUSED_CASES = [(64, True), (128, False), (128, True)]
+# (head_dim, causal, num_stages): head_dim 128 splits dQ's columns between the consumers
+# (splits_dq); at 64 the consumer that owns a step's ring slot adds all of it (with three
+# slots, consumer 0 owns two of them).
+FUSED_CASES = [(64, True, 2), (64, True, 3), (128, False, 2), (128, True, 2)]
 
 
-@pytest.mark.parametrize(("head_dim", "causal"), FUSED_CASES)
-def test_interpret_fused_dq_matches_oracle(head_dim, causal):
+@pytest.mark.parametrize(("head_dim", "causal", "num_stages"), FUSED_CASES)
+def test_interpret_fused_dq_matches_oracle(head_dim, causal, num_stages):
     """dQ from the dK/dV kernel (in interpret mode stored per consumer and key tile, as
     TMA has no reduce-add there), GQA, odd lengths, rows that see no key: near the diagonal
     one consumer skips a block while the other adds its dS·K."""
     q, k, v, d_out = random_qkv(1, 200, 330, 2, 1, head_dim, BF16)
     mask = MaskSpec(seq_q=200, seq_kv=330, is_causal=causal, causal_alignment="bottom_right")
     out, lse, delta, want = _residuals(q, k, v, d_out, mask, 0.1)
-    config = MosaicBackwardConfig(deterministic=False)
+    config = MosaicBackwardConfig(num_stages=num_stages, deterministic=False)
     assert mosaic_config.splits_dq(head_dim, 2) == (head_dim == 128)
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=causal)):
         grads = jax.block_until_ready(mosaic_backward.backward(
