@@ -52,7 +52,12 @@ from benchmarks.flops import attention_flops, problem_shape, tflops_per_s
 from benchmarks.timing import time_fn
 from pallas_flash import triton as triton_backend
 from pallas_flash.masking import MaskSpec
-from pallas_flash.mosaic import default_backward_config, default_config, forward
+from pallas_flash.mosaic import (
+    MosaicBackwardConfig,
+    default_backward_config,
+    default_config,
+    forward,
+)
 
 mosaic_backward = importlib.import_module("pallas_flash.mosaic.backward")
 backward_d256 = importlib.import_module("pallas_flash.mosaic.backward_d256")
@@ -110,6 +115,16 @@ def _traced_with(name: str):
         yield
 
 
+def mosaic_config(name: str, q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicBackwardConfig:
+    """The backward config a ``mosaic…`` entry times: the API's default
+    (:func:`default_backward_config`), the fused dQ for ``mosaic_fused``, then the fields
+    the name changes (``mosaic:deterministic=1``: the separate dQ kernel)."""
+    config = default_backward_config(q_shape, kv_shape, dtype, mask)
+    if name == "mosaic_fused":
+        config = dataclasses.replace(config, deterministic=False)
+    return dataclasses.replace(config, **_overrides(name))
+
+
 def _pallas_backward(name: str, q, k, mask: MaskSpec, scale: float, attn_mask=None):
     """A jitted (q, k, v, out, lse, dO) -> (dq, dk, dv) for one Pallas backward."""
     if name == "triton":
@@ -117,10 +132,7 @@ def _pallas_backward(name: str, q, k, mask: MaskSpec, scale: float, attn_mask=No
         config = triton_backend.default_config(q.shape, k.shape, q.dtype, mask)
     else:
         fn = mosaic_backward.backward
-        config = default_backward_config(q.shape, k.shape, q.dtype, mask)
-        if name == "mosaic_fused":
-            config = dataclasses.replace(config, deterministic=False)
-        config = dataclasses.replace(config, **_overrides(name))
+        config = mosaic_config(name, q.shape, k.shape, q.dtype, mask)
 
     def run(q, k, v, out, lse, d_out):
         delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32),
