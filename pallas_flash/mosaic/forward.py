@@ -67,8 +67,9 @@ guards its softmax against rows that have seen only -inf so far.
 
 CPU testing: Mosaic GPU interpret mode cannot run ``pl.run_state`` nor a wgmma whose A
 operand is in registers, which is how FA3 feeds P to the P·V GEMM. With
-``interpret=True`` the kernel takes one documented detour (:func:`_pv_through_smem`):
-P is stored to SMEM and P·V lands in a fresh accumulator that is added to O. Everything
+``interpret=True`` the kernel takes one documented detour (:func:`_p_operand`,
+:func:`_accumulate_pv`): P is stored to SMEM and P·V lands in a fresh accumulator that is
+added to O. Everything
 else (pipeline, barriers, ping-pong, masking, epilogue) is the same code on both paths.
 """
 
@@ -640,13 +641,9 @@ def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem
 
     def pv(o, p16, s, j):
         """O += P·V_j, on the tensor cores; the wait for K_{j+1} overlaps the GEMM."""
-        if st.pv_through_smem:
-            return _pv_through_smem(o, p16, p_tile, v_smem.at[s], functools.partial(wait_k, j + 1))
-
-        def gemm(o_acc):
-            plgpu.wgmma(o_acc, p16, v_smem.at[s])  # A = P straight from registers (FA3)
-            wait_k(j + 1)
-        return pl.run_state(gemm)(plgpu.ACC.init(o))
+        interpret = st.pv_through_smem
+        return _accumulate_pv(o, _p_operand(p16, p_tile, interpret=interpret), v_smem.at[s],
+                              lambda: wait_k(j + 1), interpret=interpret)
 
     def step(j, carry, *, masked: bool):
         o, m_i, l_i = carry
@@ -763,12 +760,7 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_
     take_turn, pass_turn = turns = _round_robin(turn, wg, st.num_consumers)
 
     def pv_operand(p16):
-        """P as wgmma's A operand: from registers (FA3); through SMEM when interpreting."""
-        if not st.pv_through_smem:
-            return p16
-        p_tile[...] = p16
-        plgpu.commit_smem()
-        return p_tile
+        return _p_operand(p16, p_tile, interpret=st.pv_through_smem)
 
     def head(carry):
         """The first visible block: S, softmax, no P·V yet (O is still 0)."""
@@ -813,13 +805,8 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_
         s = slot(last - 1)
         take_turn()
         plgpu.barrier_wait(v_ready.at[s])
-        if st.pv_through_smem:
-            o = _pv_through_smem(o, p_last, p_tile, v_smem.at[s], pass_turn)
-        else:
-            def gemm(o_acc):
-                plgpu.wgmma(o_acc, p_last, v_smem.at[s])
-                pass_turn()
-            o = pl.run_state(gemm)(plgpu.ACC.init(o))
+        o = _accumulate_pv(o, pv_operand(p_last), v_smem.at[s], pass_turn,
+                           interpret=st.pv_through_smem)
         plgpu.barrier_arrive(v_free.at[s])
         return o
 
@@ -935,20 +922,34 @@ def _overlapped_skip_step(j, carry, *, slot, turns, k_ready, k_free, v_ready, v_
     return carry
 
 
-def _pv_through_smem(o, p16, p_tile, v_tile, wait_next_k):
-    """Interpret-mode P·V: P via SMEM, P·V into a fresh accumulator, then O + P·V.
-
-    Same arithmetic as the register path; it costs a second [block_q, D] f32 accumulator
-    of registers and an SMEM round trip, so the GPU path does not use it.
-    """
+def _p_operand(p16, p_tile, *, interpret: bool):
+    """P as the P·V wgmma's A operand: from registers (FA3); stored to ``p_tile`` in
+    interpret mode, which cannot run a wgmma whose A operand is in registers."""
+    if not interpret:
+        return p16
     p_tile[...] = p16
     plgpu.commit_smem()
+    return p_tile
 
-    def gemm(pv_acc):
-        plgpu.wgmma(pv_acc, p_tile, v_tile)
-        wait_next_k()
-        return pv_acc[...]
-    return o + pl.run_scoped(gemm, plgpu.ACC(o.shape, jnp.float32))
+
+def _accumulate_pv(o, p, v_tile, during, *, interpret: bool):
+    """O + P·V on the tensor cores, with ``during()`` issued while the GEMM runs.
+
+    On the GPU P·V accumulates into O's registers (``run_state``, whose exit waits for the
+    GEMM). Interpret mode cannot run ``run_state``: there P·V lands in a fresh accumulator
+    that is added to O, the same arithmetic for a second [block_q, D] f32 accumulator.
+    """
+    if interpret:
+        def fresh(pv_acc):
+            plgpu.wgmma(pv_acc, p, v_tile)
+            during()
+            return pv_acc[...]
+        return o + pl.run_scoped(fresh, plgpu.ACC(o.shape, jnp.float32))
+
+    def gemm(o_acc):
+        plgpu.wgmma(o_acc, p, v_tile)
+        during()
+    return pl.run_state(gemm)(plgpu.ACC.init(o))
 
 
 def _sm_count() -> int:

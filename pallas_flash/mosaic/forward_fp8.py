@@ -63,6 +63,7 @@ from pallas_flash.mosaic.forward import (
     _LN2,
     _LOG2E,
     _REGISTERS,
+    _accumulate_pv,
     _head_scores,
     _overlapped_skip_step,
     _OverlappedTurns,
@@ -362,22 +363,10 @@ def _consumer_warpgroup(wg, st: _Static, q_gmem, out_gmem, lse_gmem, scales, q_t
     plgpu.wait_smem_to_gmem(0)
 
 
-def _pv(st: _Static, o, p_tile, vt_tile, during=None):
+def _pv(st: _Static, o, p_tile, vt_tile, during):
     """O += P̃·Ṽ with Vᵀ's (D, keys) tile read through a transposed view (K-major B);
-    ``during()`` runs while the GEMM does. Interpret mode: a fresh accumulator, then added."""
-    if st.interpret:
-        def fresh(pv_acc):
-            plgpu.wgmma(pv_acc, p_tile, vt_tile.T)
-            if during is not None:
-                during()
-            return pv_acc[...]
-        return o + pl.run_scoped(fresh, plgpu.ACC(o.shape, jnp.float32))
-
-    def gemm(o_acc):
-        plgpu.wgmma(o_acc, p_tile, vt_tile.T)
-        if during is not None:
-            during()
-    return pl.run_state(gemm)(plgpu.ACC.init(o))
+    ``during()`` runs while the GEMM does (the bf16 kernel's :func:`_accumulate_pv`)."""
+    return _accumulate_pv(o, p_tile, vt_tile.T, during, interpret=st.interpret)
 
 
 def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, vt_smem, p_tile,
