@@ -44,10 +44,10 @@ keep their accumulators in registers.
   columns ``[c·D/2, (c+1)·D/2)``, with a [block_q, D/2] accumulator. At head_dim 64 the
   halves would cut a swizzle width, so the consumer that owns the step's ring slot adds all
   of it, with K and V in registers (:func:`_resident`); that is the faster mode there, and
-  the default. At head_dim 128 the shared design ran at 0.61-0.85x the deterministic mode's speed
-  (:func:`~pallas_flash.mosaic.config.default_backward_config` has the timings and where its
-  time goes). Interpret mode has no TMA reduce-add: there each consumer stores its partial
-  sums per key tile, and XLA adds them.
+  the default. At head_dim 128 the shared design runs about as fast as the deterministic
+  mode, the default there (:func:`~pallas_flash.mosaic.config.default_backward_config` has
+  the timings and where its time goes). Interpret mode has no TMA reduce-add: there each
+  consumer stores its partial sums per key tile, and XLA adds them.
 
 **Block skipping** comes from :class:`~pallas_flash.masking.MaskSpec`: ``q_blocks`` (dK/dV)
 and ``kv_blocks`` (dQ) give ``(first, full_first, full_last, last)``; blocks outside the
@@ -491,8 +491,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
                               for c in range(NUM_CONSUMERS))
                 _reduce_dq(st, pairs, dq_smem.at[wg], dq_rows(i, head).at[:, cols])
             if st.split_dq:
-                for h in range(NUM_CONSUMERS):  # a static column half per consumer
-                    pl.when(wg == h)(functools.partial(add, h))
+                # Consumer wg's half, sliced at run time: one copy of the code, where a
+                # static half per consumer (a branch each) spilled 440 more bytes per
+                # thread at head_dim 128 (ptxas, H200, 2026-11-30).
+                add(wg)
             else:
                 pl.when(wg == lax.rem(s, NUM_CONSUMERS))(functools.partial(add, 0))
 
@@ -512,7 +514,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
                 _wait_all(ready, s)
                 q_tile, do_tile = q_smem.at[s], do_smem.at[s]
                 lse2 = plgpu.load(lse_smem.at[s], layout=plgpu.Layout.WGMMA.reduce(0))
-                delta = plgpu.load(delta_smem.at[s], layout=plgpu.Layout.WGMMA.reduce(0))
+
+                def load_delta():
+                    return plgpu.load(delta_smem.at[s], layout=plgpu.Layout.WGMMA.reduce(0))
+                # The fused kernel's dQ accumulator adds to the register pressure: there
+                # delta is loaded where dSᵀ needs it (see default_backward_config).
+                delta = None if st.fuse_dq else load_delta()
                 q_ids = None
                 if st.segmented:  # read before the slot is freed (the producer refills it)
                     q_ids = plgpu.load(q_ids_smem.at[s], layout=plgpu.Layout.WGMMA.reduce(0))
@@ -533,14 +540,15 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
                     plgpu.wgmma(dv_acc, _operand_a(p_t.astype(st.dtype), a_tile), do_tile)
                     # dPᵀ is ready once at most the dV GEMM is in flight: dSᵀ overlaps it.
                     dp_t = plgpu.wgmma_accumulator_load(dpt_acc, wait_n=1)
-                    ds_t = raw_score_gradient(p_t * (dp_t - _col(delta, shape)), slope_t)
+                    delta_t = _col(load_delta() if delta is None else delta, shape)
+                    ds_t = raw_score_gradient(p_t * (dp_t - delta_t), slope_t)
                     ds_t = ds_t.astype(st.dtype)
                     if st.fuse_dq:  # dS = (dSᵀ)ᵀ is read from SMEM, transposed
                         publish_ds(s, ds_t)
                     plgpu.wgmma(dk_acc, _operand_a(ds_t, a_tile), q_tile)
-                    if st.fuse_dq:  # issued behind dK += dSᵀ·Q_i, waits for both
-                        add_dq(s, i, head)
                     plgpu.wgmma_wait(0)  # Q_i and dO_i are read: the slot may be refilled
+                    if st.fuse_dq:  # once dK's GEMM has retired: its A operand is free
+                        add_dq(s, i, head)
 
                 pl.run_scoped(gemms, plgpu.ACC((bkv, bq), jnp.float32),
                               plgpu.ACC((bkv, bq), jnp.float32))

@@ -472,12 +472,20 @@ def default_backward_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicB
     against 322 / 385 / 423 and 286 / 330 / 395 (cuDNN 342 / 379 / 433 and 318 / 297 /
     407; the separate dQ kernel 297 / 340 / 385 and 203 / 281 / 375; 2026-11-30). At
     head_dim 128 the fused dQ (shared by the two consumers, :func:`splits_dq`) ran
-    0.61-0.85x the separate kernel (2026-11-30, L 4096 / 16384). Leaving its parts out
-    one at a time (L 16384 causal) showed where the time goes: the dK/dV GEMMs alone 3.6
-    ms, publishing dSᵀ for the other consumer +0.9 ms, the dQ GEMM +0.5 ms, storing the
-    float32 dQ tile to SMEM +2.8 ms, the TMA reduce-add +0.5 ms (cuDNN: 5.7 ms for all of
-    it). With both wgmma operands read from SMEM by 64-row warpgroups the dK/dV kernel
-    already takes SMEM's bandwidth; the staging tile competes for it.
+    0.61-0.85x the separate kernel while its dK/dV kernel spilled 1568 bytes per thread.
+    Issuing the dQ GEMM once dK's has retired, one code path for both column halves and
+    delta loaded where dSᵀ needs it brought that to 792 bytes, and the fused dQ to about
+    the separate kernel's speed: 0.88-1.13x cuDNN against 0.94-1.10x at L 2048 / 4096 /
+    16384, dense and causal (2026-11-30, ``--head-dims 128 --impls
+    'mosaic;mosaic_fused;cudnn'``), so the deterministic mode stays the default there.
+    Leaving its parts out one at a time (L 16384, dense, 2026-11-30) shows where its time
+    goes: the dK/dV GEMMs and softmax alone 6.6 ms, publishing dSᵀ +0.4 ms, the dQ GEMM
+    and the exchange +0.5 ms, storing the float32 dQ tile to SMEM with its proxy fence
+    +1.6 ms, the TMA reduce-add +1.2 ms (10.3 ms; cuDNN 10.3). Slower still: a second
+    staging tile per consumer, so that one step's reduce-add overlaps the next step;
+    storing each step's dQ one step later, behind the next Sᵀ GEMM (the carried tile
+    spills); and ``red.global.add`` from registers instead of the staging tile (0.45-0.6x
+    cuDNN).
     """
     del kv_shape, dtype, mask
     if padded_head_dim(q_shape[-1]) > MAX_PER_CONSUMER_HEAD_DIM:
