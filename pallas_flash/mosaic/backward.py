@@ -41,13 +41,16 @@ keep their accumulators in registers.
   reduce-add of the CTA's partial, which halves the float32 staging stores and the L2
   traffic of each consumer adding its own. At head_dim 128 the two consumers share that
   work as FA3 does (:func:`~pallas_flash.mosaic.config.splits_dq`): consumer c adds
-  columns ``[c·D/2, (c+1)·D/2)``, with a [block_q, D/2] accumulator. At head_dim 64 the
-  halves would cut a swizzle width, so the consumer that owns the step's ring slot adds all
-  of it, with K and V in registers (:func:`_resident`); that is the faster mode there, and
-  the default. At head_dim 128 the shared design runs about as fast as the deterministic
-  mode, the default there (:func:`~pallas_flash.mosaic.config.default_backward_config` has
-  the timings and where its time goes). Interpret mode has no TMA reduce-add: there each
-  consumer stores its partial sums per key tile, and XLA adds them.
+  columns ``[c·D/2, (c+1)·D/2)``, with a [block_q, D/2] accumulator, one step late: at
+  step t it adds step t-1's dQ, so that one proxy fence serves both the dQ staging tile
+  and step t's dSᵀ, and the exchange it waits for is one the other consumer finished a
+  step ago. At head_dim 64 the halves would cut a swizzle width, so the consumer that owns
+  the step's ring slot adds all of it, with K and V in registers (:func:`_resident`); that
+  is the faster mode there, and the default. At head_dim 128 the split runs about as fast
+  as the deterministic mode, the default there
+  (:func:`~pallas_flash.mosaic.config.default_backward_config` has the timings and where
+  its time goes). Interpret mode has no TMA reduce-add: there each consumer stores its
+  partial sums per key tile, and XLA adds them.
 
 **Block skipping** comes from :class:`~pallas_flash.masking.MaskSpec`: ``q_blocks`` (dK/dV)
 and ``kv_blocks`` (dQ) give ``(first, full_first, full_last, last)``; blocks outside the
@@ -183,8 +186,9 @@ class _Static:
     @property
     def split_dq(self) -> bool:
         """The fused dQ split by columns between the consumers
-        (:func:`~pallas_flash.mosaic.config.splits_dq`): half the dQ accumulator, and both
-        consumers busy at every step; otherwise one consumer per step adds all of it."""
+        (:func:`~pallas_flash.mosaic.config.splits_dq`) and added one step late: half the
+        dQ accumulator, and both consumers busy at every step; otherwise one consumer per
+        step adds all of it, in the step."""
         return self.fuse_dq and splits_dq(self.head_dim, self.dtype.itemsize)
 
     @property
@@ -478,31 +482,74 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
             return dq_ref.at[batch, rows, head]
 
         def add_dq(s, i, head):
-            """FA3's dQ for query block i: dS·K over both consumers' keys, added into dQ
-            once per step: by column halves, one per consumer (``st.split_dq``), or all of
-            it by the consumer that owns the ring slot (``s % 2``, so that each exchange
-            barrier has one waiter, which sees all of its phases)."""
-            width = st.head_dim // NUM_CONSUMERS if st.split_dq else st.head_dim
-
-            def add(part):
+            """FA3's dQ for query block i, all columns, by the consumer that owns the ring
+            slot (``s % 2``, so that each exchange barrier has one waiter, which sees all
+            of its phases): dS·K over both consumers' keys, added once per step."""
+            @pl.when(wg == lax.rem(s, NUM_CONSUMERS))
+            def _add():
                 plgpu.barrier_wait(exchanged.at[s])  # the other consumer's dSᵀ is in SMEM
-                cols = pl.ds(part * width, width)
-                pairs = tuple((ds_smem.at[s, c], k_smem.at[c, :, cols])
-                              for c in range(NUM_CONSUMERS))
-                _reduce_dq(st, pairs, dq_smem.at[wg], dq_rows(i, head).at[:, cols])
-            if st.split_dq:
-                # Consumer wg's half, sliced at run time: one copy of the code, where a
-                # static half per consumer (a branch each) spilled 440 more bytes per
-                # thread at head_dim 128 (ptxas, H200, 2026-11-30).
-                add(wg)
-            else:
-                pl.when(wg == lax.rem(s, NUM_CONSUMERS))(functools.partial(add, 0))
+                pairs = tuple((ds_smem.at[s, c], k_smem.at[c]) for c in range(NUM_CONSUMERS))
+                _reduce_dq(st, pairs, dq_smem.at[wg], dq_rows(i, head))
 
         def publish_ds(s, ds_t):
             """This consumer's dSᵀ into the step's exchange slot (the dQ GEMMs read it)."""
             ds_smem.at[s, wg][...] = ds_t
             plgpu.commit_smem()
             plgpu.barrier_arrive(exchanged.at[s])
+
+        # Split dQ (``st.split_dq``): consumer wg's column half, sliced at run time (one
+        # copy of the code; a static half per consumer, a branch each, spilled 440 more
+        # bytes per thread at head_dim 128: ptxas, H200, 2026-11-30).
+        half = pl.ds(wg * (st.head_dim // NUM_CONSUMERS), st.head_dim // NUM_CONSUMERS)
+
+        def half_pairs(s):
+            """(dSᵀ, K columns) of both consumers for this consumer's half of a dQ tile."""
+            return tuple((ds_smem.at[s, c], k_smem.at[c, :, half])
+                         for c in range(NUM_CONSUMERS))
+
+        def add_previous_dq(t, s, ds_t, issue_dk=None):
+            """Split dQ, one step late: at step t this consumer adds its half of step
+            t-1's dQ, stages it and publishes step t's dSᵀ behind one proxy fence (two
+            per step otherwise), and the exchange it waits for is that of step t-1, which
+            the other consumer has long finished. ``issue_dk``: issues dK += dSᵀ·Q_i
+            first, so that it runs back to back with the dQ GEMM."""
+            s_prev = lax.rem(t - 1 + st.num_stages, st.num_stages)
+            head_prev, i_prev = _walked_head_and_block(
+                st, jnp.maximum(t - 1, 0), cta_first, blocks_per_head, kv_head)
+            if issue_dk is not None:
+                issue_dk()
+            plgpu.barrier_wait(exchanged.at[s_prev])  # both dSᵀ of step t-1 are in SMEM
+            dq = _dq_gemm(half_pairs(s_prev), dq_smem.at[wg].shape)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add read the tile
+            dq_smem.at[wg][...] = dq
+            ds_smem.at[s, wg][...] = ds_t
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(exchanged.at[s])
+
+            @pl.when(t > 0)  # step -1's dQ is zero (see first_exchange)
+            def _add():
+                _add_staged_dq(st, dq_smem.at[wg], dq_rows(i_prev, head_prev).at[:, half])
+
+        def first_exchange():
+            """Split dQ: a zero dSᵀ in the slot of step -1, so that step 0 has a
+            previous step to wait for."""
+            s_init = st.num_stages - 1
+            ds_smem.at[s_init, wg][...] = _zero_tile(st)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(exchanged.at[s_init])
+
+        def last_dq():
+            """Split dQ: this consumer's half of the last step's dQ."""
+            num_steps = st.group * blocks_per_head
+            s_last = lax.rem(num_steps - 1 + st.num_stages, st.num_stages)
+            head_last, i_last = _walked_head_and_block(
+                st, jnp.maximum(num_steps - 1, 0), cta_first, blocks_per_head, kv_head)
+            plgpu.barrier_wait(exchanged.at[s_last])
+
+            @pl.when(num_steps > 0)
+            def _add():
+                _reduce_dq(st, half_pairs(s_last), dq_smem.at[wg],
+                           dq_rows(i_last, head_last).at[:, half])
         plgpu.barrier_wait(k_ready.at[wg])
         plgpu.barrier_wait(v_ready.at[wg])
         k_a, v_a = (_resident(st, t, a_tile is not None) for t in (k_tile, v_tile))
@@ -543,9 +590,15 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
                     delta_t = _col(load_delta() if delta is None else delta, shape)
                     ds_t = raw_score_gradient(p_t * (dp_t - delta_t), slope_t)
                     ds_t = ds_t.astype(st.dtype)
-                    if st.fuse_dq:  # dS = (dSᵀ)ᵀ is read from SMEM, transposed
+
+                    def issue_dk():
+                        plgpu.wgmma(dk_acc, _operand_a(ds_t, a_tile), q_tile)
+                    if st.split_dq:  # dS = (dSᵀ)ᵀ is read from SMEM, transposed
+                        add_previous_dq(head_step0 + i, s, ds_t, issue_dk)
+                        return
+                    if st.fuse_dq:
                         publish_ds(s, ds_t)
-                    plgpu.wgmma(dk_acc, _operand_a(ds_t, a_tile), q_tile)
+                    issue_dk()
                     plgpu.wgmma_wait(0)  # Q_i and dO_i are read: the slot may be refilled
                     if st.fuse_dq:  # once dK's GEMM has retired: its A operand is free
                         add_dq(s, i, head)
@@ -560,9 +613,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
                 fused dQ: a zero dSᵀ, and this consumer's share of the step's dS·K)."""
                 s = slot(head_step0 + i)
                 _wait_all(ready, s)
-                if st.fuse_dq:
-                    zeros = jnp.zeros((bkv, bq), st.dtype)
-                    publish_ds(s, plgpu.layout_cast(zeros, plgpu.Layout.WGMMA))
+                if st.split_dq:
+                    add_previous_dq(head_step0 + i, s, _zero_tile(st))
+                elif st.fuse_dq:
+                    publish_ds(s, _zero_tile(st))
                     add_dq(s, i, head)
                 plgpu.barrier_arrive(free.at[s])
                 return head_step0
@@ -577,7 +631,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
                       head_step0)
                 return carry
 
+            if st.split_dq:
+                first_exchange()
             lax.fori_loop(0, st.group, head, 0)
+            if st.split_dq:
+                last_dq()
             return dk_acc[...], dv_acc[...]
 
         dk, dv = pl.run_scoped(accumulate, plgpu.ACC((bkv, st.head_dim), jnp.float32),
@@ -597,24 +655,38 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
 
 
 
-def _reduce_dq(st: _Static, pairs, dq_tile, dq_rows) -> None:
-    """FA3's dQ: ``dq_rows += Σ dS·K`` over ``pairs`` of (dSᵀ [block_kv, block_q], K
-    [block_kv, columns]) SMEM tiles, with a TMA reduce-add (float32, in L2); with
-    ``st.dq_partials`` (interpret mode) a plain store into this key tile's partial sums.
+def _zero_tile(st: _Static) -> jax.Array:
+    """A zero dSᵀ tile [block_kv, block_q] in the layout of the computed ones."""
+    zeros = jnp.zeros((st.block_kv, st.block_q), st.dtype)
+    return plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
 
-    ``dq_tile``: the [block_q, columns] float32 staging tile, still read by the previous
-    step's reduce-add.
-    """
+
+def _dq_gemm(pairs, shape: tuple[int, int]) -> jax.Array:
+    """``Σ dS·K`` over ``pairs`` of (dSᵀ [block_kv, block_q], K [block_kv, columns]) SMEM
+    tiles: a [block_q, columns] float32 dQ tile."""
     def gemm(acc):
         for ds_tile, k_tile in pairs:  # A: dS, the transposed view of dSᵀ
             plgpu.wgmma(acc, ds_tile.T, k_tile)
         return plgpu.wgmma_accumulator_load(acc, wait_n=0)
-    dq = pl.run_scoped(gemm, plgpu.ACC(dq_tile.shape, jnp.float32))
+    return pl.run_scoped(gemm, plgpu.ACC(shape, jnp.float32))
+
+
+def _add_staged_dq(st: _Static, dq_tile, dq_rows) -> None:
+    """``dq_rows += dq_tile`` (the float32 staging tile, committed to the async proxy) with
+    a TMA reduce-add in L2; with ``st.dq_partials`` (interpret mode) a plain store into
+    this key tile's partial sums."""
+    plgpu.copy_smem_to_gmem(dq_tile, dq_rows,
+                            reduction_op=None if st.dq_partials else "add")
+
+
+def _reduce_dq(st: _Static, pairs, dq_tile, dq_rows) -> None:
+    """FA3's dQ: ``dq_rows += Σ dS·K`` over ``pairs`` (:func:`_dq_gemm`), staged in
+    ``dq_tile`` ([block_q, columns] float32, still read by the previous step's add)."""
+    dq = _dq_gemm(pairs, dq_tile.shape)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous step's add read the tile
     dq_tile[...] = dq
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(dq_tile, dq_rows,
-                            reduction_op=None if st.dq_partials else "add")
+    _add_staged_dq(st, dq_tile, dq_rows)
 
 
 # --- dQ ---------------------------------------------------------------------------------

@@ -477,15 +477,19 @@ def default_backward_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicB
     delta loaded where dSᵀ needs it brought that to 792 bytes, and the fused dQ to about
     the separate kernel's speed: 0.88-1.13x cuDNN against 0.94-1.10x at L 2048 / 4096 /
     16384, dense and causal (2026-11-30, ``--head-dims 128 --impls
-    'mosaic;mosaic_fused;cudnn'``), so the deterministic mode stays the default there.
-    Leaving its parts out one at a time (L 16384, dense, 2026-11-30) shows where its time
-    goes: the dK/dV GEMMs and softmax alone 6.6 ms, publishing dSᵀ +0.4 ms, the dQ GEMM
-    and the exchange +0.5 ms, storing the float32 dQ tile to SMEM with its proxy fence
-    +1.6 ms, the TMA reduce-add +1.2 ms (10.3 ms; cuDNN 10.3). Slower still: a second
-    staging tile per consumer, so that one step's reduce-add overlaps the next step;
-    storing each step's dQ one step later, behind the next Sᵀ GEMM (the carried tile
-    spills); and ``red.global.add`` from registers instead of the staging tile (0.45-0.6x
-    cuDNN).
+    'mosaic;mosaic_fused;cudnn'``). Leaving its parts out one at a time (L 16384, dense,
+    2026-11-30) showed where its time went: the dK/dV GEMMs and softmax alone 6.6 ms,
+    publishing dSᵀ +0.4 ms, the dQ GEMM and the exchange +0.5 ms, storing the float32 dQ
+    tile to SMEM with its proxy fence +1.6 ms, the TMA reduce-add +1.2 ms (10.3 ms; cuDNN
+    10.3). Adding each step's dQ one step late, behind the same proxy fence as the next
+    step's dSᵀ, then gained at all four points measured: 1.02 / 1.10x cuDNN against 1.00
+    / 0.98x at L 16384 / 4096 dense, 0.91 / 0.94x against 0.90 / 0.89x causal (the
+    deterministic mode: 0.96 / 0.98x and 0.88 / 1.03x; 2026-11-30, interleaved rounds).
+    It is not ahead everywhere, so the deterministic mode stays the default there.
+    Slower: a second staging tile per consumer, so that one step's reduce-add overlaps
+    the next step; keeping each step's dQ tile in registers until behind the next Sᵀ
+    GEMM (it spills); and ``red.global.add`` from registers instead of the staging tile
+    (0.45-0.6x cuDNN).
     """
     del kv_shape, dtype, mask
     if padded_head_dim(q_shape[-1]) > MAX_PER_CONSUMER_HEAD_DIM:
