@@ -507,15 +507,21 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
             return tuple((ds_smem.at[s, c], k_smem.at[c, :, half])
                          for c in range(NUM_CONSUMERS))
 
+        def previous_step(t):
+            """(ring slot, query head, query block) of step t-1 (for t = 0: the slot of
+            step -1 and step 0's rows)."""
+            s_prev = lax.rem(t - 1 + st.num_stages, st.num_stages)
+            head, i = _walked_head_and_block(st, jnp.maximum(t - 1, 0), cta_first,
+                                             blocks_per_head, kv_head)
+            return s_prev, head, i
+
         def add_previous_dq(t, s, ds_t, issue_dk=None):
             """Split dQ, one step late: at step t this consumer adds its half of step
             t-1's dQ, stages it and publishes step t's dSᵀ behind one proxy fence (two
             per step otherwise), and the exchange it waits for is that of step t-1, which
             the other consumer has long finished. ``issue_dk``: issues dK += dSᵀ·Q_i
             first, so that it runs back to back with the dQ GEMM."""
-            s_prev = lax.rem(t - 1 + st.num_stages, st.num_stages)
-            head_prev, i_prev = _walked_head_and_block(
-                st, jnp.maximum(t - 1, 0), cta_first, blocks_per_head, kv_head)
+            s_prev, head_prev, i_prev = previous_step(t)
             if issue_dk is not None:
                 issue_dk()
             plgpu.barrier_wait(exchanged.at[s_prev])  # both dSᵀ of step t-1 are in SMEM
@@ -541,9 +547,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
         def last_dq():
             """Split dQ: this consumer's half of the last step's dQ."""
             num_steps = st.group * blocks_per_head
-            s_last = lax.rem(num_steps - 1 + st.num_stages, st.num_stages)
-            head_last, i_last = _walked_head_and_block(
-                st, jnp.maximum(num_steps - 1, 0), cta_first, blocks_per_head, kv_head)
+            s_last, head_last, i_last = previous_step(num_steps)
             plgpu.barrier_wait(exchanged.at[s_last])
 
             @pl.when(num_steps > 0)
@@ -594,6 +598,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
                     def issue_dk():
                         plgpu.wgmma(dk_acc, _operand_a(ds_t, a_tile), q_tile)
                     if st.split_dq:  # dS = (dSᵀ)ᵀ is read from SMEM, transposed
+                        # The dQ GEMM's wait retires the step's GEMMs: Q_i, dO_i are read.
                         add_previous_dq(head_step0 + i, s, ds_t, issue_dk)
                         return
                     if st.fuse_dq:
