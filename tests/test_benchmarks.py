@@ -317,17 +317,19 @@ def test_bwd_probe_times_one_kernel_with_the_other_left_out(only):
     assert (mosaic_backward._call_dq, mosaic_backward._call_dkdv) == originals
 
 
-@pytest.mark.parametrize(("name", "head_dim", "deterministic"), [
-    ("mosaic", 64, False),                  # the API's default: the fused dQ at head_dim 64
-    ("mosaic", 128, True),                  # ... and the separate dQ kernel above
-    ("mosaic_fused", 128, False),
-    ("mosaic:deterministic=1", 64, True),
-    ("mosaic:num_stages=3", 64, False),     # other fields keep the default dQ mode
+@pytest.mark.parametrize(("name", "head_dim", "causal", "deterministic"), [
+    ("mosaic", 64, True, False),           # the API's default: the fused dQ at head_dim 64,
+    ("mosaic", 128, False, False),         # ... and at 128 without a mask,
+    ("mosaic", 128, True, True),           # ... the separate dQ kernel with one
+    ("mosaic_fused", 128, True, False),
+    ("mosaic:deterministic=1", 64, True, True),
+    ("mosaic:num_stages=3", 64, True, False),  # other fields keep the default dQ mode
 ])
-def test_bwd_probe_times_the_config_the_api_runs(name, head_dim, deterministic, monkeypatch):
+def test_bwd_probe_times_the_config_the_api_runs(name, head_dim, causal, deterministic,
+                                                 monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     shape = (1, 4096, 2048 // head_dim, head_dim)
-    mask = MaskSpec(seq_q=4096, seq_kv=4096, is_causal=True)
+    mask = MaskSpec(seq_q=4096, seq_kv=4096, is_causal=causal)
     config = mosaic_bwd_probe.mosaic_config(name, shape, shape, jnp.bfloat16, mask)
     assert bool(config.deterministic) is deterministic
     assert config.num_stages == (3 if "num_stages" in name else 2)

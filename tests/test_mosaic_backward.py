@@ -559,15 +559,18 @@ def test_config_is_frozen_and_hashable():
 @pytest.mark.parametrize("head_dim", [16, 64, 96, 128, 256])
 @pytest.mark.parametrize("xla_flags", ["", "--xla_gpu_deterministic_ops=true",
                                        "--xla_dump_to=/tmp --xla_gpu_deterministic_ops"])
-def test_default_backward_config_fits(head_dim, xla_flags, monkeypatch):
-    """The fused dQ (faster there) up to head_dim 64, unless XLA_FLAGS asks XLA for
-    deterministic ops; the separate dQ kernel above."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_default_backward_config_fits(head_dim, xla_flags, causal, monkeypatch):
+    """The fused dQ where it is faster, unless XLA_FLAGS asks XLA for deterministic ops:
+    up to head_dim 64, and up to 128 where every pair is visible; at head_dim 256 there
+    is only the separate dQ kernel."""
     monkeypatch.setenv("XLA_FLAGS", xla_flags)
-    mask = MaskSpec(seq_q=4096, seq_kv=4096, is_causal=True)
+    mask = MaskSpec(seq_q=4096, seq_kv=4096, is_causal=causal)
     config = default_backward_config((1, 4096, 8, head_dim), (1, 4096, 8, head_dim), BF16,
                                      mask)
     config.check_fits(mosaic_config.padded_head_dim(head_dim))
-    assert config.deterministic == (head_dim > 64 or "deterministic" in xla_flags)
+    fused_up_to = 128 if not causal else 64
+    assert config.deterministic == (head_dim > fused_up_to or "deterministic" in xla_flags)
 
 
 @pytest.mark.parametrize(("xla_flags", "requested"), [

@@ -294,7 +294,10 @@ class MosaicBackwardConfig:
       dq_block_q: query rows per consumer warpgroup of the dQ kernel (wgmma M); 64.
       dq_block_kv: keys per step of the dQ kernel; 32, 64 or 128 (32 leaves room for a
         2-stage K/V ring at head_dim 256).
-      num_stages: depth of both kernels' SMEM rings, 2 to 4.
+      num_stages: depth of the dK/dV kernel's SMEM ring, 2 to 4.
+      dq_num_stages: depth of the dQ kernel's K/V ring, 2 to 4; None: ``num_stages``.
+        Its steps are short where its key blocks are (32 keys at head_dim 256), and a
+        deeper ring loads further ahead.
       deterministic: compute dQ in the separate dQ kernel (every dQ tile written by one
         CTA). Otherwise the dK/dV kernel also adds each step's dS·K_j into a
         float32 dQ in GMEM with TMA reduce-adds (FA3; shared by the two consumers at
@@ -308,6 +311,7 @@ class MosaicBackwardConfig:
     dq_block_q: int = 64
     dq_block_kv: int = 128
     num_stages: int = 2
+    dq_num_stages: int | None = None
     deterministic: bool = True
 
     def __post_init__(self) -> None:
@@ -321,6 +325,14 @@ class MosaicBackwardConfig:
             raise ValueError(f"dq_block_kv must be 32, 64 or 128, got {self.dq_block_kv}")
         if not 2 <= self.num_stages <= 4:
             raise ValueError(f"num_stages must be in [2, 4], got {self.num_stages}")
+        if self.dq_num_stages is not None and not 2 <= self.dq_num_stages <= 4:
+            raise ValueError(
+                f"dq_num_stages must be None or in [2, 4], got {self.dq_num_stages}")
+
+    @property
+    def dq_stages(self) -> int:
+        """The dQ kernel's ring depth."""
+        return self.num_stages if self.dq_num_stages is None else self.dq_num_stages
 
     def dkdv_smem_bytes(self, head_dim: int, itemsize: int = 2, *,
                         segments: bool = False, logit_rings: tuple[LogitRing, ...] = ()
@@ -369,12 +381,12 @@ class MosaicBackwardConfig:
         of bias / mask arrays (``logit_rings``, next to K's too)."""
         q_do = 2 * _align(NUM_CONSUMERS * self.dq_block_q * head_dim * itemsize)
         stats = 2 * _align(NUM_CONSUMERS * self.dq_block_q * 4)
-        kv = 2 * _align(self.num_stages * self.dq_block_kv * head_dim * itemsize)
-        kv_ids = _align(self.num_stages * self.dq_block_kv * 4) if segments else 0
+        kv = 2 * _align(self.dq_stages * self.dq_block_kv * head_dim * itemsize)
+        kv_ids = _align(self.dq_stages * self.dq_block_kv * 4) if segments else 0
         # Q, dO, lse, delta ready per consumer; K/V ready and K/V free per slot.
-        barriers = 8 * (4 * NUM_CONSUMERS + 3 * self.num_stages)
+        barriers = 8 * (4 * NUM_CONSUMERS + 3 * self.dq_stages)
         logits = _rings_bytes(logit_rings, owned=self.dq_block_q, walked=self.dq_block_kv,
-                              num_stages=self.num_stages)
+                              num_stages=self.dq_stages)
         return q_do + stats + kv + kv_ids + barriers + logits
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, *, segments: bool = False,
@@ -485,17 +497,26 @@ def default_backward_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicB
     step's dSᵀ, then gained at all four points measured: 1.02 / 1.10x cuDNN against 1.00
     / 0.98x at L 16384 / 4096 dense, 0.91 / 0.94x against 0.90 / 0.89x causal (the
     deterministic mode: 0.96 / 0.98x and 0.88 / 1.03x; 2026-11-30, interleaved rounds).
-    It is not ahead everywhere, so the deterministic mode stays the default there.
+    Across L 2048 / 4096 / 8192 / 16384 (2026-11-30, one probe each) it ran 479 / 499 /
+    549 / 567 TFLOP/s dense against the deterministic mode's 443 / 487 / 479 / 513 (cuDNN
+    358 / 514 / 516 / 518), so it is the default where every pair is visible. With a
+    causal or windowed mask the two modes trade places from run to run (causal: 321 / 302
+    / 436 / 476 against 312 / 354 / 414 / 482, cuDNN 344 / 398 / 470 / 520; at L 4096 the
+    separate kernel led in all three runs; a likely reason, not measured: with fewer steps
+    per CTA the fused dQ's fixed costs, zeroing the float32 dQ, the last step's add and
+    the cast, weigh more): the deterministic mode stays the default there.
     Slower: a second staging tile per consumer, so that one step's reduce-add overlaps
     the next step; keeping each step's dQ tile in registers until behind the next Sᵀ
     GEMM (it spills); and ``red.global.add`` from registers instead of the staging tile
     (0.45-0.6x cuDNN).
     """
-    del kv_shape, dtype, mask
+    del kv_shape, dtype
     if padded_head_dim(q_shape[-1]) > MAX_PER_CONSUMER_HEAD_DIM:
         # Q and dO of two 64-row consumers fill 128 KiB: 32-key blocks keep a 2-stage ring.
         return MosaicBackwardConfig(block_q=64, dq_block_kv=32, num_stages=2)
     if padded_head_dim(q_shape[-1]) > 64:
-        return MosaicBackwardConfig(block_q=64, dq_block_kv=128, num_stages=2)
+        return MosaicBackwardConfig(block_q=64, dq_block_kv=128, num_stages=2,
+                                    deterministic=deterministic_requested()
+                                    or not mask.is_dense)
     return MosaicBackwardConfig(block_q=64, dq_block_kv=128, num_stages=2,
                                 deterministic=deterministic_requested())

@@ -211,15 +211,16 @@ def test_packed_documents_padding_lengths_through_the_api():
         assert rel_err(got, ref) < 1e-2
 
 
-def test_through_the_api():
+@pytest.mark.parametrize("causal", [False, True])  # the default dQ: fused, separate
+def test_through_the_api(causal):
     """pallas_flash.attention(implementation="mosaic"): forward and backward both Mosaic."""
     q, k, v, d_out = random_qkv(1, 700, 700, 4, 2, 128, BF16)
 
     def f(q, k, v):
-        return pallas_flash.attention(q, k, v, is_causal=True, implementation="mosaic")
+        return pallas_flash.attention(q, k, v, is_causal=causal, implementation="mosaic")
 
     grads = jax.jit(lambda *a: jax.vjp(f, *a[:3])[1](a[3]))(q, k, v, d_out)
-    mask = MaskSpec(seq_q=700, seq_kv=700, is_causal=True)
+    mask = MaskSpec(seq_q=700, seq_kv=700, is_causal=causal)
     _, _, want = attention_float64(q, k, v, mask=mask, d_out=np.asarray(d_out, np.float64))
     for got, ref in zip(grads, want, strict=True):
         assert rel_err(got, ref) < 1e-2
