@@ -917,7 +917,8 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
     delta = pad_axis(delta, 2, seq_q_pad)
     fuse_dq = not config.deterministic
     common = dict(
-        mask=mask, scale=scale, head_dim=dim, dtype=jnp.dtype(q.dtype), group=heads // kv_heads,
+        mask=mask, scale=scale, num_stages=config.num_stages,
+        head_dim=dim, dtype=jnp.dtype(q.dtype), group=heads // kv_heads,
         needs_mask=(not mask.is_dense or seq_kv_pad != seq_kv or segmented
                     or attn_mask is not None),
         fuse_dq=fuse_dq, dq_partials=fuse_dq and interpret, softcap=softcap,
@@ -948,7 +949,6 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         block_q=config.block_q, block_kv=config.block_kv,
         num_q_blocks=seq_q_pad // config.block_q,
         num_tiles=seq_kv_pad // ((1 if split else NUM_CONSUMERS) * config.block_kv),
-        num_stages=config.num_stages,
         # Split: dV/dK contract over the 32 rows of a consumer's half of the query block.
         swizzle=min(_SWIZZLE, config.block_q // NUM_CONSUMERS * itemsize) if split
         else _SWIZZLE, **logit_arrays(dkdv_logits), **common)
@@ -972,7 +972,6 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         dq_static = _Static(block_q=config.dq_block_q, block_kv=config.dq_block_kv,
                             num_q_blocks=seq_q_pad // config.dq_block_q,
                             num_tiles=seq_q_pad // (NUM_CONSUMERS * config.dq_block_q),
-                            num_stages=config.dq_stages,
                             swizzle=min(_SWIZZLE, config.dq_block_kv * itemsize),
                             **logit_arrays(dq_logits), **common)
         dq = _call_dq(dq_static, with_ids(dq_static, walk_kv=True), interpret=interpret)

@@ -294,10 +294,7 @@ class MosaicBackwardConfig:
       dq_block_q: query rows per consumer warpgroup of the dQ kernel (wgmma M); 64.
       dq_block_kv: keys per step of the dQ kernel; 32, 64 or 128 (32 leaves room for a
         2-stage K/V ring at head_dim 256).
-      num_stages: depth of the dK/dV kernel's SMEM ring, 2 to 4.
-      dq_num_stages: depth of the dQ kernel's K/V ring, 2 to 4; None: ``num_stages``.
-        Its steps are short where its key blocks are (32 keys at head_dim 256), and a
-        deeper ring loads further ahead.
+      num_stages: depth of both kernels' SMEM rings, 2 to 4.
       deterministic: compute dQ in the separate dQ kernel (every dQ tile written by one
         CTA). Otherwise the dK/dV kernel also adds each step's dS·K_j into a
         float32 dQ in GMEM with TMA reduce-adds (FA3; shared by the two consumers at
@@ -311,7 +308,6 @@ class MosaicBackwardConfig:
     dq_block_q: int = 64
     dq_block_kv: int = 128
     num_stages: int = 2
-    dq_num_stages: int | None = None
     deterministic: bool = True
 
     def __post_init__(self) -> None:
@@ -325,14 +321,6 @@ class MosaicBackwardConfig:
             raise ValueError(f"dq_block_kv must be 32, 64 or 128, got {self.dq_block_kv}")
         if not 2 <= self.num_stages <= 4:
             raise ValueError(f"num_stages must be in [2, 4], got {self.num_stages}")
-        if self.dq_num_stages is not None and not 2 <= self.dq_num_stages <= 4:
-            raise ValueError(
-                f"dq_num_stages must be None or in [2, 4], got {self.dq_num_stages}")
-
-    @property
-    def dq_stages(self) -> int:
-        """The dQ kernel's ring depth."""
-        return self.num_stages if self.dq_num_stages is None else self.dq_num_stages
 
     def dkdv_smem_bytes(self, head_dim: int, itemsize: int = 2, *,
                         segments: bool = False, logit_rings: tuple[LogitRing, ...] = ()
@@ -381,12 +369,12 @@ class MosaicBackwardConfig:
         of bias / mask arrays (``logit_rings``, next to K's too)."""
         q_do = 2 * _align(NUM_CONSUMERS * self.dq_block_q * head_dim * itemsize)
         stats = 2 * _align(NUM_CONSUMERS * self.dq_block_q * 4)
-        kv = 2 * _align(self.dq_stages * self.dq_block_kv * head_dim * itemsize)
-        kv_ids = _align(self.dq_stages * self.dq_block_kv * 4) if segments else 0
+        kv = 2 * _align(self.num_stages * self.dq_block_kv * head_dim * itemsize)
+        kv_ids = _align(self.num_stages * self.dq_block_kv * 4) if segments else 0
         # Q, dO, lse, delta ready per consumer; K/V ready and K/V free per slot.
-        barriers = 8 * (4 * NUM_CONSUMERS + 3 * self.dq_stages)
+        barriers = 8 * (4 * NUM_CONSUMERS + 3 * self.num_stages)
         logits = _rings_bytes(logit_rings, owned=self.dq_block_q, walked=self.dq_block_kv,
-                              num_stages=self.dq_stages)
+                              num_stages=self.num_stages)
         return q_do + stats + kv + kv_ids + barriers + logits
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, *, segments: bool = False,
@@ -499,12 +487,14 @@ def default_backward_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicB
     deterministic mode: 0.96 / 0.98x and 0.88 / 1.03x; 2026-11-30, interleaved rounds).
     Across L 2048 / 4096 / 8192 / 16384 (2026-11-30, one probe each) it ran 479 / 499 /
     549 / 567 TFLOP/s dense against the deterministic mode's 443 / 487 / 479 / 513 (cuDNN
-    358 / 514 / 516 / 518), so it is the default where every pair is visible. With a
-    causal or windowed mask the two modes trade places from run to run (causal: 321 / 302
-    / 436 / 476 against 312 / 354 / 414 / 482, cuDNN 344 / 398 / 470 / 520; at L 4096 the
-    separate kernel led in all three runs; a likely reason, not measured: with fewer steps
-    per CTA the fused dQ's fixed costs, zeroing the float32 dQ, the last step's add and
-    the cast, weigh more): the deterministic mode stays the default there.
+    358 / 514 / 516 / 518), and 1.14 / 1.09x cuDNN at L 16384 / 4096 in interleaved
+    rounds (the deterministic mode 1.01 / 1.00x), so it is the default where every pair
+    is visible. With a causal or windowed mask the two modes trade places from run to run
+    (causal: 321 / 302 / 436 / 476 against 312 / 354 / 414 / 482, cuDNN 344 / 398 / 470 /
+    520; at L 4096 the separate kernel led in all three runs), and the deterministic mode
+    stays the default there. ptxas shows one reason: with a mask the fused kernel's
+    unmasked loop spills (6 stores and 25 loads per step, 594 instructions against 481
+    and none without a mask), under the registers the masked loops need.
     Slower: a second staging tile per consumer, so that one step's reduce-add overlaps
     the next step; keeping each step's dQ tile in registers until behind the next Sᵀ
     GEMM (it spills); and ``red.global.add`` from registers instead of the staging tile
