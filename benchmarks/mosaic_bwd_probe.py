@@ -9,9 +9,8 @@ The FlashAttention papers' setup: bf16, batch Â· seq_len = 16384 tokens, heads Â
 Implementations, all on the same inputs and residuals (out, lse from the Mosaic forward):
 
 * ``mosaic``: :func:`pallas_flash.mosaic.backward.backward` with the default backward
-  config, the one the API runs (the fused dQ at head_dim 64, and at 128 without a mask;
-  the separate dQ kernel otherwise; ``mosaic:deterministic=1`` forces the separate dQ
-  kernel);
+  config, the one the API runs (the fused dQ up to head_dim 128, the separate dQ kernel
+  above; ``mosaic:deterministic=1`` forces the separate dQ kernel);
 * ``mosaic_fused``: the same with ``deterministic=False`` (dQ fused into the dK/dV kernel
   with TMA reduce-adds);
 * ``triton``: the Triton backward with its default config;

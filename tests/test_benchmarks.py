@@ -318,9 +318,10 @@ def test_bwd_probe_times_one_kernel_with_the_other_left_out(only):
 
 
 @pytest.mark.parametrize(("name", "head_dim", "causal", "deterministic"), [
-    ("mosaic", 64, True, False),           # the API's default: the fused dQ at head_dim 64,
-    ("mosaic", 128, False, False),         # ... and at 128 without a mask,
-    ("mosaic", 128, True, True),           # ... the separate dQ kernel with one
+    ("mosaic", 64, True, False),           # the API's default: the fused dQ up to 128,
+    ("mosaic", 128, False, False),
+    ("mosaic", 128, True, False),
+    ("mosaic", 256, True, True),           # ... the separate dQ kernel above
     ("mosaic_fused", 128, True, False),
     ("mosaic:deterministic=1", 64, True, True),
     ("mosaic:num_stages=3", 64, True, False),  # other fields keep the default dQ mode

@@ -438,13 +438,25 @@ def _lower_for_cuda(shape_q, shape_kv, dtype, mask: MaskSpec, config, *,
     (128, "BNT1", jnp.float32, "1NT1", False),
 ])
 def test_bias_mask_lower_for_cuda(head_dim, bias, bias_dtype, attn_mask, segments):
-    """Both kernels' bias / mask rings (fitted: 64-key dQ blocks beside a float32 tile
-    ring) lower for CUDA within the shared memory budget."""
+    """Both kernels' bias / mask rings (fitted: 64-key dQ blocks, or the separate dQ
+    kernel, beside a float32 tile ring) lower for CUDA within the shared memory budget."""
     shape_q, shape_kv = (2, 1000, 8, head_dim), (2, 1000, 2, head_dim)
     mask = MaskSpec(seq_q=1000, seq_kv=1000, is_causal=True)
     config = default_backward_config(shape_q, shape_kv, BF16, mask)
     _lower_for_cuda(shape_q, shape_kv, BF16, mask, config, segments=segments, bias=bias,
                     bias_dtype=bias_dtype, attn_mask=attn_mask)
+
+
+@pytest.mark.parametrize(("tile_ring", "deterministic"), [(False, False), (True, True)])
+def test_fused_dq_gives_way_to_a_tile_ring(tile_ring, deterministic):
+    """Beside a float32 bias tile ring the fused dQ's dSᵀ ring and staging tiles do not
+    fit at head_dim 128: the separate dQ kernel runs; a key-row ring leaves it fused."""
+    ring = LogitRing(per_query=tile_ring, itemsize=4 if tile_ring else 2)
+    config = mosaic_config.fit_backward_logit_rings(
+        MosaicBackwardConfig(deterministic=False), 128, 2, segments=False,
+        dkdv_rings=(ring,), dq_rings=(ring,))
+    assert config.deterministic is deterministic
+    config.check_fits(128, 2, dkdv_rings=(ring,), dq_rings=(ring,))
 
 
 def test_bias_mask_smem_accounting_matches_lowering(monkeypatch):
@@ -561,16 +573,14 @@ def test_config_is_frozen_and_hashable():
                                        "--xla_dump_to=/tmp --xla_gpu_deterministic_ops"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_default_backward_config_fits(head_dim, xla_flags, causal, monkeypatch):
-    """The fused dQ where it is faster, unless XLA_FLAGS asks XLA for deterministic ops:
-    up to head_dim 64, and up to 128 where every pair is visible; at head_dim 256 there
-    is only the separate dQ kernel."""
+    """The fused dQ (faster there) up to head_dim 128, unless XLA_FLAGS asks XLA for
+    deterministic ops; at head_dim 256 there is only the separate dQ kernel."""
     monkeypatch.setenv("XLA_FLAGS", xla_flags)
     mask = MaskSpec(seq_q=4096, seq_kv=4096, is_causal=causal)
     config = default_backward_config((1, 4096, 8, head_dim), (1, 4096, 8, head_dim), BF16,
                                      mask)
     config.check_fits(mosaic_config.padded_head_dim(head_dim))
-    fused_up_to = 128 if not causal else 64
-    assert config.deterministic == (head_dim > fused_up_to or "deterministic" in xla_flags)
+    assert config.deterministic == (head_dim > 128 or "deterministic" in xla_flags)
 
 
 @pytest.mark.parametrize(("xla_flags", "requested"), [

@@ -83,7 +83,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
                          batch, kv_tile)
     first, last = band[0], band[3]
     blocks_per_head = last - first
-    wg = lax.axis_index("wg")
 
     def slot(t):
         return lax.rem(t, st.num_stages)
@@ -106,7 +105,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
                 plgpu.copy_gmem_to_smem(q_ids_ref.at[batch, rows], q_ids_smem.at[s, r],
                                         stats_ready.at[s])
 
-    def consume():
+    def consume(wg):
         own_cols = pl.ds(wg * half_d, half_d)  # this consumer's half of dK and dV
         keys = (batch, pl.ds(k0, bkv), kv_head, own_cols)
         plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[wg], k_ready.at[wg])
@@ -191,7 +190,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
         plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[keys])
         plgpu.wait_smem_to_gmem(0)
 
-    _warp_specialized(st, wg, free, st.group * blocks_per_head, load, consume)
+    _warp_specialized(st, free, st.group * blocks_per_head, load, consume,
+                      per_consumer_copies=False)
 
 
 

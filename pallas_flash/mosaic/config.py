@@ -428,11 +428,16 @@ def fit_backward_logit_rings(config: MosaicBackwardConfig, head_dim: int, itemsi
                              dq_rings: tuple[LogitRing, ...]) -> MosaicBackwardConfig:
     """``config``, or where the rings of bias / mask arrays do not fit beside it, 64-key
     dQ blocks, then also 64-row dK/dV steps (a float32 tile ring of the dQ kernel with
-    128-key blocks is 128 KiB on its own). Unchanged if nothing fits (``check_fits`` says)."""
+    128-key blocks is 128 KiB on its own), then the same with the separate dQ kernel (the
+    fused dQ's dSᵀ ring and float32 staging tiles take 64 KiB of the dK/dV kernel at
+    head_dim 128). Unchanged if nothing fits (``check_fits`` says)."""
     if not dkdv_rings and not dq_rings:
         return config
-    candidates = (config, dataclasses.replace(config, dq_block_kv=64),
-                  dataclasses.replace(config, dq_block_kv=64, block_q=64))
+    tilings = (config, dataclasses.replace(config, dq_block_kv=64),
+               dataclasses.replace(config, dq_block_kv=64, block_q=64))
+    modes = (False, True) if not config.deterministic else (True,)
+    candidates = [dataclasses.replace(tiling, deterministic=deterministic)
+                  for deterministic in modes for tiling in tilings]
     for candidate in candidates:
         need = candidate.smem_bytes(head_dim, itemsize, segments=segments,
                                     dkdv_rings=dkdv_rings, dq_rings=dq_rings)
@@ -460,7 +465,7 @@ def default_backward_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicB
     At head_dim 64, 128 rows per step ran 231-258 TFLOP/s (L 4096/16384, dense) and 64
     rows 375 / 390 (2026-11-29, ``benchmarks/mosaic_bwd_probe.py``; cuDNN 393 / 425).
 
-    dQ: at head_dim 64 the fused dQ (FA3, K and V in registers:
+    dQ: up to head_dim 128 the fused dQ (FA3; at 64 with K and V in registers:
     :func:`pallas_flash.mosaic.backward._resident`) is the default unless ``XLA_FLAGS`` asks
     for deterministic ops (:func:`deterministic_requested`): its additions into dQ come in
     a varying order. With each consumer reduce-adding dS·K over its own keys it ran
@@ -488,25 +493,22 @@ def default_backward_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicB
     Across L 2048 / 4096 / 8192 / 16384 (2026-11-30, one probe each) it ran 479 / 499 /
     549 / 567 TFLOP/s dense against the deterministic mode's 443 / 487 / 479 / 513 (cuDNN
     358 / 514 / 516 / 518), and 1.14 / 1.09x cuDNN at L 16384 / 4096 in interleaved
-    rounds (the deterministic mode 1.01 / 1.00x), so it is the default where every pair
-    is visible. With a causal or windowed mask the two modes trade places from run to run
-    (causal: 321 / 302 / 436 / 476 against 312 / 354 / 414 / 482, cuDNN 344 / 398 / 470 /
-    520; at L 4096 the separate kernel led in all three runs), and the deterministic mode
-    stays the default there. ptxas shows one reason: with a mask the fused kernel's
-    unmasked loop spills (6 stores and 25 loads per step, 594 instructions against 481
-    and none without a mask), under the registers the masked loops need.
+    rounds (the deterministic mode 1.01 / 1.00x). With a causal mask the two modes traded
+    places from run to run (321 / 302 / 436 / 476 against 312 / 354 / 414 / 482, cuDNN
+    344 / 398 / 470 / 520) while the fused kernel's masked walk spilled 740 bytes per
+    thread. Its consumers' code, one copy per warpgroup with the warpgroup index a
+    constant (``backward._warp_specialized``), took that to 288 bytes, and the causal
+    backward to 1.06 / 1.10x cuDNN against the deterministic mode's 1.01 / 1.09x at L
+    16384 / 4096 (2026-11-30, interleaved rounds; before the copies 0.98 / 0.91x and
+    0.96 / 1.09x): the fused dQ is the default at head_dim 128 too, as at 64.
     Slower: a second staging tile per consumer, so that one step's reduce-add overlaps
     the next step; keeping each step's dQ tile in registers until behind the next Sᵀ
     GEMM (it spills); and ``red.global.add`` from registers instead of the staging tile
     (0.45-0.6x cuDNN).
     """
-    del kv_shape, dtype
+    del kv_shape, dtype, mask
     if padded_head_dim(q_shape[-1]) > MAX_PER_CONSUMER_HEAD_DIM:
         # Q and dO of two 64-row consumers fill 128 KiB: 32-key blocks keep a 2-stage ring.
         return MosaicBackwardConfig(block_q=64, dq_block_kv=32, num_stages=2)
-    if padded_head_dim(q_shape[-1]) > 64:
-        return MosaicBackwardConfig(block_q=64, dq_block_kv=128, num_stages=2,
-                                    deterministic=deterministic_requested()
-                                    or not mask.is_dense)
     return MosaicBackwardConfig(block_q=64, dq_block_kv=128, num_stages=2,
                                 deterministic=deterministic_requested())
