@@ -435,9 +435,9 @@ def fit_backward_logit_rings(config: MosaicBackwardConfig, head_dim: int, itemsi
         return config
     tilings = (config, dataclasses.replace(config, dq_block_kv=64),
                dataclasses.replace(config, dq_block_kv=64, block_q=64))
-    modes = (False, True) if not config.deterministic else (True,)
     candidates = [dataclasses.replace(tiling, deterministic=deterministic)
-                  for deterministic in modes for tiling in tilings]
+                  for deterministic in dict.fromkeys((config.deterministic, True))
+                  for tiling in tilings]
     for candidate in candidates:
         need = candidate.smem_bytes(head_dim, itemsize, segments=segments,
                                     dkdv_rings=dkdv_rings, dq_rings=dq_rings)

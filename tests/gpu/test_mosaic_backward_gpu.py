@@ -82,7 +82,7 @@ def test_fused_dq_mode(head_dim, causal, dtype):
     _check(1, 512, 512, 4, 2, head_dim, dtype, config=config, is_causal=causal)
 
 
-def test_default_mode_is_bitwise_reproducible():
+def test_deterministic_mode_is_bitwise_reproducible():
     mask = MaskSpec(seq_q=512, seq_kv=512, is_causal=True)
     q, k, v, d_out = random_qkv(1, 512, 512, 4, 1, 128, BF16)
     config = MosaicBackwardConfig()
@@ -211,9 +211,10 @@ def test_packed_documents_padding_lengths_through_the_api():
         assert rel_err(got, ref) < 1e-2
 
 
-@pytest.mark.parametrize("causal", [False, True])  # the default dQ: fused, separate
+@pytest.mark.parametrize("causal", [False, True])
 def test_through_the_api(causal):
-    """pallas_flash.attention(implementation="mosaic"): forward and backward both Mosaic."""
+    """pallas_flash.attention(implementation="mosaic"): forward and backward both Mosaic
+    (at head_dim 128 the default backward: the fused dQ)."""
     q, k, v, d_out = random_qkv(1, 700, 700, 4, 2, 128, BF16)
 
     def f(q, k, v):
