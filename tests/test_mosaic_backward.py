@@ -442,7 +442,7 @@ def test_bias_mask_lower_for_cuda(head_dim, bias, bias_dtype, attn_mask, segment
     kernel, beside a float32 tile ring) lower for CUDA within the shared memory budget."""
     shape_q, shape_kv = (2, 1000, 8, head_dim), (2, 1000, 2, head_dim)
     mask = MaskSpec(seq_q=1000, seq_kv=1000, is_causal=True)
-    config = default_backward_config(shape_q, shape_kv, BF16, mask)
+    config = MosaicBackwardConfig(deterministic=False)  # what the fitting starts from
     _lower_for_cuda(shape_q, shape_kv, BF16, mask, config, segments=segments, bias=bias,
                     bias_dtype=bias_dtype, attn_mask=attn_mask)
 
@@ -581,6 +581,20 @@ def test_default_backward_config_fits(head_dim, xla_flags, causal, monkeypatch):
                                      mask)
     config.check_fits(mosaic_config.padded_head_dim(head_dim))
     assert config.deterministic == (head_dim > 128 or "deterministic" in xla_flags)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("seq", [1000, 2048, 2049, 4096])
+@pytest.mark.parametrize("causal", [False, True])
+def test_short_causal_takes_the_separate_dq_kernel(head_dim, seq, causal, monkeypatch):
+    """Causal at head_dim 65-128 up to SHORT_CAUSAL_SEQ tokens (queries or keys): the
+    separate dQ kernel, measured faster there; the fused dQ everywhere else."""
+    monkeypatch.setenv("XLA_FLAGS", "")
+    mask = MaskSpec(seq_q=seq, seq_kv=1024, is_causal=causal)
+    config = default_backward_config((2, seq, 8, head_dim), (2, 1024, 8, head_dim), BF16,
+                                     mask)
+    short = seq <= mosaic_config.SHORT_CAUSAL_SEQ
+    assert config.deterministic == (causal and head_dim > 64 and short)
 
 
 @pytest.mark.parametrize(("xla_flags", "requested"), [

@@ -25,9 +25,9 @@ keep their accumulators in registers.
 
 **dQ, two modes** (``MosaicBackwardConfig.deterministic``):
 
-* deterministic (the default at head_dim 256, wherever ``XLA_FLAGS`` has
-  ``--xla_gpu_deterministic_ops``, and beside bias / mask rings the fused dQ cannot
-  fit) — :func:`_dq_kernel`, one CTA per ``2·dq_block_q`` query rows of one head; each
+* deterministic (the default at head_dim 256, for causal sequences up to 2048 tokens at
+  head_dim 65-128, wherever ``XLA_FLAGS`` has ``--xla_gpu_deterministic_ops``, and beside
+  bias / mask rings the fused dQ cannot fit) — :func:`_dq_kernel`, one CTA per ``2·dq_block_q`` query rows of one head; each
   consumer owns ``dq_block_q`` rows and the producer streams (K_j, V_j)::
 
       S = Q_i·K_jᵀ   P = exp2(S·scale·log2e − lse_i)   dP = dO_i·V_jᵀ
@@ -47,7 +47,8 @@ keep their accumulators in registers.
   and step t's dSᵀ, and the exchange it waits for is one the other consumer finished a
   step ago. At head_dim 64 the halves would cut a swizzle width, so the consumer that owns
   the step's ring slot adds all of it, with K and V in registers (:func:`_resident`); that
-  is the faster mode there. Both are the default up to head_dim 128
+  is the faster mode there. Both are the default up to head_dim 128, but for short
+  causal sequences at 128
   (:func:`~pallas_flash.mosaic.config.default_backward_config` has the timings and where
   their time goes). Interpret mode has no TMA reduce-add: there each consumer stores its
   partial sums per key tile, and XLA adds them.

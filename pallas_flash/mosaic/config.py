@@ -300,7 +300,8 @@ class MosaicBackwardConfig:
         float32 dQ in GMEM with TMA reduce-adds (FA3; shared by the two consumers at
         head_dim 128, :func:`splits_dq`): five GEMMs instead of seven, but the order of
         the additions, hence the rounding, varies from run to run. :func:`default_backward_config`
-        picks it at head_dim 64, where it is the faster mode.
+        picks it up to head_dim 128, where it is the faster mode (but for short causal
+        sequences).
     """
 
     block_q: int = 64
@@ -446,6 +447,11 @@ def fit_backward_logit_rings(config: MosaicBackwardConfig, head_dim: int, itemsi
     return config
 
 
+#: Up to this many tokens a causal backward at head_dim 65-128 takes the separate dQ
+#: kernel by default (:func:`default_backward_config` has the timings).
+SHORT_CAUSAL_SEQ = 2048
+
+
 def deterministic_requested() -> bool:
     """Whether ``XLA_FLAGS`` asks XLA for deterministic GPU ops
     (``--xla_gpu_deterministic_ops``, as XLA's own cuDNN attention honours it)."""
@@ -505,10 +511,22 @@ def default_backward_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicB
     the next step; keeping each step's dQ tile in registers until behind the next Sᵀ
     GEMM (it spills); and ``red.global.add`` from registers instead of the staging tile
     (0.45-0.6x cuDNN).
+
+    One exception: causal at head_dim 65-128 up to ``SHORT_CAUSAL_SEQ`` (2048) tokens takes
+    the separate dQ kernel. There the fused dQ ran slower in each of three runs that timed
+    the two modes side by side: 345 / 284 / 380 TFLOP/s against 375 / 356 / 399 at L 2048
+    (cuDNN 338 / 321 / 349; at L 1024 292 against 304, cuDNN 259);
+    at L 4096 they tied or the fused dQ led (449 / 448, 417 / 418, 437 / 387), and from
+    L 8192 on the fused dQ led (2026-11-30, H200, head_dim 128, ``mosaic_bwd_probe.py``
+    and interleaved rounds; at head_dim 64 the fused dQ led at L 2048 too: 295 against
+    203).
     """
-    del kv_shape, dtype, mask
-    if padded_head_dim(q_shape[-1]) > MAX_PER_CONSUMER_HEAD_DIM:
+    del dtype
+    head_dim = padded_head_dim(q_shape[-1])
+    if head_dim > MAX_PER_CONSUMER_HEAD_DIM:
         # Q and dO of two 64-row consumers fill 128 KiB: 32-key blocks keep a 2-stage ring.
         return MosaicBackwardConfig(block_q=64, dq_block_kv=32, num_stages=2)
+    short_causal = (mask.is_causal and head_dim > 64
+                    and max(q_shape[1], kv_shape[1]) <= SHORT_CAUSAL_SEQ)
     return MosaicBackwardConfig(block_q=64, dq_block_kv=128, num_stages=2,
-                                deterministic=deterministic_requested())
+                                deterministic=deterministic_requested() or short_causal)
