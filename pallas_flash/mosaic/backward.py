@@ -27,8 +27,9 @@ keep their accumulators in registers.
 
 * deterministic (the default at head_dim 256, for causal sequences up to 2048 tokens at
   head_dim 65-128, wherever ``XLA_FLAGS`` has ``--xla_gpu_deterministic_ops``, and beside
-  bias / mask rings the fused dQ cannot fit) — :func:`_dq_kernel`, one CTA per ``2·dq_block_q`` query rows of one head; each
-  consumer owns ``dq_block_q`` rows and the producer streams (K_j, V_j)::
+  bias / mask rings the fused dQ cannot fit) — :func:`_dq_kernel`, one CTA per
+  ``2·dq_block_q`` query rows of one head; each consumer owns ``dq_block_q`` rows and the
+  producer streams (K_j, V_j)::
 
       S = Q_i·K_jᵀ   P = exp2(S·scale·log2e − lse_i)   dP = dO_i·V_jᵀ
       dS = P ∘ (dP − delta_i)                           dQ_i += dS·K_j
