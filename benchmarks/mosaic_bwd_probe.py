@@ -10,7 +10,8 @@ Implementations, all on the same inputs and residuals (out, lse from the Mosaic 
 
 * ``mosaic``: :func:`pallas_flash.mosaic.backward.backward` with the default backward
   config, the one the API runs (the fused dQ up to head_dim 128, the separate dQ kernel
-  above; ``mosaic:deterministic=1`` forces the separate dQ kernel);
+  above and for causal sequences up to 2048 tokens at head_dim 65-128;
+  ``mosaic:deterministic=1`` forces the separate dQ kernel);
 * ``mosaic_fused``: the same with ``deterministic=False`` (dQ fused into the dK/dV kernel
   with TMA reduce-adds);
 * ``triton``: the Triton backward with its default config;

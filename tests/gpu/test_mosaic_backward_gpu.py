@@ -214,7 +214,8 @@ def test_packed_documents_padding_lengths_through_the_api():
 @pytest.mark.parametrize("causal", [False, True])
 def test_through_the_api(causal):
     """pallas_flash.attention(implementation="mosaic"): forward and backward both Mosaic
-    (at head_dim 128 the default backward: the fused dQ)."""
+    (the default backward at head_dim 128, L 700: the fused dQ dense, the separate dQ
+    kernel causal)."""
     q, k, v, d_out = random_qkv(1, 700, 700, 4, 2, 128, BF16)
 
     def f(q, k, v):
