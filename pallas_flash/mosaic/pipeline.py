@@ -1,4 +1,4 @@
-"""The producer warpgroup's K/V ring, shared by the Mosaic GPU forward kernels.
+"""The producer warpgroup's rings, shared by the Mosaic GPU kernels (forward and backward).
 
 FlashAttention-3, Sec. 3.1 ("warp specialization"): one warpgroup only issues TMA copies of
 K_j and V_j into a ``num_stages``-deep ring of SMEM slots. Each slot has a *ready* mbarrier
@@ -9,10 +9,15 @@ The ring is one stream per CTA: a persistent CTA (one that loops over several wo
 keeps filling it across its tiles, so the next tile's first blocks load while the
 consumers finish the current one. Ring step ``g`` (counted from the CTA's first load) uses
 slot ``g % num_stages`` (:func:`ring_slot`).
+
+The backward kernels' rings (:func:`stream_steps`) carry one walked block per step (Q,
+dO, lse and delta for dK/dV; K and V for dQ) with one free barrier per slot; they do
+not persist across tiles.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -70,3 +75,31 @@ def observe_releases(*, num_stages: int, loaded: jax.Array | int, k_free, v_free
         slot = ring_slot(step, num_stages)
         plgpu.barrier_wait(k_free.at[slot])
         plgpu.barrier_wait(v_free.at[slot])
+
+
+def stream_steps(*, num_stages: int, num_steps: jax.Array, free,
+                 load: Callable[[jax.Array], None],
+                 before_refill: Callable[[], None] | None = None) -> None:
+    """The backward kernels' producer loop: ``load(t)`` for ring steps ``0 .. num_steps-1``.
+
+    Unlike :func:`stream_kv`, a step is one walked block of every tensor it carries, freed
+    at once: ``free`` [num_stages] holds one barrier per slot, arrived by every consumer.
+    ``load(t)`` issues step t's TMA copies into slot :func:`ring_slot` (t). The first
+    ``num_stages`` steps fill empty slots; every later one waits until its slot is free,
+    then runs ``before_refill`` (e.g. a proxy fence after the consumers read the slot
+    through the generic proxy). The last releases are observed too: a thread that waits on
+    an mbarrier must see every phase of it.
+    """
+    for t in range(num_stages):
+        pl.when(t < num_steps)(functools.partial(load, jnp.int32(t)))
+
+    @pl.loop(num_stages, num_steps)
+    def _refill(t):
+        plgpu.barrier_wait(free.at[ring_slot(t, num_stages)])
+        if before_refill is not None:
+            before_refill()
+        load(t)
+
+    @pl.loop(jnp.maximum(num_steps - num_stages, 0), num_steps)
+    def _drain(t):
+        plgpu.barrier_wait(free.at[ring_slot(t, num_stages)])

@@ -1,14 +1,14 @@
 """dK/dV at head_dim 256 on Hopper: the two consumer warpgroups split one key block.
 
 At head_dim 256, dK and dV of 64 keys are 256 f32 registers per thread, more than a
-warpgroup can hold, so the dK/dV kernel of :mod:`.backward` (one 64-key block per
+warpgroup can hold, so the dK/dV kernel of :mod:`.dkdv` (one 64-key block per
 consumer) cannot run. FlashAttention-3 splits the work on one 64-key block between its
 two consumer warpgroups instead, and so does this kernel. For each streamed query block
 i (Q_i, dO_i, lse_i, delta_i, 64 rows), consumer c
 
 1. computes Sᵀ = K_j·Q_iᵀ and dPᵀ = V_j·dO_iᵀ for **its half of the rows** of block i
    (32 queries, contracting over the whole head dim), then Pᵀ and dSᵀ for that half,
-   exactly as :func:`.backward._dkdv_kernel` does for a whole block;
+   exactly as the kernel of :mod:`.dkdv` does for a whole block;
 2. stores its Pᵀ and dSᵀ halves to SMEM and meets the other consumer (``exchanged``);
 3. accumulates **its half of the head dim** of dV_j += Pᵀ·dO_i and dK_j += dSᵀ·Q_i over
    all 64 rows, reading both halves of Pᵀ and dSᵀ from SMEM.
@@ -26,7 +26,8 @@ other consumer has passed the exchange of the step in between, hence finished th
 that read them: no further barrier is needed.
 
 Masking, segment ids, soft-capping, GQA and the producer's ring are those of
-:mod:`.backward`; dQ comes from its dQ kernel (with 32-key blocks at this head dim).
+:mod:`.common`; dQ comes from the dQ kernel (:mod:`.dq`, with 32-key blocks at this
+head dim).
 """
 
 from __future__ import annotations
@@ -40,29 +41,29 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_flash.logits import raw_score_gradient
-from pallas_flash.mosaic.backward import (
-    _col,
-    _kernel_params,
-    _owned_ranges,
-    _probabilities,
-    _Static,
-    _tiles,
-    _visible,
-    _wait_all,
-    _walk,
-    _walked_head_and_block,
-    _warp_specialized,
+from pallas_flash.mosaic.backward.common import (
+    BackwardStatic,
+    QueryStream,
+    col,
+    kernel_params,
+    owned_ranges,
+    probabilities,
+    smem_tiles,
+    visible_tile,
+    wait_all,
+    walk,
+    warp_specialized,
 )
 from pallas_flash.mosaic.config import NUM_CONSUMERS
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static,
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: BackwardStatic,
                  k_smem, v_smem, q_smem, do_smem, stats_smem, pt_smem, dst_smem, k_ready,
                  v_ready, q_ready, do_ready, stats_ready, free, exchanged,
                  q_ids_smem=None):
     """One CTA: keys ``[block_kv·tile, +block_kv)`` of one KV head.
 
-    GMEM refs as in :func:`.backward._dkdv_kernel` (without the fused dQ). SMEM (``h``: a
+    GMEM refs as in the kernel of :mod:`.dkdv` (without the fused dQ). SMEM (``h``: a
     column half of the head dim, ``r``: a row half of the query block, ``s``: a ring slot):
     k/v [h, block_kv, D/2]; q/do [s, h, r, block_q/2, D/2]; stats [s, lse|delta, r,
     block_q/2] float32; pt/dst [s, r, block_kv, block_q/2] (Pᵀ and dSᵀ, row half r
@@ -79,16 +80,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
     kv_tile = lax.axis_index("kv_tiles")
     k0 = kv_tile * bkv
     # Both consumers own the same keys, so they walk the same query blocks.
-    band = _owned_ranges(st, st.mask.q_blocks(k0, bkv, bq, st.num_q_blocks), spans_ref,
+    band = owned_ranges(st, st.mask.q_blocks(k0, bkv, bq, st.num_q_blocks), spans_ref,
                          batch, kv_tile)
     first, last = band[0], band[3]
-    blocks_per_head = last - first
+    stream = QueryStream(st.group, kv_head, first, last - first)
 
     def slot(t):
         return lax.rem(t, st.num_stages)
 
     def load(t):
-        head, i = _walked_head_and_block(st, t, first, blocks_per_head, kv_head)
+        head, i = stream.head_and_block(t)
         s = slot(t)
         for r in halves:  # one TMA copy per (row half, column half)
             rows = pl.ds(i * bq + r * half_q, half_q)
@@ -115,7 +116,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
             kv_ids = plgpu.load(kv_ids_ref.at[batch, pl.ds(k0, bkv)],
                                 layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
         for h in halves:  # Sᵀ and dPᵀ read both halves of K and V
-            _wait_all((k_ready, v_ready), h)
+            wait_all((k_ready, v_ready), h)
         shape = (bkv, half_q)  # rows are keys, columns this consumer's queries
 
         def accumulate(dk_acc, dv_acc):
@@ -123,7 +124,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
                 """Query block i of one head: this consumer's columns of dV_j += Pᵀ·dO_i
                 and dK_j += dSᵀ·Q_i."""
                 s = slot(head_step0 + i)
-                _wait_all((q_ready, do_ready, stats_ready), s)
+                wait_all((q_ready, do_ready, stats_ready), s)
                 layout = plgpu.Layout.WGMMA.reduce(0)
                 lse2 = plgpu.load(stats_smem.at[s, 0, wg], layout=layout)
                 delta = plgpu.load(stats_smem.at[s, 1, wg], layout=layout)
@@ -141,11 +142,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
                     scores_t = plgpu.wgmma_accumulator_load(st_acc, wait_n=len(halves))
                     visible = None
                     if masked:
-                        visible = _visible(st, shape, i * bq + wg * half_q, k0, q_ids,
+                        visible = visible_tile(st, shape, i * bq + wg * half_q, k0, q_ids,
                                            kv_ids, keys_are_rows=True)
-                    p_t, slope_t = _probabilities(st, scores_t, _col(lse2, shape), visible)
+                    p_t, slope_t = probabilities(st, scores_t, col(lse2, shape), visible)
                     dp_t = plgpu.wgmma_accumulator_load(dpt_acc, wait_n=0)
-                    ds_t = raw_score_gradient(p_t * (dp_t - _col(delta, shape)), slope_t)
+                    ds_t = raw_score_gradient(p_t * (dp_t - col(delta, shape)), slope_t)
                     return p_t.astype(st.dtype), ds_t.astype(st.dtype)
 
                 p_t, ds_t = pl.run_scoped(own_rows, plgpu.ACC(shape, jnp.float32),
@@ -167,13 +168,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
             def skip(i, head_step0):
                 """Never runs (both consumers walk the same band); the ring's protocol."""
                 s = slot(head_step0 + i)
-                _wait_all((q_ready, do_ready, stats_ready), s)
+                wait_all((q_ready, do_ready, stats_ready), s)
                 plgpu.barrier_arrive(free.at[s])
                 return head_step0
 
             def head(g, carry):  # the GQA group's query heads, summed in dK/dV
-                head_step0 = g * blocks_per_head - first  # step of block i: head_step0 + i
-                _walk(st, step, skip, (first, last), band, head_step0)
+                walk(st, step, skip, (first, last), band, stream.head_step0(g))
                 return carry
 
             lax.fori_loop(0, st.group, head, 0)
@@ -190,25 +190,25 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
         plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[keys])
         plgpu.wait_smem_to_gmem(0)
 
-    _warp_specialized(st, free, st.group * blocks_per_head, load, consume,
+    warp_specialized(st, free, stream.num_steps(), load, consume,
                       per_consumer_copies=False)
 
 
 
-def call_dkdv(st: _Static, operands, *, interpret: bool):
+def call_dkdv_d256(st: BackwardStatic, operands, *, interpret: bool):
     """dK, dV [B, Tk_pad, K, 256]: one CTA per ``block_kv`` keys of one KV head."""
     q_p, k_p = operands[:2]
     batch, kv_heads = k_p.shape[0], k_p.shape[2]
     bq, bkv, stages = st.block_q, st.block_kv, st.num_stages
     half_q, half_d = bq // NUM_CONSUMERS, st.head_dim // NUM_CONSUMERS
     scratch = dict(
-        k_smem=_tiles(st, NUM_CONSUMERS, bkv, half_d),
-        v_smem=_tiles(st, NUM_CONSUMERS, bkv, half_d),
-        q_smem=_tiles(st, stages, NUM_CONSUMERS, NUM_CONSUMERS, half_q, half_d),
-        do_smem=_tiles(st, stages, NUM_CONSUMERS, NUM_CONSUMERS, half_q, half_d),
+        k_smem=smem_tiles(st, NUM_CONSUMERS, bkv, half_d),
+        v_smem=smem_tiles(st, NUM_CONSUMERS, bkv, half_d),
+        q_smem=smem_tiles(st, stages, NUM_CONSUMERS, NUM_CONSUMERS, half_q, half_d),
+        do_smem=smem_tiles(st, stages, NUM_CONSUMERS, NUM_CONSUMERS, half_q, half_d),
         stats_smem=plgpu.SMEM((stages, 2, NUM_CONSUMERS, half_q), jnp.float32),
-        pt_smem=_tiles(st, stages, NUM_CONSUMERS, bkv, half_q),
-        dst_smem=_tiles(st, stages, NUM_CONSUMERS, bkv, half_q),
+        pt_smem=smem_tiles(st, stages, NUM_CONSUMERS, bkv, half_q),
+        dst_smem=smem_tiles(st, stages, NUM_CONSUMERS, bkv, half_q),
         k_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
         v_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
         # One TMA arrival per copy: Q and dO in four quarters each; lse, delta (and the
@@ -228,5 +228,5 @@ def call_dkdv(st: _Static, operands, *, interpret: bool):
         scratch_types=scratch,
         grid=(kv_heads, st.num_tiles, batch),
         grid_names=("heads", "kv_tiles", "batch"),
-        **_kernel_params(interpret),
+        **kernel_params(interpret),
     )(*operands)
