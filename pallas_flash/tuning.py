@@ -1,8 +1,8 @@
 """Measured block-size configs, cached per device: ``attention(..., config="autotune")``.
 
 The backends' ``default_config`` heuristics come from H200 sweeps at the papers' shapes; on
-another card, or another shape, a different tiling can be faster (the Triton sweeps of
-2026-11-29 found a 128 × 128 forward tile 18 % ahead of the default 256 × 64 at head dim 128).
+another card, or another shape, a different tiling can be faster
+(measurements: docs/tuning.md#autotuning).
 :func:`autotune` times a small list of candidate configs on fresh inputs of the call's
 shapes, keeps only those whose output agrees with the default config's, and caches the
 fastest in a JSON file keyed by device kind, jax version and shape class.

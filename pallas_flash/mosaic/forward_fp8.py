@@ -199,42 +199,7 @@ def default_config(head_dim: int) -> MosaicConfig:
     """64 rows per consumer and 2 stages, as the bf16 kernel, with FA3's overlapped
     schedule: 128-key blocks above head_dim 128, 256-key blocks at 65-128, and three
     consumers of 128-key blocks up to 64.
-
-    Kernel TFLOP/s on an H200 (``benchmarks/fp8_probe.py``), dense / causal. Serial tiles,
-    with separate P and O tiles (2026-11-30, ``--configs
-    128=64x128x2,64x256x2,64x192x2,64x128x3 --configs 256=64x64x2,64x64x3``, L 16384):
-    head_dim 128 64x128x2 663 / 672, 64x256x2 783 / 702, 64x192x2 732 / 637, 64x128x3
-    636 / 603; head_dim 256 64x64x2 826 / 817, 64x64x3 786 / 745. Wide key blocks halve
-    the per-block costs (barriers, O's rescale, the scale loads) that FP8's faster GEMMs
-    expose. The overlapped schedule (``o``) needs a second P tile; with the O tiles in
-    the P tiles' memory (a union, since O is stored only once every P tile is dead),
-    256-key blocks fit at head_dim 128 and 128-key blocks at 256. L 16384, in one run:
-
-    ==========  ============
-    config      dense / causal
-    ==========  ============
-    128: 256x2  807 / 615
-    128: 256x2o 883 / 814
-    128: 128x2o 758 / 758
-    256: 64x2o  948 / 971
-    256: 128x2o 1182 / 1109
-    ==========  ============
-
-    Three consumers (``c3``: 160 registers per thread, so S and O must be narrow, see
-    :func:`check_config`) hide more of the softmax's latency where its share is largest,
-    at head_dim 64 (2026-11-30, dense / causal; L 4096 | L 16384):
-
-    ============  ===================  ===================
-    config        L 4096               L 16384
-    ============  ===================  ===================
-    64x256x2      419 / 301            460 / 414
-    64x128x2oc3   427 / 330            509 / 453
-    64x128x3oc3   407 / 310            488 / 451
-    64x64x2oc3    352 / 278            400 / 350
-    ============  ===================  ===================
-
-    At head_dim 128 they lose: 64x128x2oc3 830 / 756 against 906 / 800 for 64x256x2o
-    (L 16384), 704 / 514 against 800 / 526 (L 4096).
+    (measurements: docs/tuning.md#fp8-forward-default_config)
     """
     head_dim = padded_head_dim(head_dim)
     if head_dim > 128:
