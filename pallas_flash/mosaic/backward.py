@@ -79,7 +79,7 @@ above the 240 a consumer can hold, so the two consumers of a CTA split one key b
 dO of its two consumers fill 128 KiB), with 64-byte swizzled tiles (:class:`_Static`).
 
 **Bias / mask arrays** are read with the forward's readers
-(:class:`~pallas_flash.mosaic.forward._LogitArray`): the dQ kernel as the forward does (tiles
+(:class:`~pallas_flash.mosaic.forward.LogitArray`): the dQ kernel as the forward does (tiles
 or key rows in rings next to K, query rows once), the dK/dV kernel on the arrays transposed
 to ``[B', N', S, T]``, so that its tiles come laid out as Sᵀ (tiles or query rows in rings
 next to lse, key rows once per head). The transpose is an XLA copy of the array as the
@@ -110,6 +110,7 @@ from jax import lax
 
 from pallas_flash.logits import log2_logits, raw_score_gradient
 from pallas_flash.masking import MaskSpec
+from pallas_flash.mosaic.block_walk import hull
 from pallas_flash.mosaic.config import (
     MAX_HEAD_DIM,
     MAX_PER_CONSUMER_HEAD_DIM,
@@ -121,21 +122,17 @@ from pallas_flash.mosaic.config import (
     ring_view,
     splits_dq,
 )
-from pallas_flash.mosaic.forward import (
-    _CONSUMER_REGISTERS,
-    _DTYPES,
-    _LOG2E,
-    _PRODUCER,
-    _PRODUCER_REGISTERS,
-    _SWIZZLE,
-    _fold_mask,
-    _hull,
-    _logit_array,
-    _logit_operand,
-    _LogitArray,
-    _pad,
-    _row,
-    _smem_transforms,
+from pallas_flash.mosaic.logit_arrays import LogitArray, fold_mask, logit_array, logit_operand
+from pallas_flash.mosaic.tiles import (
+    CONSUMER_REGISTERS,
+    DTYPES,
+    LOG2E,
+    PRODUCER,
+    PRODUCER_REGISTERS,
+    SWIZZLE,
+    pad_operand,
+    row,
+    smem_transforms,
 )
 from pallas_flash.padding import pad_axis, round_up
 from pallas_flash.segments import cut_to_span, pad_segment_ids, tile_spans
@@ -151,7 +148,7 @@ def _registers(head_dim: int) -> tuple[int, int]:
     """
     if head_dim > 64:
         return 240, 24
-    return _CONSUMER_REGISTERS, _PRODUCER_REGISTERS
+    return CONSUMER_REGISTERS, PRODUCER_REGISTERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,12 +175,12 @@ class _Static:
     # Swizzle (bytes) of every SMEM tile. wgmma steps through K one swizzle width at a
     # time and wants both SMEM operands equally swizzled, so a GEMM that contracts over
     # 32 rows (32-key blocks of the dQ kernel at head_dim 256) takes 64 bytes throughout.
-    swizzle: int = _SWIZZLE
+    swizzle: int = SWIZZLE
     # Bias / mask arrays (the forward's reader), in this kernel's orientation: the dK/dV
     # kernel reads them transposed ([B', N', S, T]: its rows are keys, its ring walks
     # queries), the dQ kernel as they are.
-    bias: _LogitArray | None = None
-    attn_mask: _LogitArray | None = None
+    bias: LogitArray | None = None
+    attn_mask: LogitArray | None = None
 
     @property
     def split_dq(self) -> bool:
@@ -194,7 +191,7 @@ class _Static:
         return self.fuse_dq and splits_dq(self.head_dim, self.dtype.itemsize)
 
     @property
-    def logit_arrays(self) -> tuple[_LogitArray, ...]:
+    def logit_arrays(self) -> tuple[LogitArray, ...]:
         return tuple(a for a in (self.bias, self.attn_mask) if a is not None)
 
     @property
@@ -263,7 +260,7 @@ def _visible(st: _Static, shape, q_first, k_first, q_ids, kv_ids, *, keys_are_ro
     q_axis, k_axis = (1, 0) if keys_are_rows else (0, 1)
     visible = st.mask.visible(iota(q_axis) + q_first, iota(k_axis) + k_first)
     if st.segmented:  # ... and pairs of the same document
-        spread = {0: _row, 1: _col}
+        spread = {0: row, 1: _col}
         visible &= spread[q_axis](q_ids, shape) == spread[k_axis](kv_ids, shape)
     if mask_tile is not None:  # ... and pairs the mask array shows
         visible &= mask_tile != 0
@@ -284,7 +281,7 @@ def _cta_range(st: _Static, cta_band, ranges_of):
     ids the hull of its consumers' ranges (``ranges_of(c)``: consumer c's)."""
     if not st.segmented:
         return cta_band[0], cta_band[3]
-    return functools.reduce(_hull, (ranges_of(c)[::3] for c in range(NUM_CONSUMERS)))
+    return functools.reduce(hull, (ranges_of(c)[::3] for c in range(NUM_CONSUMERS)))
 
 
 def _unpack_refs(st: _Static, refs):
@@ -398,7 +395,7 @@ def _warp_specialized(st: _Static, free, num_steps, load, consume, *,
     consumer_registers, producer_registers = _registers(st.head_dim)
     wg = lax.axis_index("wg")
 
-    @pl.when(wg == _PRODUCER)
+    @pl.when(wg == PRODUCER)
     def _producer():
         plgpu.set_max_registers(producer_registers, action="decrease")
         _stream(st, free, num_steps, load)
@@ -805,9 +802,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
                     if masked:
                         visible = _visible(st, shape, q0, j * bkv, q_ids, kv_ids,
                                            keys_are_rows=False, mask_tile=mask)
-                    p, slope = _probabilities(st, scores, _row(lse2, shape), visible, bias)
+                    p, slope = _probabilities(st, scores, row(lse2, shape), visible, bias)
                     dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=0)
-                    ds = raw_score_gradient(p * (dp - _row(delta, shape)), slope)
+                    ds = raw_score_gradient(p * (dp - row(delta, shape)), slope)
                     plgpu.wgmma(dq_acc, _operand_a(ds.astype(st.dtype), a_tile), k_tile)
                     plgpu.wgmma_wait(0)  # K_j is read: the slot may be refilled
 
@@ -847,7 +844,7 @@ def unsupported(q_shape, dtype, has_segments: bool, softcap: float | None = None
     Segment ids (hence padding lengths) and soft-capping are supported.
     """
     del has_segments, softcap
-    if jnp.dtype(dtype) not in _DTYPES:
+    if jnp.dtype(dtype) not in DTYPES:
         return f"the Mosaic GPU backward takes bfloat16 or float16, got {jnp.dtype(dtype)}"
     dim = padded_head_dim(q_shape[-1])
     if MAX_PER_CONSUMER_HEAD_DIM < dim < MAX_HEAD_DIM:
@@ -911,11 +908,11 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
     itemsize = jnp.dtype(q.dtype).itemsize
     # Bias / mask arrays: the dQ kernel reads them as the forward does, the dK/dV kernel
     # transposed ([B', N', S, T]), so that its tiles are laid out as Sᵀ.
-    bias, attn_mask = _fold_mask(bias, attn_mask)
+    bias, attn_mask = fold_mask(bias, attn_mask)
     logits = [(x, is_mask) for x, is_mask in ((bias, False), (attn_mask, True))
               if x is not None]
-    dq_logits = [(x, _logit_array(x, is_mask=m)) for x, m in logits]
-    dkdv_logits = [(x, _logit_array(x, is_mask=m))
+    dq_logits = [(x, logit_array(x, is_mask=m)) for x, m in logits]
+    dkdv_logits = [(x, logit_array(x, is_mask=m))
                    for x, m in ((jnp.swapaxes(x, 2, 3), m) for x, m in logits)]
     rings = {name: tuple(a.ring for _, a in arrays if a.ring is not None)
              for name, arrays in (("dkdv_rings", dkdv_logits), ("dq_rings", dq_logits))}
@@ -925,11 +922,11 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
     # dK/dV CTAs and dQ key blocks (all block sizes are powers of two times 64).
     seq_q_pad = round_up(seq_q, max(config.block_q, NUM_CONSUMERS * config.dq_block_q))
     seq_kv_pad = round_up(seq_kv, max(NUM_CONSUMERS * config.block_kv, config.dq_block_kv))
-    q_p, do_p = (_pad(x, seq_q_pad, dim) for x in (q, d_out))
-    k_p, v_p = (_pad(x, seq_kv_pad, dim) for x in (k, v))
+    q_p, do_p = (pad_operand(x, seq_q_pad, dim) for x in (q, d_out))
+    k_p, v_p = (pad_operand(x, seq_kv_pad, dim) for x in (k, v))
     # lse in base 2 (the kernels' exponent); padded rows get +inf so that their P is 0.
     # Rows that see no key have lse = EMPTY_ROW_LSE and only hidden (-inf) logits: P = 0.
-    lse2 = pad_axis(lse * _LOG2E, 2, seq_q_pad, jnp.inf)
+    lse2 = pad_axis(lse * LOG2E, 2, seq_q_pad, jnp.inf)
     delta = pad_axis(delta, 2, seq_q_pad)
     fuse_dq = not config.deterministic
     common = dict(
@@ -948,9 +945,9 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         extra = () if ids is None else (
             *ids, tile_spans(*ids, st.block_q, st.block_kv, walk_kv=walk_kv))
         if walk_kv:  # the dQ kernel
-            arrays = [_logit_operand(x, a, seq_q_pad, seq_kv_pad) for x, a in dq_logits]
+            arrays = [logit_operand(x, a, seq_q_pad, seq_kv_pad) for x, a in dq_logits]
         else:
-            arrays = [_logit_operand(x, a, seq_kv_pad, seq_q_pad) for x, a in dkdv_logits]
+            arrays = [logit_operand(x, a, seq_kv_pad, seq_q_pad) for x, a in dkdv_logits]
         return (*operands, *extra, *arrays)
 
     def logit_arrays(arrays):
@@ -966,8 +963,8 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         num_q_blocks=seq_q_pad // config.block_q,
         num_tiles=seq_kv_pad // ((1 if split else NUM_CONSUMERS) * config.block_kv),
         # Split: dV/dK contract over the 32 rows of a consumer's half of the query block.
-        swizzle=min(_SWIZZLE, config.block_q // NUM_CONSUMERS * itemsize) if split
-        else _SWIZZLE, **logit_arrays(dkdv_logits), **common)
+        swizzle=min(SWIZZLE, config.block_q // NUM_CONSUMERS * itemsize) if split
+        else SWIZZLE, **logit_arrays(dkdv_logits), **common)
     dkdv_operands = with_ids(dkdv_static, walk_kv=False)  # owns key tiles, walks queries
     if fuse_dq:
         # The reduce-adds' target (interpret mode: a partial sum per consumer and key tile).
@@ -988,7 +985,7 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         dq_static = _Static(block_q=config.dq_block_q, block_kv=config.dq_block_kv,
                             num_q_blocks=seq_q_pad // config.dq_block_q,
                             num_tiles=seq_q_pad // (NUM_CONSUMERS * config.dq_block_q),
-                            swizzle=min(_SWIZZLE, config.dq_block_kv * itemsize),
+                            swizzle=min(SWIZZLE, config.dq_block_kv * itemsize),
                             **logit_arrays(dq_logits), **common)
         dq = _call_dq(dq_static, with_ids(dq_static, walk_kv=True), interpret=interpret)
     return (dq[:, :seq_q, :, :head_dim], dk[:, :seq_kv, :, :head_dim],
@@ -1005,7 +1002,7 @@ def _tiles(st: _Static, *shape, dtype=None):
     """A swizzled SMEM buffer (the layout TMA writes and wgmma reads)."""
     dtype = jnp.dtype(dtype or st.dtype)
     swizzle = min(st.swizzle, shape[-1] * dtype.itemsize)  # float32 staging: 128 bytes
-    return plgpu.SMEM(shape, dtype, transforms=_smem_transforms(dtype.itemsize, swizzle))
+    return plgpu.SMEM(shape, dtype, transforms=smem_transforms(dtype.itemsize, swizzle))
 
 
 def _logit_scratch(st: _Static, *, owned: int, walked: int) -> dict:
