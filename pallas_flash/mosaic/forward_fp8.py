@@ -53,13 +53,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_flash.masking import MaskSpec
-from pallas_flash.mosaic.block_walk import walk, walk_overlapped
+from pallas_flash.mosaic.block_walk import visible_tile, walk, walk_overlapped
 from pallas_flash.mosaic.config import (
     MAX_HEAD_DIM,
     SMEM_BUDGET,
     MosaicConfig,
     padded_head_dim,
 )
+from pallas_flash.mosaic.epilogue import normalized, store_rows
 from pallas_flash.mosaic.mainloop import (
     OverlappedTurns,
     SerialTurns,
@@ -72,10 +73,10 @@ from pallas_flash.mosaic.mainloop import (
     sync,
 )
 from pallas_flash.mosaic.pipeline import observe_releases, ring_slot, stream_kv
+from pallas_flash.mosaic.scheduler import TileGrid
 from pallas_flash.mosaic.softmax import online_softmax_step
-from pallas_flash.mosaic.tiles import LN2, LOG2E, REGISTERS, row
+from pallas_flash.mosaic.tiles import LOG2E, REGISTERS, row
 from pallas_flash.padding import pad_axis, round_up
-from pallas_flash.reference import EMPTY_ROW_LSE
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 #: P ∈ [0, 1] is stored as e4m3(P · 448): 448 is e4m3's largest finite value.
@@ -118,7 +119,14 @@ class _Static:
     num_q_tiles: int  # CTAs along the sequence, each of num_consumers * block_q rows
     kv_padded: bool  # seq_kv was padded up to whole blocks
     interpret: bool  # P·V into a fresh accumulator (see the module docstring)
+    batch: int
+    heads: int
     overlap: bool = False  # FA3's intra-warpgroup pipelining (MosaicConfig.overlap)
+
+    @property
+    def tile_grid(self) -> TileGrid:
+        return TileGrid(num_q_tiles=self.num_q_tiles, reverse_q_tiles=self.reverse_q_tiles,
+                        batch=self.batch, heads=self.heads)
 
     @property
     def reverse_q_tiles(self) -> bool:
@@ -215,11 +223,9 @@ def _kernel(q_ref, k_ref, vt_ref, q_scale_ref, k_scale_ref, v_scale_ref, out_ref
     of ``num_stages``."""
     p_smem, o_smem = p_o_smem
     bq, bkv = st.block_q, st.block_kv
-    batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+    _, tile_at = st.tile_grid.tiles()  # one CTA per tile
+    batch, head, q_tile = tile_at(0)
     kv_head = lax.div(head, st.group)  # GQA: K/V are indexed, never repeated
-    q_tile = lax.axis_index("q_tiles")
-    if st.reverse_q_tiles:
-        q_tile = st.num_q_tiles - 1 - q_tile
     consumers = st.num_consumers
     cta_q0 = q_tile * (consumers * bq)
     cta_first, _, _, cta_last = st.mask.kv_blocks(cta_q0, consumers * bq, bkv)
@@ -283,9 +289,8 @@ def _consumer_warpgroup(wg, st: _Static, q_gmem, out_gmem, lse_gmem, scales, q_t
         goes to ``p_out``. Returns the new m and l, and alpha, O's factor to the new m.
         ``k_scale``: s_K,j, loaded before the GEMM so that the GEMM hides the load."""
         if masked:
-            rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
-            cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
-            scores = jnp.where(st.mask.visible(rows + q0, cols + j * bkv), scores, -jnp.inf)
+            visible = visible_tile(st.mask, (bq, bkv), q0, j * bkv)
+            scores = jnp.where(visible, scores, -jnp.inf)
         # A masked row that has seen no key yet keeps m = -inf, its P and l 0.
         p, m_new, alpha = online_softmax_step(scores, m_i, q_scale_log2 * k_scale,
                                               guard_empty=masked)
@@ -310,15 +315,11 @@ def _consumer_warpgroup(wg, st: _Static, q_gmem, out_gmem, lse_gmem, scales, q_t
     turns.end(st.num_consumers, wg, turn)
 
     # Epilogue: undo P's 448 and the last V scale, normalise; O and LSE leave via TMA.
-    empty = l_i == 0.0
-    l_safe = jnp.where(empty, 1.0, l_i)
-    o = o * row((v_scale / P_SCALE) / l_safe, o.shape)
-    lse_tile[...] = jnp.where(empty, EMPTY_ROW_LSE, (m_i + jnp.log2(l_safe)) * LN2)
+    o, lse = normalized(o, m_i, l_i, o_scale=v_scale / P_SCALE)
+    lse_tile[...] = lse
     sync(p_done)  # every P tile is read: O may overwrite them
     o_tile[...] = o.astype(OUT_DTYPE)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_tile, out_gmem)
-    plgpu.copy_smem_to_gmem(lse_tile, lse_gmem)
+    store_rows(o_tile, lse_tile, out_gmem, lse_gmem)
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -503,7 +504,8 @@ def forward(ops: Fp8Operands, *, mask: MaskSpec, scale: float, config: MosaicCon
         mask=mask, scale_log2=scale * LOG2E, block_q=config.block_q,
         block_kv=config.block_kv, num_stages=config.num_stages, head_dim=dim,
         group=heads // kv_heads, num_consumers=consumers, num_q_tiles=seq_q_pad // rows_per_cta,
-        kv_padded=seq_kv_pad != seq_kv, interpret=interpret, overlap=config.overlap)
+        kv_padded=seq_kv_pad != seq_kv, interpret=interpret, batch=batch, heads=heads,
+        overlap=config.overlap)
 
     bq, bkv, stages = st.block_q, st.block_kv, st.num_stages
     scratch = dict(
@@ -526,6 +528,7 @@ def forward(ops: Fp8Operands, *, mask: MaskSpec, scale: float, config: MosaicCon
               else plgpu.Barrier(num_arrivals=consumers)),
         p_done=plgpu.Barrier(num_arrivals=consumers),
     )
+    grid, grid_names = st.tile_grid.launch()
     call = plgpu.kernel(
         functools.partial(_kernel, st=st),
         out_type=(
@@ -533,8 +536,8 @@ def forward(ops: Fp8Operands, *, mask: MaskSpec, scale: float, config: MosaicCon
             jax.ShapeDtypeStruct((batch, heads, seq_q_pad), jnp.float32),
         ),
         scratch_types=scratch,
-        grid=(heads, st.num_q_tiles, batch),
-        grid_names=("heads", "q_tiles", "batch"),
+        grid=grid,
+        grid_names=grid_names,
         num_threads=consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
