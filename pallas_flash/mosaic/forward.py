@@ -93,6 +93,7 @@ from pallas_flash.mosaic.config import (
     NUM_CONSUMERS,
     MosaicConfig,
     fit_logit_rings,
+    forward_config,
     padded_head_dim,
 )
 from pallas_flash.mosaic.epilogue import normalized, store_rows
@@ -264,147 +265,197 @@ def _release_k(st: _Static, k_free, key_rings: _ScoreInputs, s, wg) -> _ScoreInp
     return _ScoreInputs(ids, bias, mask)
 
 
+class _Gmem(NamedTuple):
+    """The kernel's GMEM refs: q/out [B, Tq, N, D], k/v [B, Tk, K, D], lse [B, N, Tq]; with
+    segment ids q_ids [B, Tq], kv_ids [B, Tk], spans [B, 2, Tq / block_q]; the bias and
+    mask operands (:class:`LogitArray`); None where absent."""
+
+    q: Any
+    k: Any
+    v: Any
+    out: Any
+    lse: Any
+    q_ids: Any = None
+    kv_ids: Any = None
+    spans: Any = None
+    bias: Any = None
+    mask: Any = None
+
+
+class _Smem(NamedTuple):
+    """The kernel's SMEM scratch and barriers (C consumers): q [C, block_q, D], the k / v
+    rings [num_stages, block_kv, D], lse [C, block_q]; the rings riding along K's
+    (``key_rings``: key ids, bias, mask; one more TMA arrival on ``k_ready`` per copy:
+    ``st.key_slot_copies``); p [C, block_q, block_kv] in interpret mode only; o like q
+    when persistent (else O leaves through Q's tile)."""
+
+    q: Any
+    k: Any
+    v: Any
+    lse: Any
+    q_ready: Any
+    k_ready: Any
+    v_ready: Any
+    k_free: Any
+    v_free: Any
+    turn: Any
+    key_rings: _ScoreInputs
+    p: Any = None
+    o: Any = None
+
+
 def _kernel(q_ref, k_ref, v_ref, *refs, st: _Static, q_smem, k_smem, v_smem, lse_smem,
             q_ready, k_ready, v_ready, k_free, v_free, turn, kv_ids_smem=None, bias_smem=None,
             mask_smem=None, p_smem=None, o_smem=None):
-    """One CTA: one work tile, or a persistent CTA's tiles (:func:`_tiles`). Refs: q/out
-    [B, Tq, N, D], k/v [B, Tk, K, D], lse [B, N, Tq] (GMEM); q_smem [C, block_q, D],
-    k_smem/v_smem [num_stages, block_kv, D], lse_smem [C, block_q] (C consumers); o_smem
-    like q_smem when persistent (else O leaves through Q's tile).
-
-    ``refs`` is ``out_ref, lse_ref`` preceded by, when present: with segment ids q_ids
-    [B, Tq], kv_ids [B, Tk] and spans [B, 2, Tq / block_q] (GMEM), and kv_ids_smem
-    [num_stages, block_kv] rides along K's ring; the bias operand, then the mask operand
-    (:class:`LogitArray`), whose rings bias_smem / mask_smem ride along K's ring too (one
-    more TMA arrival on ``k_ready`` per copy: ``st.key_slot_copies``).
+    """One CTA: one work tile, or a persistent CTA's tiles (:class:`TileGrid`). ``refs`` is
+    ``out_ref, lse_ref`` preceded by, when present, the segment ids' and the bias / mask
+    operands (:class:`_Gmem`); the scratch is :class:`_Smem`'s.
 
     K/V ring steps are counted over the CTA's tiles (``ring_base``: the steps of its
     earlier tiles), so the producer fills the ring for the next tile as slots free up.
     """
     *inputs, out_ref, lse_ref = refs
     inputs = iter(inputs)
-    q_ids_ref, kv_ids_ref, spans_ref = (
-        (next(inputs), next(inputs), next(inputs)) if st.segmented else (None, None, None))
-    bias_ref = next(inputs) if st.bias is not None else None
-    mask_ref = next(inputs) if st.attn_mask is not None else None
-    key_rings = _ScoreInputs(kv_ids_smem, bias_smem, mask_smem)
-    bq, bkv = st.block_q, st.block_kv
-    consumers = st.num_consumers
-    count, tile_at = st.tile_grid.tiles()
-
-    def cta_blocks(tile: Tile):
-        """The K/V blocks any row of the tile sees; the producer loads exactly these, once."""
-        if st.segmented:  # each consumer's span may differ: load their union
-            first_block = tile.q_tile * consumers
-            return functools.reduce(hull, (
-                _consumer_ranges(st, spans_ref, tile.batch, first_block + c)[::3]
-                for c in range(consumers)))
-        first, _, _, last = st.mask.kv_blocks(tile.q_tile * (consumers * bq), consumers * bq,
-                                              bkv)
-        return first, last
-
-    def slot_of(ring_base, cta_first):
-        def slot(j):
-            """Ring slot of K/V block j (ring steps counted from the CTA's first load)."""
-            return ring_slot(ring_base + j - cta_first, st.num_stages)
-        return slot
-
+    ids = (next(inputs), next(inputs), next(inputs)) if st.segmented else (None,) * 3
+    gmem = _Gmem(q_ref, k_ref, v_ref, out_ref, lse_ref, *ids,
+                 bias=next(inputs) if st.bias is not None else None,
+                 mask=next(inputs) if st.attn_mask is not None else None)
+    smem = _Smem(q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready, k_free, v_free,
+                 turn, _ScoreInputs(kv_ids_smem, bias_smem, mask_smem), p_smem, o_smem)
+    tiles = st.tile_grid.tiles()
     wg = lax.axis_index("wg")
-    consumer_registers, producer_registers = REGISTERS[consumers]
+    consumer_registers, producer_registers = REGISTERS[st.num_consumers]
 
-    @pl.when(wg < consumers)
+    @pl.when(wg < st.num_consumers)
     def _consumer():
         plgpu.set_max_registers(consumer_registers, action="increase")
+        _consumer_tiles(st, gmem, smem, wg, tiles)
 
-        def load_q(tile: Tile):
-            rows = (tile.batch, pl.ds((tile.q_tile * consumers + wg) * bq, bq), tile.head)
-            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[wg], q_ready.at[wg])
-
-        def tile_work(i, ring_base):
-            tile = tile_at(i)
-            batch, head = tile.batch, tile.head
-            cta_first, cta_last = cta_blocks(tile)
-            # This warpgroup's block ranges, inside the CTA's (it must step through all of
-            # the CTA's blocks to keep the ring and the ping-pong in lockstep with the
-            # other consumers).
-            ranges = tuple(jnp.clip(x, cta_first, cta_last) for x in _consumer_ranges(
-                st, spans_ref, batch, tile.q_tile * consumers + wg))
-            q0 = (tile.q_tile * consumers + wg) * bq
-            # This warpgroup's per-row inputs, laid out as the rows of S, loaded once.
-            rows = pl.ds(q0, bq)
-            q_ids = bias_rows = mask_rows = None
-            if st.segmented:  # (plain loads from GMEM: Mosaic GPU vectorises SMEM loads only)
-                q_ids = plgpu.load(q_ids_ref.at[batch, rows],
-                                   layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-            if st.bias is not None and st.bias.kind == "rows":
-                bias_rows = st.bias.read_rows(bias_ref, batch=batch, head=head, rows=rows)
-            if st.attn_mask is not None and st.attn_mask.kind == "rows":
-                mask_rows = st.attn_mask.read_rows(mask_ref, batch=batch, head=head, rows=rows)
-
-            def load_next_q():
-                pl.when(i + 1 < count)(lambda: load_q(tile_at(i + 1)))
-
-            _consumer_warpgroup(
-                wg, st, out_ref, lse_ref, q_smem.at[wg], k_smem, v_smem, lse_smem.at[wg],
-                q_ready.at[wg], k_ready, v_ready, k_free, v_free, turn,
-                None if p_smem is None else p_smem.at[wg], key_rings,
-                o_tile=q_smem.at[wg] if o_smem is None else o_smem.at[wg],
-                load_next_q=load_next_q if st.persistent_ctas else None, batch=batch,
-                head=head, q0=q0, row_inputs=_ScoreInputs(q_ids, bias_rows, mask_rows),
-                ranges=ranges, cta_first=cta_first, cta_last=cta_last,
-                slot=slot_of(ring_base, cta_first))
-            return ring_base + cta_last - cta_first
-
-        load_q(tile_at(0))
-        turns = OverlappedTurns if st.overlap else SerialTurns
-        turns.begin(consumers, wg, turn)
-        for_each_tile(count, tile_work, 0)
-        turns.end(consumers, wg, turn)
-        plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(wg == consumers)  # the last warpgroup
+    @pl.when(wg == st.num_consumers)  # the last warpgroup
     def _producer():
         plgpu.set_max_registers(producer_registers, action="decrease")
+        _producer_tiles(st, gmem, smem, tiles)
 
-        def tile_loads(i, loaded):
-            tile = tile_at(i)
-            batch, head = tile.batch, tile.head
-            kv_head = lax.div(head, st.group)  # GQA: K/V are indexed, never repeated
-            cta_first, cta_last = cta_blocks(tile)
-            slot = slot_of(loaded, cta_first)
 
-            def load(ref, smem, ready, j):
-                rows = (batch, pl.ds(j * bkv, bkv), kv_head)
-                plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot(j)], ready.at[slot(j)])
+def _cta_blocks(st: _Static, spans_ref, tile: Tile):
+    """The K/V blocks any row of the tile sees; the producer loads exactly these, once."""
+    consumers, bq = st.num_consumers, st.block_q
+    if st.segmented:  # each consumer's span may differ: load their union
+        first_block = tile.q_tile * consumers
+        return functools.reduce(hull, (
+            _consumer_ranges(st, spans_ref, tile.batch, first_block + c)[::3]
+            for c in range(consumers)))
+    first, _, _, last = st.mask.kv_blocks(tile.q_tile * (consumers * bq), consumers * bq,
+                                          st.block_kv)
+    return first, last
 
-            cta_q0 = tile.q_tile * (consumers * bq)
-            consumer_rows = [pl.ds(cta_q0 + c * bq, bq) for c in range(consumers)]
 
-            def load_k(j):
-                load(k_ref, k_smem, k_ready, j)
-                keys, ready = pl.ds(j * bkv, bkv), k_ready.at[slot(j)]
-                if st.segmented:  # the keys' ids, 4 * block_kv bytes, on K's barrier
-                    plgpu.copy_gmem_to_smem(kv_ids_ref.at[batch, keys],
-                                            kv_ids_smem.at[slot(j)], ready)
-                for array, ref, ring in ((st.bias, bias_ref, bias_smem),
-                                         (st.attn_mask, mask_ref, mask_smem)):
-                    if ring is not None:  # bias / mask tiles or rows of block j, on K's barrier
-                        array.load_block(ref, ring.at[slot(j)], ready, batch=batch, head=head,
-                                         rows=consumer_rows, keys=keys)
-            load_v = functools.partial(load, v_ref, v_smem, v_ready)
+def _slot_of(st: _Static, ring_base, cta_first):
+    """The ring slot of K/V block j of a tile whose first block is ``cta_first``, after
+    ``ring_base`` ring steps of the CTA's earlier tiles."""
+    def slot(j):
+        return ring_slot(ring_base + j - cta_first, st.num_stages)
+    return slot
 
-            # The consumers read the slots' key ids / bias / mask through the generic
-            # proxy: a proxy fence orders those reads before the TMA (async proxy)
-            # overwrites them.
-            stream_kv(num_stages=st.num_stages, first=cta_first, last=cta_last, slot=slot,
-                      load_k=load_k, load_v=load_v, k_free=k_free, v_free=v_free,
-                      before_k_refill=plgpu.commit_smem if st.reads_key_slots else None,
-                      loaded_before=loaded)
-            return loaded + cta_last - cta_first
 
-        loaded = for_each_tile(count, tile_loads, 0)
-        observe_releases(num_stages=st.num_stages, loaded=loaded, k_free=k_free,
-                         v_free=v_free)
+def _consumer_tiles(st: _Static, gmem: _Gmem, smem: _Smem, wg, tiles) -> None:
+    """Consumer ``wg``: its rows of each of the CTA's tiles (``tiles``: count, tile_at)."""
+    bq, consumers = st.block_q, st.num_consumers
+    count, tile_at = tiles
+
+    def load_q(tile: Tile):
+        rows = (tile.batch, pl.ds((tile.q_tile * consumers + wg) * bq, bq), tile.head)
+        plgpu.copy_gmem_to_smem(gmem.q.at[rows], smem.q.at[wg], smem.q_ready.at[wg])
+
+    def tile_work(i, ring_base):
+        tile = tile_at(i)
+        batch, head = tile.batch, tile.head
+        cta_first, cta_last = _cta_blocks(st, gmem.spans, tile)
+        # This warpgroup's block ranges, inside the CTA's (it must step through all of
+        # the CTA's blocks to keep the ring and the ping-pong in lockstep with the
+        # other consumers).
+        ranges = tuple(jnp.clip(x, cta_first, cta_last) for x in _consumer_ranges(
+            st, gmem.spans, batch, tile.q_tile * consumers + wg))
+        q0 = (tile.q_tile * consumers + wg) * bq
+        # This warpgroup's per-row inputs, laid out as the rows of S, loaded once.
+        rows = pl.ds(q0, bq)
+        q_ids = bias_rows = mask_rows = None
+        if st.segmented:  # (plain loads from GMEM: Mosaic GPU vectorises SMEM loads only)
+            q_ids = plgpu.load(gmem.q_ids.at[batch, rows],
+                               layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+        if st.bias is not None and st.bias.kind == "rows":
+            bias_rows = st.bias.read_rows(gmem.bias, batch=batch, head=head, rows=rows)
+        if st.attn_mask is not None and st.attn_mask.kind == "rows":
+            mask_rows = st.attn_mask.read_rows(gmem.mask, batch=batch, head=head, rows=rows)
+
+        def load_next_q():
+            pl.when(i + 1 < count)(lambda: load_q(tile_at(i + 1)))
+
+        _consumer_warpgroup(
+            wg, st, gmem.out, gmem.lse, smem.q.at[wg], smem.k, smem.v, smem.lse.at[wg],
+            smem.q_ready.at[wg], smem.k_ready, smem.v_ready, smem.k_free, smem.v_free,
+            smem.turn, None if smem.p is None else smem.p.at[wg], smem.key_rings,
+            o_tile=smem.q.at[wg] if smem.o is None else smem.o.at[wg],
+            load_next_q=load_next_q if st.persistent_ctas else None, batch=batch,
+            head=head, q0=q0, row_inputs=_ScoreInputs(q_ids, bias_rows, mask_rows),
+            ranges=ranges, cta_first=cta_first, cta_last=cta_last,
+            slot=_slot_of(st, ring_base, cta_first))
+        return ring_base + cta_last - cta_first
+
+    load_q(tile_at(0))
+    turns = OverlappedTurns if st.overlap else SerialTurns
+    turns.begin(consumers, wg, smem.turn)
+    for_each_tile(count, tile_work, 0)
+    turns.end(consumers, wg, smem.turn)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _producer_tiles(st: _Static, gmem: _Gmem, smem: _Smem, tiles) -> None:
+    """The producer: K_j, V_j (and what rides along K) of each of the CTA's tiles into
+    the ring (:func:`~pallas_flash.mosaic.pipeline.stream_kv`)."""
+    bq, bkv, consumers = st.block_q, st.block_kv, st.num_consumers
+    count, tile_at = tiles
+    key_rings = smem.key_rings
+
+    def tile_loads(i, loaded):
+        tile = tile_at(i)
+        batch, head = tile.batch, tile.head
+        kv_head = lax.div(head, st.group)  # GQA: K/V are indexed, never repeated
+        cta_first, cta_last = _cta_blocks(st, gmem.spans, tile)
+        slot = _slot_of(st, loaded, cta_first)
+
+        def load(ref, ring, ready, j):
+            rows = (batch, pl.ds(j * bkv, bkv), kv_head)
+            plgpu.copy_gmem_to_smem(ref.at[rows], ring.at[slot(j)], ready.at[slot(j)])
+
+        cta_q0 = tile.q_tile * (consumers * bq)
+        consumer_rows = [pl.ds(cta_q0 + c * bq, bq) for c in range(consumers)]
+
+        def load_k(j):
+            load(gmem.k, smem.k, smem.k_ready, j)
+            keys, ready = pl.ds(j * bkv, bkv), smem.k_ready.at[slot(j)]
+            if st.segmented:  # the keys' ids, 4 * block_kv bytes, on K's barrier
+                plgpu.copy_gmem_to_smem(gmem.kv_ids.at[batch, keys],
+                                        key_rings.ids.at[slot(j)], ready)
+            for array, ref, ring in ((st.bias, gmem.bias, key_rings.bias),
+                                     (st.attn_mask, gmem.mask, key_rings.mask)):
+                if ring is not None:  # bias / mask tiles or rows of block j, on K's barrier
+                    array.load_block(ref, ring.at[slot(j)], ready, batch=batch, head=head,
+                                     rows=consumer_rows, keys=keys)
+        load_v = functools.partial(load, gmem.v, smem.v, smem.v_ready)
+
+        # The consumers read the slots' key ids / bias / mask through the generic
+        # proxy: a proxy fence orders those reads before the TMA (async proxy)
+        # overwrites them.
+        stream_kv(num_stages=st.num_stages, first=cta_first, last=cta_last, slot=slot,
+                  load_k=load_k, load_v=load_v, k_free=smem.k_free, v_free=smem.v_free,
+                  before_k_refill=plgpu.commit_smem if st.reads_key_slots else None,
+                  loaded_before=loaded)
+        return loaded + cta_last - cta_first
+
+    loaded = for_each_tile(count, tile_loads, 0)
+    observe_releases(num_stages=st.num_stages, loaded=loaded, k_free=smem.k_free,
+                     v_free=smem.v_free)
 
 
 def _consumer_warpgroup(wg, st: _Static, out_ref, lse_ref, q_tile, k_smem, v_smem, lse_tile,
@@ -658,7 +709,8 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         visits the KV blocks whose id range can meet its rows' (:mod:`pallas_flash.segments`).
       mask: visibility; its ``seq_q``/``seq_kv`` are the real lengths.
       scale: logit scale.
-      config: block sizes; ``config.check_fits`` must pass at the padded head dim. With
+      config: block sizes (or any of :data:`~pallas_flash.mosaic.config.CONFIG_TYPES`: its
+        forward part); ``config.check_fits`` must pass at the padded head dim. With
         bias / mask arrays it is first shrunk to fit their rings
         (:func:`~pallas_flash.mosaic.config.fit_logit_rings`).
       interpret: run in Mosaic GPU interpret mode on the CPU.
@@ -678,6 +730,7 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
     are hidden by ``mask.seq_kv``, padded query rows are cut off) and the head dim to a
     multiple of 64 (zero columns change neither Q·Kᵀ nor the kept columns of P·V).
     """
+    config = forward_config(config, q.shape, k.shape, q.dtype, mask)
     segmented = segment_ids is not None
     reason = unsupported(q.shape, k.shape, q.dtype, mask, segmented, softcap,
                          has_bias=bias is not None, has_mask=attn_mask is not None)
@@ -709,13 +762,44 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
     if config.persistent:
         st = dataclasses.replace(
             st, persistent_ctas=persistent_ctas(st.num_tiles, interpret=interpret))
-    consumers = st.num_consumers
 
-    transforms = smem_transforms(itemsize)
+    operands = [pad_operand(q, seq_q_pad, dim), pad_operand(k, seq_kv_pad, dim),
+                pad_operand(v, seq_kv_pad, dim)]
+    if segmented:
+        q_ids, kv_ids = pad_segment_ids(segment_ids, seq_q_pad, seq_kv_pad)
+        operands += [q_ids, kv_ids,
+                     tile_spans(q_ids, kv_ids, st.block_q, st.block_kv, walk_kv=True)]
+    # The bias, then the mask, as _kernel unpacks them.
+    operands += [logit_operand(x, array, seq_q_pad, seq_kv_pad) for x, array in logit_arrays]
+    grid, grid_names = st.tile_grid.launch()
+
+    call = plgpu.kernel(
+        functools.partial(_kernel, st=st),
+        out_type=(
+            jax.ShapeDtypeStruct((batch, seq_q_pad, heads, dim), q.dtype),
+            jax.ShapeDtypeStruct((batch, heads, seq_q_pad), jnp.float32),
+        ),
+        scratch_types=_scratch(st, config, [a for _, a in logit_arrays]),
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=st.num_consumers + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    out, lse = call(*operands)
+    return out[:, :seq_q, :, :head_dim], lse[:, :, :seq_q]
+
+
+def _scratch(st: _Static, config: MosaicConfig, logit_arrays: list[LogitArray]) -> dict:
+    """The kernel's SMEM scratch and barriers (:class:`_Smem`), in the order they are
+    allocated."""
+    consumers, dtype, dim = st.num_consumers, st.dtype, st.head_dim
+    transforms = smem_transforms(dtype.itemsize)
     scratch = dict(
-        q_smem=plgpu.SMEM((consumers, st.block_q, dim), q.dtype, transforms=transforms),
-        k_smem=plgpu.SMEM((st.num_stages, st.block_kv, dim), q.dtype, transforms=transforms),
-        v_smem=plgpu.SMEM((st.num_stages, st.block_kv, dim), q.dtype, transforms=transforms),
+        q_smem=plgpu.SMEM((consumers, st.block_q, dim), dtype, transforms=transforms),
+        k_smem=plgpu.SMEM((st.num_stages, st.block_kv, dim), dtype, transforms=transforms),
+        v_smem=plgpu.SMEM((st.num_stages, st.block_kv, dim), dtype, transforms=transforms),
         lse_smem=plgpu.SMEM((consumers, st.block_q), jnp.float32),
         q_ready=plgpu.Barrier(num_barriers=consumers),
         # One TMA arrival per copy: K, and what rides along (key ids, bias / mask tiles).
@@ -727,38 +811,15 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         turn=(plgpu.Barrier(num_barriers=consumers) if st.overlap
               else plgpu.Barrier(num_arrivals=consumers)),
     )
-    operands = [pad_operand(q, seq_q_pad, dim), pad_operand(k, seq_kv_pad, dim),
-                pad_operand(v, seq_kv_pad, dim)]
-    if segmented:
-        q_ids, kv_ids = pad_segment_ids(segment_ids, seq_q_pad, seq_kv_pad)
-        operands += [q_ids, kv_ids,
-                     tile_spans(q_ids, kv_ids, st.block_q, st.block_kv, walk_kv=True)]
+    if st.segmented:
         scratch["kv_ids_smem"] = plgpu.SMEM((st.num_stages, st.block_kv), jnp.int32)
-    for x, array in logit_arrays:  # the bias, then the mask, as _kernel unpacks them
-        operands.append(logit_operand(x, array, seq_q_pad, seq_kv_pad))
+    for array in logit_arrays:
         if array.ring is not None:
             scratch["mask_smem" if array.is_mask else "bias_smem"] = array.smem(config)
     if st.pv_through_smem:
         scratch["p_smem"] = plgpu.SMEM(
-            (consumers, st.block_q, st.block_kv), q.dtype, transforms=transforms)
+            (consumers, st.block_q, st.block_kv), dtype, transforms=transforms)
     if st.persistent_ctas:
-        scratch["o_smem"] = plgpu.SMEM((consumers, st.block_q, dim), q.dtype,
+        scratch["o_smem"] = plgpu.SMEM((consumers, st.block_q, dim), dtype,
                                        transforms=transforms)
-    grid, grid_names = st.tile_grid.launch()
-
-    call = plgpu.kernel(
-        functools.partial(_kernel, st=st),
-        out_type=(
-            jax.ShapeDtypeStruct((batch, seq_q_pad, heads, dim), q.dtype),
-            jax.ShapeDtypeStruct((batch, heads, seq_q_pad), jnp.float32),
-        ),
-        scratch_types=scratch,
-        grid=grid,
-        grid_names=grid_names,
-        num_threads=consumers + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )
-    out, lse = call(*operands)
-    return out[:, :seq_q, :, :head_dim], lse[:, :, :seq_q]
+    return scratch
