@@ -95,8 +95,10 @@ def attention(
         residuals, so the gradients are those of the same function.
       interpret: run Pallas kernels in interpret mode (CPU testing).
       config: ``None`` (the backend's heuristic for the shape), a config of the chosen
-        backend (``pallas_flash.triton.TritonConfig``, ``pallas_flash.mosaic.MosaicConfig``,
-        ``pallas_flash.xla.XlaConfig``), or ``"autotune"``: the fastest measured config for
+        backend (``pallas_flash.triton.TritonConfig``, ``pallas_flash.xla.XlaConfig``; for
+        Mosaic a ``MosaicConfig`` (forward), a ``MosaicBackwardConfig`` (backward) or a
+        ``MosaicCallConfig(forward=..., backward=...)``, the pass not given taking its
+        heuristic), or ``"autotune"``: the fastest measured config for
         this device and shape class, read from the cache of :func:`pallas_flash.autotune`
         (a forward + backward tuning first, then a forward one). On a miss the forward is
         tuned and cached right away, which compiles and times every candidate (seconds to
@@ -162,9 +164,12 @@ def _resolve_config(config, implementation: str, query, key, value, spec: MaskSp
     if isinstance(config, str) and config == "autotune":
         return config_for_attention(query, key, value, implementation=implementation,
                                     is_causal=spec.is_causal, interpret=interpret)
-    if not isinstance(config, type(default)):
+    # A backend may take configs of several types (Mosaic: forward, backward or both).
+    accepted = getattr(dispatch.backend(implementation), "CONFIG_TYPES", (type(default),))
+    if not isinstance(config, accepted):
+        names = " or ".join(t.__name__ for t in accepted)
         raise ValueError(
-            f"config must be None, 'autotune' or a {type(default).__name__} for "
+            f"config must be None, 'autotune' or a {names} for "
             f"implementation={implementation!r}, got {config!r}")
     return config
 

@@ -248,8 +248,6 @@ class MosaicBackwardConfig:
 
     Attributes:
       block_q: query rows per step of the dK/dV kernel (N of Sᵀ = K·Qᵀ); 64 or 128.
-      block_kv: keys per consumer warpgroup of the dK/dV kernel (wgmma M); 64.
-      dq_block_q: query rows per consumer warpgroup of the dQ kernel (wgmma M); 64.
       dq_block_kv: keys per step of the dQ kernel; 32, 64 or 128 (32 leaves room for a
         2-stage K/V ring at head_dim 256).
       num_stages: depth of both kernels' SMEM rings, 2 to 4.
@@ -260,22 +258,25 @@ class MosaicBackwardConfig:
         the additions, hence the rounding, varies from run to run. :func:`default_backward_config`
         picks it up to head_dim 128, where it is the faster mode (but for short causal
         sequences).
+
+    The keys per dK/dV consumer (:attr:`block_kv`) and the query rows per dQ consumer
+    (:attr:`dq_block_q`) are fixed at 64, wgmma's M: dK and dV of more keys, or dQ of more
+    rows, do not fit a consumer's registers beside the S and dP tiles.
     """
 
     block_q: int = 64
-    block_kv: int = 64
-    dq_block_q: int = 64
     dq_block_kv: int = 128
     num_stages: int = 2
     deterministic: bool = True
 
+    #: Keys per consumer warpgroup of the dK/dV kernel (wgmma M).
+    block_kv = 64
+    #: Query rows per consumer warpgroup of the dQ kernel (wgmma M).
+    dq_block_q = 64
+
     def __post_init__(self) -> None:
         if self.block_q not in (64, 128):
             raise ValueError(f"block_q must be 64 or 128, got {self.block_q}")
-        if self.block_kv != 64:
-            raise ValueError(f"block_kv must be 64, got {self.block_kv}")
-        if self.dq_block_q != 64:
-            raise ValueError(f"dq_block_q must be 64, got {self.dq_block_q}")
         if self.dq_block_kv not in (32, 64, 128):
             raise ValueError(f"dq_block_kv must be 32, 64 or 128, got {self.dq_block_kv}")
         if not 2 <= self.num_stages <= 4:
@@ -380,6 +381,54 @@ def ring_view(*, owned: int, walked: int, num_stages: int) -> MosaicConfig:
     forward's bias / mask readers take: consumers own ``owned`` rows, the ring walks blocks
     of ``walked``."""
     return MosaicConfig(block_q=owned, block_kv=walked, num_stages=num_stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicCallConfig:
+    """The Mosaic backend's configs of one ``attention`` call, forward and backward.
+
+    ``attention(config=...)`` takes one of these, or a :class:`MosaicConfig` alone (the
+    backward's from :func:`default_backward_config`), or a :class:`MosaicBackwardConfig`
+    alone (the forward's from :func:`default_config`).
+
+    Attributes:
+      forward: the forward kernel's tiling; None for :func:`default_config`'s.
+      backward: the backward kernels' tiling and dQ mode; None for
+        :func:`default_backward_config`'s.
+    """
+
+    forward: MosaicConfig | None = None
+    backward: MosaicBackwardConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.forward is not None and not isinstance(self.forward, MosaicConfig):
+            raise ValueError(f"forward must be a MosaicConfig or None, got {self.forward!r}")
+        if self.backward is not None and not isinstance(self.backward, MosaicBackwardConfig):
+            raise ValueError(
+                f"backward must be a MosaicBackwardConfig or None, got {self.backward!r}")
+
+
+#: What ``attention(config=...)`` accepts for the Mosaic backend.
+CONFIG_TYPES = (MosaicConfig, MosaicBackwardConfig, MosaicCallConfig)
+
+
+def forward_config(config, q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicConfig:
+    """The forward's part of any of :data:`CONFIG_TYPES` (its heuristic where absent)."""
+    if isinstance(config, MosaicConfig):
+        return config
+    if isinstance(config, MosaicCallConfig) and config.forward is not None:
+        return config.forward
+    return default_config(q_shape, kv_shape, dtype, mask)
+
+
+def backward_config(config, q_shape, kv_shape, dtype, mask: MaskSpec
+                    ) -> MosaicBackwardConfig:
+    """The backward's part of any of :data:`CONFIG_TYPES` (its heuristic where absent)."""
+    if isinstance(config, MosaicBackwardConfig):
+        return config
+    if isinstance(config, MosaicCallConfig) and config.backward is not None:
+        return config.backward
+    return default_backward_config(q_shape, kv_shape, dtype, mask)
 
 
 def fit_backward_logit_rings(config: MosaicBackwardConfig, head_dim: int, itemsize: int, *,
