@@ -69,10 +69,10 @@ CASES = [
     Case(1, 200, 60, 1, 1, 64, False, "top_left", (10, 10), BF16),  # rows 71.. see nothing
     Case(1, 192, 150, 2, 1, 96, False, "top_left", (40, 20), BF16),
     Case(1, 130, 130, 2, 1, 128, True, "top_left", None, BF16),
-    # head_dim 256: Mosaic's split dK/dV kernel and 32-key dQ blocks.
-    Case(1, 128, 128, 4, 2, 256, False, "top_left", None, BF16),
+    # head_dim 256: Mosaic's split dK/dV kernel and 32-key dQ blocks (the slowest to
+    # interpret: two cases).
+    Case(1, 128, 192, 2, 1, 256, False, "top_left", (40, 20), BF16),
     Case(1, 200, 130, 2, 1, 256, True, "bottom_right", None, F16),
-    Case(1, 192, 192, 2, 1, 256, False, "top_left", (40, 20), BF16),
 ]
 
 
