@@ -159,7 +159,7 @@ def test_bias_constant_along_keys_has_zero_gradient(backend):
     assert grads[3].shape == bias.shape
     # 16-bit inputs: zero up to the rounding of out in delta = rowsum(dO ∘ O), on the
     # scale of the other gradients.
-    bound = 1e-5 if q.dtype == F32 else tolerance(q.dtype) * np.abs(ref_grads[0]).max()
+    bound = 1e-5 if q.dtype == F32 else 2 * tolerance(q.dtype) * np.abs(ref_grads[0]).max()
     assert np.abs(np.asarray(grads[3])).max() < bound
 
 
