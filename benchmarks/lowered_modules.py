@@ -2,14 +2,19 @@
 
 A refactor of ``pallas_flash/mosaic`` should leave the kernels' code unchanged: this lowers
 every default-config kernel (bf16 forward and backward at head_dim 64 / 128 / 256, causal
-and not, at 1024 and 4096 tokens, with the variants that change the kernel body: segment ids, soft-cap, window,
-bias / mask arrays; the FP8 forward) for ``cuda`` on the CPU, prints each Mosaic GPU
-module without debug info (no source locations, no symbol names), and hashes it.
+and not, at 1024 and 4096 tokens, with the variants that change the kernel body: segment
+ids, soft-cap, window, bias / mask arrays; the FP8 forward) for ``cuda`` on the CPU,
+prints each Mosaic GPU module without debug info (no source locations, no symbol or dump
+names), and hashes it.
 
     python -m benchmarks.lowered_modules --out before.json
     python -m benchmarks.lowered_modules --compare before.json
 
 ``--compare`` exits 1 when any module differs, naming the cases.
+
+Where two modules differ only in the order of independent ops, what runs on the card may
+still be the same: on a GPU machine, ``--sass DIR`` compiles each case instead, with Mosaic
+GPU's SASS dump into ``DIR/<case>/``, and fingerprints the SASS (kernel names blanked).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import pathlib
 import re
 import sys
 from collections.abc import Callable
@@ -28,7 +35,9 @@ from jax.experimental.mosaic.gpu import core as mgpu_core
 import pallas_flash
 from pallas_flash import fp8
 
-_SYMBOL = re.compile(r'(sym_name = |@|sym_name=)"?[\w.$-]+"?')
+# Names that change with the Python functions' names or with what the process lowered
+# before (a dump counter), not with the kernel's code.
+_SYMBOL = re.compile(r'(sym_name = |@|dump_basename = )"?[\w.$-]+"?')
 
 
 def _capture() -> tuple[list[str], Callable[[], None]]:
@@ -100,17 +109,44 @@ def _fp8_cases():
                    [_spec(shape)] * 3)
 
 
-def fingerprints() -> dict[str, list[str]]:
-    """Case name -> SHA-256 of each Mosaic GPU module it lowers to, in lowering order."""
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _sass_digests(directory: pathlib.Path) -> list[str]:
+    """The SASS files Mosaic GPU dumped into ``directory``, each with the module's dump
+    name (its file name's prefix, a per-process counter) blanked."""
+    digests = []
+    for path in sorted(directory.glob("*sass*")):
+        basename = path.name.split(".")[0]
+        digests.append(_digest(path.read_text().replace(basename, "_")))
+    return digests
+
+
+def fingerprints(only: str | None = None, sass: str | None = None) -> dict[str, list[str]]:
+    """Case name -> SHA-256 of each Mosaic GPU module it lowers to, in lowering order (with
+    ``sass``, a directory: of the SASS each case compiles to, on a GPU machine); ``only``: a
+    regular expression the names must match."""
     fp8.available_implementations = lambda: ("mosaic", "xla")  # lowering needs no GPU
     result = {}
     for name, fn, args in (*_bf16_cases(), *_fp8_cases()):
+        if only is not None and not re.search(only, name):
+            continue
+        if sass is not None:
+            directory = pathlib.Path(sass, name)
+            directory.mkdir(parents=True, exist_ok=True)
+            # Read when each module is lowered (the dump options are set on the module).
+            os.environ.update(MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_TO=str(directory))
+            jax.jit(fn).trace(*args).lower().compile()
+            result[name] = _sass_digests(directory)
+            print(name, " ".join(result[name]), flush=True)
+            continue
         modules, restore = _capture()
         try:
             jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
         finally:
             restore()
-        result[name] = [hashlib.sha256(m.encode()).hexdigest()[:16] for m in modules]
+        result[name] = [_digest(m) for m in modules]
         print(name, " ".join(result[name]), flush=True)
     return result
 
@@ -119,15 +155,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the fingerprints to this JSON file")
     parser.add_argument("--compare", help="compare with the fingerprints in this JSON file")
+    parser.add_argument("--only", help="a regular expression: the cases to lower")
+    parser.add_argument("--sass", metavar="DIR",
+                        help="compile on the GPU and fingerprint the SASS dumped into DIR")
     args = parser.parse_args(argv)
-    got = fingerprints()
+    got = fingerprints(args.only, args.sass)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(got, f, indent=1, sort_keys=True)
     if args.compare:
         with open(args.compare) as f:
             want = json.load(f)
-        changed = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
+        changed = sorted(k for k in got if want.get(k) != got[k])
         print(f"{len(got) - len(changed)} cases identical, {len(changed)} changed")
         for name in changed:
             print(f"  changed: {name}: {want.get(name)} -> {got.get(name)}")

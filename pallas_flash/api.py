@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Any, Literal
 
@@ -10,68 +9,17 @@ import jax
 import jax.numpy as jnp
 
 from pallas_flash import bias as bias_lib
+from pallas_flash import dispatch
 from pallas_flash.autodiff import StaticArgs, attention_with_lse
+from pallas_flash.dispatch import available_implementations, default_implementation
 from pallas_flash.masking import CausalAlignment, MaskSpec
+from pallas_flash.tuning import config_for_attention
 
 Implementation = Literal["mosaic", "triton", "xla"]
 
-# Each module exposes KERNELS (autodiff.Kernels), default_config(q_shape, kv_shape, dtype,
-# mask) -> its frozen config dataclass, and unsupported(q_shape, kv_shape, dtype, mask,
-# has_segments, softcap=None, has_bias=False, has_mask=False) -> None, or a sentence saying
-# why it cannot run this call.
-_BACKEND_MODULES = {
-    "xla": "pallas_flash.xla",
-    "triton": "pallas_flash.triton",
-    "mosaic": "pallas_flash.mosaic",
-}
-_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-MAX_HEAD_DIM = 256
-
-
-def available_implementations() -> tuple[str, ...]:
-    """Implementations that can run on the default device (``interpret=False``)."""
-    if jax.default_backend() != "gpu":
-        return ("xla",)
-    names = ["triton", "xla"]
-    if _is_hopper() and _module_exists("mosaic"):
-        names.insert(0, "mosaic")
-    return tuple(names)
-
-
-def default_implementation() -> str:
-    """``mosaic`` on Hopper GPUs, ``triton`` on other GPUs, ``xla`` elsewhere."""
-    return available_implementations()[0]
-
-
-def _unsupported(name: str, query, key, spec: MaskSpec, features: dict) -> str | None:
-    """``features``: the keywords has_segments, softcap, has_bias, has_mask of this call."""
-    return _backend(name).unsupported(query.shape, key.shape, query.dtype, spec, **features)
-
-
-def _choose(query, key, spec, features, interpret) -> str:
-    """The first implementation, fastest first, that supports this call."""
-    candidates = ("triton", "xla") if interpret else available_implementations()
-    for name in candidates:
-        if _unsupported(name, query, key, spec, features) is None:
-            return name
-    return "xla"
-
-
-def _is_hopper() -> bool:
-    device = jax.devices()[0]
-    return getattr(device, "compute_capability", "") in ("9.0", "9.0a")
-
-
-def _module_exists(name: str) -> bool:
-    try:
-        _backend(name)
-    except ImportError:
-        return False
-    return True
-
-
-def _backend(name: str):
-    return importlib.import_module(_BACKEND_MODULES[name])
+# The public names of the package's entry point, some defined by the dispatcher.
+__all__ = ["PADDED_KEY_ID", "PADDED_QUERY_ID", "Implementation", "attention",
+           "available_implementations", "default_implementation"]
 
 
 def attention(
@@ -138,12 +86,19 @@ def attention(
       return_residual: also return ``lse: [batch, seq_q, heads]`` (float32, natural log of
         the softmax denominator; gradients flow through it). Rows that see no key have
         output 0 and lse ``-1e30``.
-      implementation: ``"mosaic"`` (Hopper), ``"triton"`` (any GPU, or CPU with
-        ``interpret=True``) or ``"xla"``; ``None`` picks the fastest available.
+      implementation: the forward's backend: ``"mosaic"`` (Hopper), ``"triton"`` (any GPU,
+        or CPU with ``interpret=True``) or ``"xla"``; ``None`` picks the fastest available
+        that supports the call. The backward runs on the same backend when it can; when it
+        cannot (the Mosaic backward takes no float32 input, for instance), it runs on the
+        first other one that can, fastest first: ``"triton"``, then ``"xla"``
+        (:func:`pallas_flash.dispatch.choose_backward`). Every backward reads the same
+        residuals, so the gradients are those of the same function.
       interpret: run Pallas kernels in interpret mode (CPU testing).
       config: ``None`` (the backend's heuristic for the shape), a config of the chosen
-        backend (``pallas_flash.triton.TritonConfig``, ``pallas_flash.mosaic.MosaicConfig``,
-        ``pallas_flash.xla.XlaConfig``), or ``"autotune"``: the fastest measured config for
+        backend (``pallas_flash.triton.TritonConfig``, ``pallas_flash.xla.XlaConfig``; for
+        Mosaic a ``MosaicConfig`` (forward), a ``MosaicBackwardConfig`` (backward) or a
+        ``MosaicCallConfig(forward=..., backward=...)``, the pass not given taking its
+        heuristic), or ``"autotune"``: the fastest measured config for
         this device and shape class, read from the cache of :func:`pallas_flash.autotune`
         (a forward + backward tuning first, then a forward one). On a miss the forward is
         tuned and cached right away, which compiles and times every candidate (seconds to
@@ -156,12 +111,14 @@ def attention(
     Returns:
       ``out: [batch, seq_q, heads, head_dim]`` in the input dtype, or ``(out, lse)``.
     """
-    _check_arrays(query, key, value)
+    dispatch.check_arrays(query, key, value)
     batch, seq_q, _, head_dim = query.shape
     seq_kv = key.shape[1]
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     _check_scale(scale)
+    if not isinstance(interpret, bool):
+        raise ValueError(f"interpret must be a bool, got {interpret!r}")
     window = _canonical_window(local_window_size)
     if not isinstance(is_causal, bool):
         raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
@@ -177,22 +134,20 @@ def attention(
     sinks = _check_sinks(sinks, query.shape[2])
     logits_shape = (batch, query.shape[2], seq_q, seq_kv)
     bias, mask = _check_bias(bias, logits_shape), _check_mask(mask, logits_shape)
-    features = dict(has_segments=segment_ids is not None, softcap=softcap,
-                    has_bias=bias is not None, has_mask=mask is not None)
+    features = dispatch.Features(has_segments=segment_ids is not None, softcap=softcap,
+                                 has_bias=bias is not None, has_mask=mask is not None)
 
     if implementation is None:
-        implementation = _choose(query, key, spec, features, interpret)
-    if implementation not in _BACKEND_MODULES:
-        raise ValueError(
-            f"implementation must be one of {sorted(_BACKEND_MODULES)} or None, "
-            f"got {implementation!r}")
-    backend = _backend(implementation)
-    reason = _unsupported(implementation, query, key, spec, features)
+        implementation = dispatch.choose(query.shape, key.shape, query.dtype, spec, features,
+                                         interpret=interpret)
+    backend = dispatch.backend(implementation)
+    reason = dispatch.unsupported(implementation, query.shape, key.shape, query.dtype, spec,
+                                  features)
     if reason is not None:
         raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
     config = _resolve_config(config, implementation, query, key, value, spec, interpret)
     static = StaticArgs(kernels=backend.KERNELS, mask=spec, scale=float(scale),
-                        config=config, interpret=bool(interpret), softcap=softcap)
+                        config=config, interpret=interpret, softcap=softcap)
     out, lse = attention_with_lse(query, key, value, segment_ids, sinks, bias, mask, static)
     if return_residual:
         return out, jnp.transpose(lse, (0, 2, 1))
@@ -202,52 +157,21 @@ def attention(
 def _resolve_config(config, implementation: str, query, key, value, spec: MaskSpec,
                     interpret: bool):
     """The backend config for ``attention``'s ``config`` argument (see its docstring)."""
-    default = _backend(implementation).default_config(query.shape, key.shape, query.dtype, spec)
+    default = dispatch.backend(implementation).default_config(query.shape, key.shape,
+                                                              query.dtype, spec)
     if config is None:
         return default
     if isinstance(config, str) and config == "autotune":
-        # autotune calls attention, so it is imported here rather than at the top.
-        from pallas_flash.tuning import config_for_attention
-
         return config_for_attention(query, key, value, implementation=implementation,
                                     is_causal=spec.is_causal, interpret=interpret)
-    if not isinstance(config, type(default)):
+    # A backend may take configs of several types (Mosaic: forward, backward or both).
+    accepted = getattr(dispatch.backend(implementation), "CONFIG_TYPES", (type(default),))
+    if not isinstance(config, accepted):
+        names = " or ".join(t.__name__ for t in accepted)
         raise ValueError(
-            f"config must be None, 'autotune' or a {type(default).__name__} for "
+            f"config must be None, 'autotune' or a {names} for "
             f"implementation={implementation!r}, got {config!r}")
     return config
-
-
-def _check_arrays(query, key, value) -> None:
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if getattr(x, "ndim", None) != 4:
-            raise ValueError(
-                f"{name} must have rank 4 [batch, seq, heads, head_dim], "
-                f"got shape {getattr(x, 'shape', None)}")
-        if jnp.dtype(x.dtype) not in _DTYPES:
-            raise ValueError(
-                f"{name} dtype must be one of bfloat16, float16, float32, got {x.dtype}")
-    if not query.dtype == key.dtype == value.dtype:
-        raise ValueError(
-            "query, key and value must share one dtype, got "
-            f"{query.dtype}, {key.dtype}, {value.dtype}")
-    if key.shape != value.shape:
-        raise ValueError(
-            f"key and value must have the same shape, got {key.shape} and {value.shape}")
-    if query.shape[0] != key.shape[0]:
-        raise ValueError(
-            f"key batch size {key.shape[0]} does not match query batch size {query.shape[0]}")
-    if query.shape[3] != key.shape[3]:
-        raise ValueError(
-            f"key head_dim {key.shape[3]} does not match query head_dim {query.shape[3]}")
-    if not 1 <= query.shape[3] <= MAX_HEAD_DIM:
-        raise ValueError(f"query head_dim must be in [1, {MAX_HEAD_DIM}], got {query.shape[3]}")
-    if min(query.shape[:3]) < 1 or min(key.shape[:3]) < 1:
-        raise ValueError(f"query and key must not be empty, got {query.shape} and {key.shape}")
-    if query.shape[2] % key.shape[2]:
-        raise ValueError(
-            f"query heads ({query.shape[2]}) must be a multiple of key/value heads "
-            f"({key.shape[2]})")
 
 
 def _canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv):

@@ -10,6 +10,10 @@ The VJP is defined with ``symbolic_zeros=True``: the forward rule then learns wh
 are differentiated (``CustomVJPPrimal.perturbed``), and the backward computes the bias
 gradient only when the caller asks for it (a bias used as an additive mask never is).
 
+The backward need not run on the forward's backend: :func:`pallas_flash.dispatch.
+choose_backward` picks it in the backward rule, where ``bias_grad`` is known, and a backend
+other than the forward's runs with its default config.
+
 The cotangent of lse folds into delta: ``∂lse_i/∂s_ij = P_ij``, so
 ``dS = P ∘ (dP - delta) + P ∘ dlse = P ∘ (dP - (delta - dlse))``. Every backend gets
 gradients through ``lse`` for free by receiving ``delta - dlse``.
@@ -26,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
+from pallas_flash import dispatch
 from pallas_flash.masking import MaskSpec
 
 # forward(q, k, v, segment_ids, *, mask, scale, config, interpret, [softcap, bias, attn_mask])
@@ -46,7 +51,10 @@ BackwardFn = Callable[..., tuple[jax.Array, ...]]
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
-    """A forward and a backward that together implement attention for one backend."""
+    """A forward and a backward that together implement attention for one backend.
+
+    ``name``: the backend's key in :data:`pallas_flash.dispatch.BACKEND_MODULES`.
+    """
 
     name: str
     forward: ForwardFn
@@ -125,6 +133,20 @@ def _dense(cotangent, like: jax.Array) -> jax.Array:
     return cotangent
 
 
+def _backward_static(static: StaticArgs, q, k, features: dispatch.Features,
+                     bias_grad: bool) -> StaticArgs:
+    """``static`` with the backward's kernels: the forward's, or another backend's with its
+    default config (the forward's config is of the forward's backend)."""
+    name = dispatch.choose_backward(static.kernels.name, q.shape, k.shape, q.dtype,
+                                    static.mask, features, bias_grad=bias_grad,
+                                    interpret=static.interpret)
+    if name == static.kernels.name:
+        return static
+    module = dispatch.backend(name)
+    return dataclasses.replace(static, kernels=module.KERNELS, config=module.default_config(
+        q.shape, k.shape, q.dtype, static.mask))
+
+
 def _bwd_rule(static: StaticArgs, residuals, cotangents):
     q, k, v, segment_ids, sinks, bias, attn_mask, out, lse, bias_grad = residuals
     d_out, d_lse = cotangents
@@ -135,6 +157,9 @@ def _bwd_rule(static: StaticArgs, residuals, cotangents):
     )
     if not isinstance(d_lse, SymbolicZero):
         delta = delta - d_lse.astype(jnp.float32)
+    features = dispatch.Features(has_segments=segment_ids is not None, softcap=static.softcap,
+                                 has_bias=bias is not None, has_mask=attn_mask is not None)
+    static = _backward_static(static, q, k, features, bias_grad)
     kwargs = static.kernel_kwargs(bias, attn_mask)
     if bias_grad:
         kwargs["bias_grad"] = True

@@ -6,18 +6,19 @@
     pallas-flash io       the HBM-traffic model for the kernels' real block sizes
 
 ``python -m pallas_flash`` is the same program. Without a GPU everything runs on the CPU on
-small sizes (Pallas kernels in interpret mode) and says so. ``bench`` and ``io`` reuse the
-repository's ``benchmarks`` package (timing, FLOP conventions, implementations), so they run
-from a source checkout.
+small sizes (Pallas kernels in interpret mode) and says so. Everything here runs from an
+installed wheel; the full benchmark suite (more implementations, per-point correctness checks,
+the backward alone) is the repository's ``python -m benchmarks.suite``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
+import json
 import re
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,11 +30,15 @@ import pallas_flash as pf
 from pallas_flash import demo, io_model
 from pallas_flash.masking import MaskSpec
 from pallas_flash.reference import standard_attention
+from pallas_flash.tuning import time_fn
 
 DTYPES = {"fp32": jnp.dtype(jnp.float32), "bf16": jnp.dtype(jnp.bfloat16),
           "fp16": jnp.dtype(jnp.float16)}
 _CAUSAL = {"no": (False,), "yes": (True,), "both": (False, True)}
 _MIB = 1 << 20
+
+# (q, k, v, causal) -> out, on [batch, seq, heads, head_dim] arrays.
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, bool], jax.Array]
 
 
 def _on_gpu() -> bool:
@@ -94,20 +99,6 @@ def _progress(iterable, **kwargs):
     return tqdm(iterable, file=sys.stderr, leave=False, **kwargs)
 
 
-def _benchmarks(parser: argparse.ArgumentParser):
-    """The repository's ``benchmarks`` package (not installed with the wheel): importable
-    from the repository root, or found next to this package in a source checkout."""
-    try:
-        return importlib.import_module("benchmarks.suite")
-    except ImportError:
-        root = Path(__file__).resolve().parents[1]
-        if not (root / "benchmarks" / "__init__.py").is_file():
-            parser.error("this subcommand needs the repository's benchmarks/ package; "
-                         "run it from a source checkout of pallas-flash")
-        sys.path.insert(0, str(root))
-        return importlib.import_module("benchmarks.suite")
-
-
 # --- check -----------------------------------------------------------------------------
 
 
@@ -146,81 +137,124 @@ def _standard(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Arr
                                                      is_causal=causal))[0]
 
 
-def _ours_xla(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
-    return pf.attention(q, k, v, is_causal=causal, implementation="xla")
+def _jax_nn(implementation: str) -> AttentionFn:
+    def run(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                            implementation=implementation)
+    return run
 
 
-def bench_registry(parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """``standard`` (S and P materialised), every ``benchmarks.implementations`` entry, and
-    ``pallas_flash_xla``; each is probed by the suite and skipped where it cannot run."""
-    _benchmarks(parser)
-    from benchmarks.implementations import IMPLEMENTATIONS, Implementation
+def _ours(implementation: str) -> AttentionFn:
+    def run(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
+        return pf.attention(q, k, v, is_causal=causal, implementation=implementation)
+    return run
 
-    return {
-        "standard": Implementation(
-            "standard", _standard,
-            note="pallas_flash.reference.standard_attention: S and P materialised"),
-        **IMPLEMENTATIONS,
-        "pallas_flash_xla": Implementation(
-            "pallas_flash_xla", _ours_xla, note='pallas_flash.attention(implementation="xla")'),
-    }
+
+def bench_registry() -> dict[str, AttentionFn]:
+    """What ``bench`` can time here, by name: ``standard`` (S and P materialised), each
+    ``pallas_flash`` implementation available on this device (``pallas_flash_<name>``), and
+    ``jax.nn.dot_product_attention`` as ``xla`` and, on a GPU, ``cudnn``. Every function is
+    ``(q, k, v, causal) -> out``."""
+    registry: dict[str, AttentionFn] = {"standard": _standard}
+    if _on_gpu():
+        registry["cudnn"] = _jax_nn("cudnn")
+    registry["xla"] = _jax_nn("xla")
+    for name in pf.available_implementations():
+        registry[f"pallas_flash_{name}"] = _ours(name)
+    return registry
+
+
+def problem_shape(head_dim: int, seq_len: int, *, tokens: int, hidden: int) -> tuple[int, int]:
+    """``(batch, heads)`` of the papers' benchmark shapes: ``batch = tokens / seq_len``,
+    ``heads = hidden / head_dim``; ValueError when a division is not exact."""
+    if head_dim <= 0 or hidden % head_dim:
+        raise ValueError(f"hidden size {hidden} is not a multiple of head_dim {head_dim}")
+    if seq_len <= 0 or tokens % seq_len:
+        raise ValueError(f"tokens {tokens} is not a multiple of seq_len {seq_len}")
+    return tokens // seq_len, hidden // head_dim
+
+
+def _bench_point(fn: AttentionFn, pass_: str, shape: tuple[int, ...], dtype: jnp.dtype,
+                 causal: bool, args: argparse.Namespace) -> tuple[float | None, str | None]:
+    """Median milliseconds of one pass (``fwd`` or ``fwdbwd``) on fresh inputs, or the
+    error that stopped it."""
+    def forward(q, k, v):
+        return fn(q, k, v, causal)
+
+    def forward_backward(q, k, v, d_out):
+        out, vjp = jax.vjp(forward, q, k, v)
+        return out, *vjp(d_out)
+
+    # Three input sets in rotation, so that caches are not flattered by one set re-read.
+    arg_sets = [tuple(jax.random.normal(key, shape, dtype) for key in
+                      jax.random.split(jax.random.key(seed), 4 if pass_ == "fwdbwd" else 3))
+                for seed in range(3)]
+    timed = jax.jit(forward_backward if pass_ == "fwdbwd" else forward)
+    gpu = _on_gpu()
+    try:
+        timing = time_fn(timed, arg_sets, iters=args.iters or (20 if gpu else 3),
+                         warmup=2 if gpu else 1, max_seconds=2.0 if gpu else 0.5)
+    except Exception as error:  # a point that does not compile or fit is reported, not fatal
+        line = next((x for x in str(error).splitlines() if x.strip()), "")
+        return None, f"{type(error).__name__}: {line}"[:300]
+    return timing.median_ms, None
 
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, _) -> int:
-    suite = _benchmarks(parser)
-    from benchmarks.flops import problem_shape
-
     gpu = _on_gpu()
-    registry = bench_registry(parser)
+    registry = bench_registry()
     if args.impls:
         unknown = sorted(set(args.impls) - set(registry))
         if unknown:
             parser.error(f"--impls: unknown {', '.join(unknown)}; choose from "
                          f"{', '.join(registry)}")
-        # Probe only what was asked for (every probe compiles a small problem).
         registry = {name: registry[name] for name in args.impls}
     seq_lens = args.seq_lens or ((512, 1024, 2048, 4096, 8192, 16384) if gpu
                                  else (128, 256, 512))
     tokens = args.tokens or (16384 if gpu else 1024)
     hidden = args.hidden or (2048 if gpu else 128)
+    shapes = {}
     for length in seq_lens:
         try:
-            problem_shape(args.head_dim, length, tokens=tokens, hidden=hidden)
+            shapes[length] = problem_shape(args.head_dim, length, tokens=tokens, hidden=hidden)
         except ValueError as exc:
             parser.error(str(exc))
-    config = suite.SuiteConfig(
-        impls=args.impls, head_dims=(args.head_dim,), seq_lens=seq_lens,
-        causal=_CAUSAL[args.causal], passes=("fwd", "bwd") if args.backward else ("fwd",),
-        dtype=args.dtype or ("bf16" if gpu else "fp32"), iters=args.iters or (20 if gpu else 3),
-        warmup=2 if gpu else 1, max_seconds=2.0 if gpu else 0.5, tokens=tokens, hidden=hidden,
-        time_limit=args.time_limit)
+    dtype = DTYPES[args.dtype or ("bf16" if gpu else "fp32")]
+    passes = ("fwd", "fwdbwd") if args.backward else ("fwd",)
     print(_device_line())
     print(f"bench: batch × L = {tokens} tokens, hidden {hidden} (heads = {hidden // args.head_dim}"
-          f" of {args.head_dim}), {config.dtype}; FLOPs 4·B·H·L²·D (halved when causal)"
-          + (", backward 2.5× forward" if args.backward else ""))
-    bar: list[Any] = []
-
-    def log(line: str) -> None:
-        match = re.match(r"\[\s*(\d+)/(\d+)\]", line)
-        if match is None:
-            return
-        if not bar:
-            bar.append(_progress(None, total=int(match[2]), desc="bench", unit="point"))
-        bar[0].update(1)
-
-    result = suite.run_suite(config, registry=registry, log=log)
-    if bar:
-        bar[0].close()
-    add_speedups(result["points"])
+          f" of {args.head_dim}), {dtype.name}; FLOPs 4·B·H·L²·D (halved when causal)"
+          + (", forward+backward 3.5× forward" if args.backward else ""))
+    jobs = [(length, causal, pass_, name) for length in seq_lens
+            for causal in _CAUSAL[args.causal] for pass_ in passes for name in registry]
+    deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
+    points = []
+    for length, causal, pass_, name in _progress(jobs, desc="bench", unit="point"):
+        batch, heads = shapes[length]
+        ms, error = None, "not run: --time-limit reached"
+        if deadline is None or time.monotonic() < deadline:
+            ms, error = _bench_point(registry[name], pass_, (batch, length, heads, args.head_dim),
+                                     dtype, causal, args)
+        flops = (4.0 * batch * heads * length * length * args.head_dim / (2 if causal else 1)
+                 * (3.5 if pass_ == "fwdbwd" else 1.0))
+        points.append({"impl": name, "pass": pass_, "causal": causal, "seq_len": length,
+                       "head_dim": args.head_dim, "batch": batch, "heads": heads, "ms": ms,
+                       "tflops": flops / (ms * 1e9) if ms else None, "error": error})
+    result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                  config=dict(dtype=dtype.name, tokens=tokens, hidden=hidden,
+                              head_dim=args.head_dim, seq_lens=list(seq_lens),
+                              causal=list(_CAUSAL[args.causal]), passes=list(passes)),
+                  points=points)
+    add_speedups(points)
     print(bench_table(result))
-    for name, reason in result["unavailable"].items():
-        print(f"not available: {name}: {reason}")
     if not gpu:
         print("on CPU there is no small fast on-chip memory to tile for: expect no speedup "
               "here; the numbers that matter come from a GPU (benchmarks/results/)")
+    print("more implementations (JAX's Pallas ops, tokamax), the backward alone and a "
+          "correctness check per point: python -m benchmarks.suite, from a source checkout")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        suite.write_json(result, args.json)
+        args.json.write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json}")
     if args.plot:
         _plot_bench(result, args.plot)
@@ -230,7 +264,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, _) -> int:
 
 def add_speedups(points: list[dict[str, Any]]) -> None:
     """Set ``speedup_vs_standard`` = standard's time / the point's time (None if either
-    is missing) on every suite point."""
+    is missing) on every bench point."""
     key = ("seq_len", "causal", "pass", "head_dim")
     standard = {tuple(p[k] for k in key): p["ms"] for p in points
                 if p["impl"] == "standard" and p["ms"]}
@@ -240,8 +274,8 @@ def add_speedups(points: list[dict[str, Any]]) -> None:
 
 
 def bench_table(result: Mapping[str, Any]) -> str:
-    """The points of a suite result as a text table: time, TFLOP/s and speedup vs standard."""
-    lines = [f"{'pass':4s} {'causal':6s} {'L':>6s}  {'implementation':22s} {'ms':>9s} "
+    """The points of a bench result as a text table: time, TFLOP/s and speedup vs standard."""
+    lines = [f"{'pass':6s} {'causal':6s} {'L':>6s}  {'implementation':22s} {'ms':>9s} "
              f"{'TFLOP/s':>8s} {'vs standard':>11s}"]
     order = sorted(result["points"], key=lambda p: (p["pass"], p["causal"], p["seq_len"]))
     for p in order:
@@ -251,7 +285,7 @@ def bench_table(result: Mapping[str, Any]) -> str:
             speedup = p.get("speedup_vs_standard")
             cells = (f"{p['ms']:9.3f} {p['tflops']:8.3g} "
                      f"{(f'{speedup:.2f}×' if speedup else '-'):>11s}")
-        lines.append(f"{p['pass']:4s} {'yes' if p['causal'] else 'no':6s} {p['seq_len']:6d}  "
+        lines.append(f"{p['pass']:6s} {'yes' if p['causal'] else 'no':6s} {p['seq_len']:6d}  "
                      f"{p['impl']:22s} {cells}")
     return "\n".join(lines)
 
@@ -476,10 +510,6 @@ def shared_memory_bytes(device_kind: str) -> int | None:
 
 
 def _io(args: argparse.Namespace, parser: argparse.ArgumentParser, _) -> int:
-    _benchmarks(parser)
-    from benchmarks.flops import problem_shape
-    from benchmarks.timing import time_fn
-
     gpu = _on_gpu()
     impl = args.impl or ("mosaic" if "mosaic" in pf.available_implementations() else "triton")
     if gpu and impl == "mosaic" and "mosaic" not in pf.available_implementations():
@@ -583,22 +613,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench", help="standard attention vs ours (time, TFLOP/s, speedup)",
         description="Times standard attention (S and P materialised) against pallas-flash "
-                    "and, where they run, cuDNN, XLA and JAX's Pallas ops, with the papers' "
-                    "shapes (batch × L = --tokens, heads = --hidden / --head-dim) via "
-                    "benchmarks.suite. GPU defaults: L 512…16384, bf16; CPU: L 128…512, "
-                    "fp32, 1024 tokens, hidden 128.")
+                    "and jax.nn.dot_product_attention (xla; cudnn on a GPU), with the "
+                    "papers' shapes (batch × L = --tokens, heads = --hidden / --head-dim). "
+                    "GPU defaults: L 512…16384, bf16; CPU: L 128…512, fp32, 1024 tokens, "
+                    "hidden 128. More implementations: python -m benchmarks.suite, from a "
+                    "source checkout.")
     bench.add_argument("--seq-lens", type=int_list)
     bench.add_argument("--head-dim", type=_positive_int, default=64)
     bench.add_argument("--tokens", type=_positive_int, help="batch × L")
     bench.add_argument("--hidden", type=_positive_int, help="heads × head_dim")
     bench.add_argument("--causal", choices=tuple(_CAUSAL), default="no")
-    bench.add_argument("--backward", action="store_true", help="also time the backward")
+    bench.add_argument("--backward", action="store_true",
+                       help="also time forward+backward (pass fwdbwd)")
     bench.add_argument("--dtype", choices=tuple(DTYPES))
     bench.add_argument("--impls", type=lambda s: tuple(x for x in s.split(",") if x),
                        help="comma list (default: every one that runs here)")
     bench.add_argument("--iters", type=_positive_int, help="timing samples")
     bench.add_argument("--time-limit", type=float, help="seconds; later points are not run")
-    bench.add_argument("--json", type=Path, help="write the results (suite JSON) here")
+    bench.add_argument("--json", type=Path, help="write the results (JSON) here")
     bench.add_argument("--plot", type=Path, help="write a PNG of time and TFLOP/s vs L")
     bench.set_defaults(run=_bench, subparser=bench)
 

@@ -1,8 +1,8 @@
 """Measured block-size configs, cached per device: ``attention(..., config="autotune")``.
 
 The backends' ``default_config`` heuristics come from H200 sweeps at the papers' shapes; on
-another card, or another shape, a different tiling can be faster (the Triton sweeps of
-2026-11-29 found a 128 × 128 forward tile 18 % ahead of the default 256 × 64 at head dim 128).
+another card, or another shape, a different tiling can be faster
+(measurements: docs/tuning.md#autotuning).
 :func:`autotune` times a small list of candidate configs on fresh inputs of the call's
 shapes, keeps only those whose output agrees with the default config's, and caches the
 fastest in a JSON file keyed by device kind, jax version and shape class.
@@ -34,7 +34,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_flash import api
+from pallas_flash import dispatch
+from pallas_flash.autodiff import StaticArgs, attention_with_lse
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import next_power_of_2
 
@@ -66,9 +67,6 @@ _TRITON_BACKWARD = (
     (32, 32, 4, 2), (32, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 2), (64, 128, 8, 2),
     (128, 64, 8, 2),
 )
-
-# The features of a plain call (api._unsupported's keywords): tunings are of plain calls.
-_PLAIN_CALL = dict(has_segments=False, softcap=None, has_bias=False, has_mask=False)
 
 # timer(config, fn, args) -> milliseconds per call of fn(*args); fn is jitted and has run.
 Timer = Callable[[Any, Callable[..., Any], tuple], float]
@@ -193,7 +191,7 @@ def candidate_configs(implementation: str, q_shape: Sequence[int], kv_shape: Seq
     ``block_kv`` sets the memory of the scan, which a timing should not decide).
     """
     spec = MaskSpec(seq_q=q_shape[1], seq_kv=kv_shape[1], is_causal=is_causal)
-    default = api._backend(implementation).default_config(q_shape, kv_shape, dtype, spec)
+    default = dispatch.backend(implementation).default_config(q_shape, kv_shape, dtype, spec)
     itemsize = jnp.dtype(dtype).itemsize
     if implementation == "mosaic":
         from pallas_flash.mosaic import MosaicConfig
@@ -295,21 +293,22 @@ def tune(query: jax.Array, key: jax.Array, value: jax.Array, *, is_causal: bool 
     Returns:
       A :class:`Tuning`; ``from_cache`` is True when nothing was timed.
     """
-    api._check_arrays(query, key, value)
+    dispatch.check_arrays(query, key, value)
     if not isinstance(is_causal, bool):
         raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
+    if not isinstance(interpret, bool):
+        raise ValueError(f"interpret must be a bool, got {interpret!r}")
     if not isinstance(iters, int) or iters < 1:
         raise ValueError(f"iters must be a positive int, got {iters!r}")
     spec = MaskSpec(seq_q=query.shape[1], seq_kv=key.shape[1], is_causal=is_causal)
     if implementation is None:
-        implementation = api._choose(query, key, spec, _PLAIN_CALL, interpret)
-    if implementation not in api._BACKEND_MODULES:
-        raise ValueError(f"implementation must be one of {sorted(api._BACKEND_MODULES)} or "
-                         f"None, got {implementation!r}")
-    reason = api._unsupported(implementation, query, key, spec, _PLAIN_CALL)
+        implementation = dispatch.choose(query.shape, key.shape, query.dtype, spec,
+                                         dispatch.PLAIN_CALL, interpret=interpret)
+    reason = dispatch.unsupported(implementation, query.shape, key.shape, query.dtype, spec,
+                                  dispatch.PLAIN_CALL)
     if reason is not None:
         raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
-    default = api._backend(implementation).default_config(
+    default = dispatch.backend(implementation).default_config(
         query.shape, key.shape, query.dtype, spec)
     if candidates is not None:
         candidates = _unique(list(candidates))
@@ -365,7 +364,7 @@ def config_for_attention(query, key, value, *, implementation: str, is_causal: b
                          interpret: bool) -> Any:
     """``attention(..., config="autotune")``: the cached forward + backward choice, else the
     cached forward choice, else a forward tuning (cached) with the default candidates."""
-    config_type = type(api._backend(implementation).default_config(
+    config_type = type(dispatch.backend(implementation).default_config(
         query.shape, key.shape, query.dtype,
         MaskSpec(seq_q=query.shape[1], seq_kv=key.shape[1], is_causal=is_causal)))
     path = cache_path()
@@ -389,8 +388,9 @@ class _Runner:
                      jax.random.normal(keys[2], kv_shape, dtype))
         if backward:
             self.args += (jax.random.normal(keys[3], q_shape, dtype),)
-        self.attention_kwargs = dict(is_causal=is_causal, implementation=implementation,
-                                     interpret=interpret)
+        self.implementation = implementation
+        self.mask = MaskSpec(seq_q=q_shape[1], seq_kv=kv_shape[1], is_causal=is_causal)
+        self.interpret = interpret
         self.backward = backward
         self.timer = timer
         self.tolerance = _TOLERANCE.get(jnp.dtype(dtype).itemsize, _TOLERANCE[2])
@@ -400,7 +400,12 @@ class _Runner:
 
     def compiled(self, config) -> Callable[..., tuple[jax.Array, ...]]:
         def forward(q, k, v):
-            return api.attention(q, k, v, config=config, **self.attention_kwargs)
+            # A plain call straight to the custom VJP: what attention(q, k, v, is_causal=...,
+            # implementation=..., config=config) runs, without going back through the API.
+            static = StaticArgs(kernels=dispatch.backend(self.implementation).KERNELS,
+                                mask=self.mask, scale=1.0 / math.sqrt(q.shape[3]),
+                                config=config, interpret=self.interpret)
+            return attention_with_lse(q, k, v, None, None, None, None, static)[0]
 
         def forward_backward(q, k, v, d_out):
             out, vjp = jax.vjp(forward, q, k, v)

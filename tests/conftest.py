@@ -1,4 +1,4 @@
-"""Fixtures shared by the CPU suite."""
+"""Set-up shared by the CPU suite (the backends under test: tests/support.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,3 @@ import os
 # count, so on a 2-core machine two waiting warpgroups can starve the third (a hang, seen
 # here). More pool threads than cores fixes it; set before the CPU client is created.
 os.environ.setdefault("PJRT_NPROC", "8")
-
-import pytest
-from support import IMPLEMENTATIONS
-
-
-@pytest.fixture(params=sorted(IMPLEMENTATIONS))
-def impl(request) -> str:
-    """Name of the implementation under test; every test taking it runs for each one."""
-    return request.param

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+
+import jax
 import jax.numpy as jnp
 import pytest
 
 import pallas_flash as pf
+from pallas_flash import dispatch
 
 
 def _qkv(q_shape=(1, 16, 4, 32), kv_shape=(1, 16, 2, 32), dtype=jnp.float32):
@@ -77,10 +82,136 @@ def test_default_scale_is_inverse_sqrt_head_dim():
 def test_automatic_choice_on_hopper(monkeypatch, head_dim, features, chosen):
     """On a Hopper GPU ``implementation=None`` picks Mosaic for every call its kernels
     support, and Triton for the rest."""
-    from pallas_flash import api
     from pallas_flash.masking import MaskSpec
 
-    monkeypatch.setattr(api, "available_implementations", lambda: ("mosaic", "triton", "xla"))
-    q = jnp.zeros((1, 256, 4, head_dim), jnp.bfloat16)
+    monkeypatch.setattr(dispatch, "available_implementations",
+                        lambda: ("mosaic", "triton", "xla"))
+    shape = (1, 256, 4, head_dim)
     spec = MaskSpec(seq_q=256, seq_kv=256, is_causal=True)
-    assert api._choose(q, q, spec, features, interpret=False) == chosen
+    assert dispatch.choose(shape, shape, jnp.bfloat16, spec, dispatch.Features(**features),
+                           interpret=False) == chosen
+
+
+# --- the backward's backend ------------------------------------------------------------------
+
+def _refusing(reason, *, only_bias_grad=False):
+    """An ``unsupported_backward`` that refuses every call (or those with ``bias_grad``)."""
+    def unsupported_backward(q_shape, kv_shape, dtype, mask, has_segments, softcap=None,
+                             has_bias=False, has_mask=False, bias_grad=False):
+        del q_shape, kv_shape, dtype, mask, has_segments, softcap, has_bias, has_mask
+        return reason if bias_grad or not only_bias_grad else None
+    return unsupported_backward
+
+
+def _record_passes(monkeypatch, *names):
+    """Replaces the KERNELS of these backends by ones that log (backend, pass) as they are
+    traced; returns the log."""
+    from pallas_flash.autodiff import Kernels
+
+    ran = []
+
+    def logged(name, pass_, fn):
+        def run(*args, **kwargs):
+            ran.append((name, pass_))
+            return fn(*args, **kwargs)
+        return run
+    for name in names:
+        module = dispatch.backend(name)
+        real = module.KERNELS
+        monkeypatch.setattr(module, "KERNELS", Kernels(
+            name, logged(name, "forward", real.forward), logged(name, "backward", real.backward)))
+    return ran
+
+
+def _random(shape, seed):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def _gradients_vs_oracle(implementation, *, bias_grad, interpret=True):
+    """Causal attention with a bias through ``implementation``: jitted gradients (dbias too
+    with ``bias_grad``) against the float64 oracle's."""
+    from pallas_flash.masking import MaskSpec
+    from pallas_flash.reference import attention_float64
+
+    q, k, v = (_random((1, 16, 2, 16), seed) for seed in range(3))
+    bias, d_out = _random((1, 2, 16, 16), 3), _random((1, 16, 2, 16), 4)
+
+    def loss(q, k, v, bias):
+        out = pf.attention(q, k, v, bias, is_causal=True, implementation=implementation,
+                           interpret=interpret)
+        return jnp.sum(out * d_out)
+
+    argnums = (0, 1, 2, 3) if bias_grad else (0, 1, 2)
+    grads = jax.jit(jax.grad(loss, argnums=argnums))(q, k, v, bias)
+    _, _, expected = attention_float64(q, k, v, mask=MaskSpec(16, 16, is_causal=True),
+                                       bias=bias, d_out=d_out)
+    expected = expected[:3] + (expected[3:] if bias_grad else ())
+    for got, want in zip(grads, expected, strict=True):
+        assert jnp.allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias_grad", [False, True])
+def test_backward_falls_back_when_the_forward_backend_refuses(monkeypatch, bias_grad):
+    """Triton's forward; its backward refuses only calls that want dbias, which then run
+    XLA's backward on Triton's residuals. Gradients match the float64 oracle either way."""
+    monkeypatch.setattr(dispatch.backend("triton"), "unsupported_backward",
+                        _refusing("no dbias here", only_bias_grad=True), raising=False)
+    ran = _record_passes(monkeypatch, "triton", "xla")
+    _gradients_vs_oracle("triton", bias_grad=bias_grad)
+    backward = "xla" if bias_grad else "triton"
+    assert ran == [("triton", "forward"), (backward, "backward")]
+
+
+def test_a_fake_backend_without_a_backward_gets_the_fastest_other(monkeypatch):
+    """A registered backend whose forward is XLA's and whose backward refuses everything:
+    in interpret mode Triton (the fastest other candidate) runs the backward, with its own
+    default config."""
+    import types
+
+    xla_backend = dispatch.backend("xla")
+    fake = types.ModuleType("fake_backend")
+    fake.KERNELS = dataclasses.replace(xla_backend.KERNELS, name="fake")
+    fake.default_config = xla_backend.default_config
+    fake.unsupported = xla_backend.unsupported
+    fake.unsupported_backward = _refusing("the fake backend has no backward")
+    monkeypatch.setitem(sys.modules, "fake_backend", fake)
+    monkeypatch.setitem(dispatch.BACKEND_MODULES, "fake", "fake_backend")
+    ran = _record_passes(monkeypatch, "triton", "xla")
+    _gradients_vs_oracle("fake", bias_grad=True)
+    assert ran == [("triton", "backward")]
+
+
+def test_choose_backward():
+    from pallas_flash.masking import MaskSpec
+
+    shape, spec = (1, 16, 2, 16), MaskSpec(16, 16)
+    call = (shape, shape, jnp.float32, spec, dispatch.PLAIN_CALL)
+    assert dispatch.choose_backward("triton", *call, bias_grad=True, interpret=True) == "triton"
+    assert dispatch.choose_backward("xla", *call, bias_grad=False, interpret=False) == "xla"
+
+
+def test_choose_backward_says_why_when_nothing_can_run(monkeypatch):
+    from pallas_flash.masking import MaskSpec
+
+    for name in ("triton", "xla"):
+        monkeypatch.setattr(dispatch.backend(name), "unsupported_backward",
+                            _refusing(f"{name} says no"), raising=False)
+    shape = (1, 16, 2, 16)
+    with pytest.raises(ValueError, match="triton: triton says no; xla: xla says no"):
+        dispatch.choose_backward("triton", shape, shape, jnp.float32, MaskSpec(16, 16),
+                                 dispatch.PLAIN_CALL, bias_grad=False, interpret=True)
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda: dispatch.backend("cuda"), "implementation must be one of"),
+    (lambda: dispatch.candidates(1), "interpret must be a bool"),
+    (lambda: dispatch.unsupported("xla", (1, 1, 1, 1), (1, 1, 1, 1), jnp.float32,
+                                  None, dict(has_bias=True)), "features must be"),
+    (lambda: dispatch.unsupported_backward("xla", (1, 1, 1, 1), (1, 1, 1, 1), jnp.float32,
+                                           None, dispatch.PLAIN_CALL, bias_grad=None),
+     "bias_grad must be a bool"),
+    (lambda: pf.attention(*_qkv(), interpret="yes"), "interpret must be a bool"),
+])
+def test_dispatch_rejects_bad_arguments(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

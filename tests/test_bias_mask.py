@@ -9,15 +9,26 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import fresh_key, implementation_kwargs, random_qkv, rel_err, tolerance
+from support import (
+    BF16,
+    F16,
+    F32,
+    assert_matches,
+    backend_cases,
+    backends,
+    fresh_key,
+    random_qkv,
+    rel_err,
+    tolerance,
+)
 
 import pallas_flash as pf
-from pallas_flash import mosaic
 from pallas_flash.masking import MaskSpec
 from pallas_flash.reference import EMPTY_ROW_LSE, attention_float64
 
@@ -28,164 +39,217 @@ def _shape(spec: str, batch, heads, seq_q, seq_kv) -> tuple[int, ...]:
 
 
 def random_bias(spec: str, batch, heads, seq_q, seq_kv, dtype=jnp.float32):
-    return 2 * jax.random.normal(fresh_key(), _shape(spec, batch, heads, seq_q, seq_kv), dtype)
+    return (2 * jax.random.normal(fresh_key(), _shape(spec, batch, heads, seq_q, seq_kv))
+            ).astype(dtype)
 
 
 def random_mask(spec: str, batch, heads, seq_q, seq_kv, keep=0.7):
     return jax.random.bernoulli(fresh_key(), keep, _shape(spec, batch, heads, seq_q, seq_kv))
 
 
-def run(impl, q, k, v, d_out, *, bias=None, mask=None, **kwargs):
-    """(out, lse [B, T, N], (dq, dk, dv[, dbias])) through ``impl``."""
-    extra = implementation_kwargs(impl, q.shape[-1])
+def run(backend, q, k, v, d_out, *, bias=None, mask=None, bias_grad=True, **kwargs):
+    """(out, lse [B, T, N], (dq, dk, dv[, dbias])) through ``backend``; dbias only when
+    ``bias_grad`` (otherwise the bias is a constant of the call, as an additive mask)."""
 
     def f(q, k, v, bias):
-        return pf.attention(q, k, v, bias, mask, return_residual=True, **kwargs, **extra)
+        return backend.attention(q, k, v, bias, mask, return_residual=True, **kwargs)
 
+    if bias is not None and not bias_grad:
+        (out, lse), vjp = jax.vjp(lambda q, k, v: f(q, k, v, bias), q, k, v)
+        return out, lse, vjp((d_out, jnp.zeros_like(lse)))
     (out, lse), vjp = jax.vjp(f, q, k, v, bias)
     grads = vjp((d_out, jnp.zeros_like(lse)))
     return out, lse, grads if bias is not None else grads[:3]
 
 
-def check(impl, q, k, v, d_out, *, bias=None, mask=None, spec: MaskSpec | None = None,
-          segment_ids=None, **kwargs):
-    """out, lse, dq, dk, dv and dbias of ``impl`` vs the float64 oracle; returns
+def check(backend, q, k, v, d_out, *, bias=None, mask=None, spec: MaskSpec | None = None,
+          segment_ids=None, bias_grad=True, **kwargs):
+    """out, lse, dq, dk, dv and dbias of ``backend`` vs the float64 oracle; returns
     ``(out, lse, grads)`` as :func:`run`."""
     spec = spec or MaskSpec(q.shape[1], k.shape[1])
-    out, lse, grads = run(impl, q, k, v, d_out, bias=bias, mask=mask,
+    out, lse, grads = run(backend, q, k, v, d_out, bias=bias, mask=mask, bias_grad=bias_grad,
                           is_causal=spec.is_causal, causal_alignment=spec.causal_alignment,
                           local_window_size=spec.window, **kwargs)
     ref_out, ref_lse, ref_grads = attention_float64(
         q, k, v, mask=spec, segment_ids=segment_ids, bias=bias, attn_mask=mask, d_out=d_out)
-    tol = tolerance(q.dtype)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert rel_err(out, ref_out) < tol
-    assert rel_err(lse, np.transpose(ref_lse, (0, 2, 1))) < tol
-    names = ("dq", "dk", "dv", "dbias")[:len(ref_grads)]
-    for name, got, want in zip(names, grads, ref_grads, strict=True):
-        assert got.shape == want.shape, name
-        assert rel_err(got, want) < 2 * tol, name
-    if bias is not None:
-        assert grads[3].dtype == bias.dtype
+    assert out.dtype == q.dtype
+    assert_matches(out, lse, grads[:3], ref_out, ref_lse, ref_grads[:3], q.dtype)
+    if len(grads) == 4:  # dbias, rounded to the bias's dtype
+        assert grads[3].dtype == bias.dtype and grads[3].shape == bias.shape
+        tol = max(tolerance(q.dtype), tolerance(bias.dtype))
+        assert rel_err(grads[3], ref_grads[3]) < 2 * tol, rel_err(grads[3], ref_grads[3])
     return out, lse, grads
 
 
-# (batch, seq_q, seq_kv, heads, kv_heads, causal, bias shape, mask shape)
+class Case(NamedTuple):
+    batch: int
+    seq_q: int
+    seq_kv: int
+    heads: int
+    kv_heads: int
+    causal: bool
+    bias: str | None          # shape spec, None: no bias
+    mask: str | None          # shape spec, None: no mask
+    bias_dtype: jnp.dtype = F32
+    bias_grad: bool = True    # differentiate the bias (else dq, dk, dv only)
+    window: tuple[int, int] | None = None
+    head_dim: int = 32
+
+
 CASES = [
-    (2, 40, 56, 4, 2, False, "TS", "BN1S"),         # one [T, S] bias for every batch, head
-    (2, 48, 48, 2, 1, True, "B11S", "B11S"),        # padding-style bias and mask, MQA
-    (1, 37, 45, 4, 2, False, "1NTS", "11TS"),       # per-head bias shared by the batch
-    (1, 64, 40, 4, 2, False, "1N1S", "B1T1"),       # per-head key bias, GQA; row mask
+    Case(2, 40, 56, 4, 2, False, "TS", "BN1S"),      # one [T, S] bias for every batch, head
+    Case(2, 48, 48, 2, 1, True, "B11S", "B11S"),     # padding-style bias and mask, MQA
+    Case(1, 37, 45, 4, 2, False, "1NTS", "11TS"),    # per-head bias shared by the batch
+    Case(1, 64, 40, 4, 2, False, "1N1S", "B1T1"),    # per-head key bias, GQA; row mask
+    # Over several 128-row CTAs and 64-key blocks of the Mosaic kernels, each kind of
+    # reader: a bias / mask tile ring ("..TS"), a key-row ring ("..1S"), rows read once
+    # ("..T1"); a mask that broadcasts to the bias's shape folds into it as -inf. With the
+    # bias a constant, the Mosaic backward reads them too (dbias is Triton's).
+    Case(2, 128, 128, 2, 1, False, "BNTS", None, BF16, False, head_dim=64),
+    Case(2, 128, 128, 2, 1, False, None, "B1TS", head_dim=64),
+    Case(2, 100, 170, 2, 1, True, "1NTS", "B11S", F32, False, head_dim=64),
+    Case(2, 128, 100, 2, 1, True, "B11S", "B1TS", BF16, False, head_dim=64),
+    Case(2, 128, 100, 2, 1, False, "BNT1", "1NT1", F32, False, (50, 30), head_dim=64),
+    Case(2, 100, 130, 2, 1, True, "1NTS", "B11S", F16, True, head_dim=64),
+    Case(2, 128, 160, 2, 1, True, "B1TS", "B11S", BF16, True, head_dim=64),  # folded
+    Case(1, 128, 128, 2, 1, False, "BNTS", "B1TS", BF16, False, head_dim=64),  # folded
+    Case(1, 130, 130, 2, 1, True, "11TS", "B11S", F32, False, head_dim=192),
 ]
 
 
-def _case_id(case):
-    b, t, s, n, k, causal, bias, mask = case
-    return f"b{b}-t{t}-s{s}-n{n}k{k}-{'causal' if causal else 'full'}-bias{bias}-mask{mask}"
+def _case_id(case: Case):
+    b, t, s, n, k, causal, bias, mask, bias_dtype, bias_grad, window, d = case
+    return (f"b{b}-t{t}-s{s}-n{n}k{k}-d{d}-{'causal' if causal else 'full'}"
+            f"{'-w' + str(window) if window else ''}-bias{bias}"
+            f"{'-' + jnp.dtype(bias_dtype).name if bias else ''}"
+            f"{'-dbias' if bias and bias_grad else ''}-mask{mask}")
 
 
-@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
-def test_matches_float64_oracle(impl, case):
-    batch, seq_q, seq_kv, heads, kv_heads, causal, bias_spec, mask_spec = case
-    q, k, v, d_out = random_qkv(batch, seq_q, seq_kv, heads, kv_heads, 32)
+@pytest.mark.parametrize(("backend", "case"), backend_cases(
+    CASES, _case_id, lambda c: dict(head_dim=c.head_dim, bias=True)))
+def test_matches_float64_oracle(backend, case):
+    batch, seq_q, seq_kv, heads, kv_heads, causal, bias_spec, mask_spec = case[:8]
+    q, k, v, d_out = random_qkv(batch, seq_q, seq_kv, heads, kv_heads, case.head_dim,
+                                backend.dtype)
     dims = (batch, heads, seq_q, seq_kv)
-    bias = None if bias_spec is None else random_bias(bias_spec, *dims)
+    bias = None if bias_spec is None else random_bias(bias_spec, *dims, case.bias_dtype)
     mask = None if mask_spec is None else random_mask(mask_spec, *dims)
-    check(impl, q, k, v, d_out, bias=bias, mask=mask, spec=MaskSpec(seq_q, seq_kv, causal))
+    check(backend, q, k, v, d_out, bias=bias, mask=mask, bias_grad=case.bias_grad,
+          spec=MaskSpec(seq_q, seq_kv, causal, window=case.window))
 
 
-def test_bfloat16(impl):
+@pytest.mark.parametrize("backend", backends(dtype=BF16, bias=True))
+def test_bfloat16(backend):
     q, k, v, d_out = random_qkv(1, 48, 48, 4, 2, 64, jnp.bfloat16)
     bias = random_bias("1NTS", 1, 4, 48, 48, jnp.bfloat16)
-    check(impl, q, k, v, d_out, bias=bias, mask=random_mask("11TS", 1, 4, 48, 48),
+    check(backend, q, k, v, d_out, bias=bias, mask=random_mask("11TS", 1, 4, 48, 48),
           spec=MaskSpec(48, 48, True))
 
 
-def test_bias_constant_along_keys_has_zero_gradient(impl):
+@pytest.mark.parametrize("backend", backends(bias=True))
+def test_bias_constant_along_keys_has_zero_gradient(backend):
     # Softmax is shift invariant: a bias that is constant over the keys of a row changes
     # nothing, and its gradient (the row sum of dS) is zero up to rounding.
-    q, k, v, d_out = random_qkv(1, 40, 40, 2, 2, 32)
+    q, k, v, d_out = random_qkv(1, 40, 40, 2, 2, 32, backend.dtype)
     bias = random_bias("BNT1", 1, 2, 40, 40)
-    out, _, grads = run(impl, q, k, v, d_out, bias=bias, is_causal=True)
-    ref_out, _ = attention_float64(q, k, v, mask=MaskSpec(40, 40, True))
-    assert rel_err(out, ref_out) < 1e-5
+    out, _, grads = run(backend, q, k, v, d_out, bias=bias, is_causal=True)
+    ref_out, _, ref_grads = attention_float64(q, k, v, mask=MaskSpec(40, 40, True),
+                                              d_out=d_out)
+    assert rel_err(out, ref_out) < tolerance(q.dtype)
     assert grads[3].shape == bias.shape
-    assert np.abs(np.asarray(grads[3])).max() < 1e-5
+    # 16-bit inputs: zero up to the rounding of out in delta = rowsum(dO ∘ O), on the
+    # scale of the other gradients.
+    bound = 1e-5 if q.dtype == F32 else 2 * tolerance(q.dtype) * np.abs(ref_grads[0]).max()
+    assert np.abs(np.asarray(grads[3])).max() < bound
 
 
-def test_with_segments_window_and_softcap(impl):
-    q, k, v, d_out = random_qkv(2, 60, 60, 2, 1, 32)
+@pytest.mark.parametrize("backend", backends(bias=True))
+def test_with_segments_window_and_softcap(backend):
+    q, k, v, d_out = random_qkv(2, 60, 60, 2, 1, 32, backend.dtype)
     ids = jnp.cumsum(jax.random.bernoulli(fresh_key(), 0.06, (2, 60)), axis=1)
     ids = ids.astype(jnp.int32)
     spec = MaskSpec(60, 60, True, window=(25, 0))
     bias = random_bias("1NTS", 2, 2, 60, 60)
     mask = random_mask("B11S", 2, 2, 60, 60, keep=0.8)
-    extra = implementation_kwargs(impl, 32)
 
     def f(q, k, v, bias):
-        return pf.attention(q, k, v, bias, mask, is_causal=True, local_window_size=(25, 0),
-                            q_segment_ids=ids, logits_soft_cap=4.0, return_residual=True,
-                            **extra)
+        return backend.attention(q, k, v, bias, mask, is_causal=True,
+                                 local_window_size=(25, 0), q_segment_ids=ids,
+                                 logits_soft_cap=4.0, return_residual=True)
 
     (out, lse), vjp = jax.vjp(f, 3 * q, k, v, bias)
     grads = vjp((d_out, jnp.zeros_like(lse)))
     ref_out, ref_lse, ref_grads = attention_float64(
         3 * q, k, v, mask=spec, segment_ids=(ids, ids), softcap=4.0, bias=bias,
         attn_mask=mask, d_out=d_out)
-    assert rel_err(out, ref_out) < 1e-5
-    assert rel_err(lse, np.transpose(ref_lse, (0, 2, 1))) < 1e-5
-    for got, want in zip(grads, ref_grads, strict=True):
-        assert rel_err(got, want) < 2e-5
+    assert_matches(out, lse, grads, ref_out, ref_lse, ref_grads, q.dtype,
+                   names=("dq", "dk", "dv", "dbias"))
 
 
-def test_fully_masked_rows_give_zero(impl):
-    q, k, v, d_out = random_qkv(2, 40, 40, 2, 2, 32)
-    # Rows 5-8 hidden by the mask, row 12 by an additive -inf bias.
-    mask = random_mask("B1TS", 2, 2, 40, 40).at[:, :, 5:9].set(False)
-    bias = random_bias("BNTS", 2, 2, 40, 40).at[:, :, 12].set(-jnp.inf)  # full size
-    out, lse, (dq, dk, dv, d_bias) = check(impl, q, k, v, d_out, bias=bias, mask=mask)
-    for x in (out, lse, dq, dk, dv, d_bias):
-        assert np.all(np.isfinite(np.asarray(x)))
-    for rows in (slice(5, 9), slice(12, 13)):
-        assert np.all(np.asarray(out[:, rows]) == 0.0)
-        assert np.all(np.asarray(lse[:, rows]) == EMPTY_ROW_LSE)
-        assert np.all(np.asarray(dq[:, rows]) == 0.0)
-        assert np.all(np.asarray(d_bias[:, :, rows]) == 0.0)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["folded", "mask"])
+@pytest.mark.parametrize("backend", backends(bias=True))
+def test_fully_masked_rows_give_zero(backend, with_bias):
+    """Rows the mask hides entirely give out 0 and lse EMPTY_ROW_LSE, never NaN: through
+    the mask alone (every block masked), or with an additive -inf bias row and the mask
+    folded into the bias, where the other blocks' softmax must also survive rows that have
+    seen only -inf. Also a whole 64-key block hidden for one head."""
+    seq = 130
+    q, k, v, d_out = random_qkv(2, seq, seq, 2, 2, 32, backend.dtype)
+    # Rows 60-69 (over two 64-row tiles) hidden by the mask, row 12 by an additive -inf
+    # bias, rows 110.. of head 1.
+    mask = random_mask("B1TS", 2, 2, seq, seq).at[:, :, 60:70].set(False)
+    mask = jnp.broadcast_to(mask, (2, 2, seq, seq)).at[:, 1, 110:].set(False)
+    mask = mask.at[:, 1, :, 64:128].set(False)
+    bias = None
+    if with_bias:
+        bias = random_bias("BNTS", 2, 2, seq, seq).at[:, :, 12].set(-jnp.inf)  # full size
+    out, lse, grads = check(backend, q, k, v, d_out, bias=bias, mask=mask)
+    for x in (out, lse, *grads):
+        assert np.all(np.isfinite(np.asarray(x, np.float32)))
+    hidden = [(slice(60, 70), slice(None)), (slice(110, None), 1)]
+    if with_bias:
+        hidden.append((slice(12, 13), slice(None)))
+    for rows, heads in hidden:
+        assert np.all(np.asarray(out[:, rows, heads]) == 0.0)
+        assert np.all(np.asarray(lse[:, rows, heads]) == EMPTY_ROW_LSE)
+        assert np.all(np.asarray(grads[0][:, rows, heads]) == 0.0)
+        if with_bias:
+            assert np.all(np.asarray(grads[3][:, heads, rows]) == 0.0)
 
 
-def test_bias_gradient_only_when_differentiated(impl, monkeypatch):
+@pytest.mark.parametrize("backend", backends(bias=True))
+def test_bias_gradient_only_when_differentiated(backend, monkeypatch):
     """A bias nobody differentiates (an additive mask) costs no dbias work."""
-    backend = importlib.import_module(f"pallas_flash.{impl}")
-    kernels, bias_grad_flags = backend.KERNELS, []
+    module = importlib.import_module(f"pallas_flash.{backend.name}")
+    kernels, bias_grad_flags = module.KERNELS, []
 
     def spy(*args, **kwargs):
         bias_grad_flags.append(kwargs.get("bias_grad", False))
         return kernels.backward(*args, **kwargs)
 
-    monkeypatch.setattr(backend, "KERNELS", dataclasses.replace(kernels, backward=spy))
-    q, k, v, d_out = random_qkv(1, 40, 40, 2, 2, 32)
+    monkeypatch.setattr(module, "KERNELS", dataclasses.replace(kernels, backward=spy))
+    q, k, v, d_out = random_qkv(1, 40, 40, 2, 2, 32, backend.dtype)
     bias = jnp.where(random_mask("TS", 1, 2, 40, 40), 0.0, -1e9)
-    extra = implementation_kwargs(impl, 32)
 
     def loss(q, bias):
-        return jnp.sum(pf.attention(q, k, v, bias, **extra) * d_out)
+        return jnp.sum(backend.attention(q, k, v, bias).astype(jnp.float32) * d_out)
 
     dq = jax.grad(loss)(q, bias)
     _, _, (ref_dq, *_) = attention_float64(q, k, v, bias=bias, d_out=d_out)
-    assert rel_err(dq, ref_dq) < 2e-5
+    assert rel_err(dq, ref_dq) < 2 * tolerance(q.dtype)
     assert bias_grad_flags == [False]  # (differentiated biases: every other test)
 
 
-def test_jit_and_vmap(impl):
-    q, k, v, d_out = random_qkv(3, 32, 32, 2, 2, 32)
+@pytest.mark.parametrize("backend", backends(bias=True))
+def test_jit_and_vmap(backend):
+    q, k, v, d_out = random_qkv(3, 32, 32, 2, 2, 32, backend.dtype)
     bias = random_bias("BNTS", 3, 2, 32, 32)
     mask = random_mask("B11S", 3, 2, 32, 32, keep=0.8).at[..., 0].set(True)
-    extra = implementation_kwargs(impl, 32)
 
     def loss(q, k, v, bias, mask, d_out):
-        out = pf.attention(q[None], k[None], v[None], bias[None], mask[None], is_causal=True,
-                           **extra)
-        return jnp.sum(out * d_out[None])
+        out = backend.attention(q[None], k[None], v[None], bias[None], mask[None],
+                                is_causal=True)
+        return jnp.sum(out.astype(jnp.float32) * d_out[None])
 
     batched = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2, 3))))(q, k, v, bias, mask,
                                                                       d_out)
@@ -195,7 +259,7 @@ def test_jit_and_vmap(impl):
                                        bias=bias[i:i + 1], attn_mask=mask[i:i + 1],
                                        d_out=d_out[i:i + 1])
         for got, w in zip(batched, want, strict=True):
-            assert rel_err(got[i:i + 1], w) < 2e-5
+            assert rel_err(got[i:i + 1], w) < 2 * tolerance(q.dtype)
 
 
 def test_references_accept_bias_and_mask():
@@ -243,17 +307,3 @@ def test_bad_inputs(kwargs, message):
     q = jnp.zeros((2, 8, 2, 16))
     with pytest.raises(ValueError, match=message):
         pf.attention(q, q, q, **kwargs)
-
-
-def test_mosaic_reports_bias_and_mask_unsupported_above_head_dim_192():
-    """The Mosaic forward takes bias / mask arrays up to head_dim 192 (at 256 the K/V rings
-    leave no shared memory for a bias tile); above, the API names the reason."""
-    spec = MaskSpec(128, 128)
-    for head_dim, supported in ((64, True), (192, True), (256, False)):
-        shape = (1, 128, 2, head_dim)
-        for kwargs in (dict(has_bias=True), dict(has_mask=True)):
-            reason = mosaic.unsupported(shape, shape, jnp.bfloat16, spec, False, **kwargs)
-            assert (reason is None) == supported, (head_dim, kwargs, reason)
-    q = jnp.zeros((1, 64, 2, 256), jnp.bfloat16)
-    with pytest.raises(ValueError, match="implementation='mosaic' cannot run this call: bias"):
-        pf.attention(q, q, q, jnp.zeros((64, 64)), implementation="mosaic", interpret=True)

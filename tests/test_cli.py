@@ -87,6 +87,29 @@ def test_bench_tiny(tmp_path, capsys):
     assert out_png.stat().st_size > 0
 
 
+def test_bench_backward_stops_at_the_time_limit(tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    argv = ["bench", "--seq-lens", "32", "--tokens", "64", "--hidden", "32", "--head-dim", "16",
+            "--impls", "pallas_flash_xla", "--backward", "--time-limit", "0",
+            "--json", str(out_json)]
+    assert cli.main(argv) == 0
+    points = json.loads(out_json.read_text())["points"]
+    assert [p["pass"] for p in points] == ["fwd", "fwdbwd"]
+    assert all(p["ms"] is None and p["error"].startswith("not run") for p in points)
+    assert "python -m benchmarks.suite" in capsys.readouterr().out
+
+
+def test_the_package_imports_neither_benchmarks_nor_models(tmp_path):
+    """They are not installed with the wheel: the CLI must work without them, even where
+    the repository root is on the path."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    code = ("import sys, pallas_flash.cli, pallas_flash.tuning; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('benchmarks', 'models')))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
+
+
 def test_memory_tiny(tmp_path, capsys):
     png = tmp_path / "memory.png"
     argv = ["memory", "--seq-lens", "64,128", "--heads", "1", "--head-dim", "16",

@@ -1,8 +1,14 @@
-"""CPU tests of the Mosaic GPU backend.
+"""CPU tests of the Mosaic GPU backend that are particular to it.
 
-* Numerics, in Mosaic GPU interpret mode (``interpret=True``): the same kernel, pipeline,
-  barriers and masking as on the GPU, with P·V fed through SMEM (see
-  ``pallas_flash/mosaic/forward.py``). Compared with the float64 oracle.
+The shared suite (tests/test_attention.py, tests/test_bias_mask.py, tests/test_properties.py)
+runs every case on the Mosaic kernels in interpret mode with the smallest config (serial
+schedule, two consumers, 64-row / 64-key tiles; see tests/support.py). Here:
+
+* Numerics of the other schedules, in Mosaic GPU interpret mode (``interpret=True``; the
+  same kernel, pipeline, barriers and masking as on the GPU, with P·V fed through SMEM):
+  the overlapped schedule, three consumers, persistent CTAs, a 3-stage ring; and the
+  producer/consumer protocols under the interpreter's race detector. Compared with the
+  float64 oracle, through ``pallas_flash.attention(implementation="mosaic")``.
 * The real GPU kernel, lowered for ``cuda`` on the CPU: register layouts, wgmma operand
   checks and the shared-memory budget of every default config.
 * Config validation and the backend interface.
@@ -34,6 +40,8 @@ from pallas_flash.reference import EMPTY_ROW_LSE, attention_float64
 
 BF16, F16 = jnp.bfloat16, jnp.float16
 # Small blocks so that the tiny test sequences still span several CTAs and K/V blocks.
+# SMALL (the serial schedule) is the shared suite's config: here only as the base of the
+# persistent variant and in the race checks.
 SMALL = MosaicConfig(block_q=64, block_kv=64, num_stages=2)
 OVERLAP = MosaicConfig(block_q=64, block_kv=64, num_stages=2, overlap=True)
 THREE = MosaicConfig(block_q=64, block_kv=64, num_stages=2, overlap=True, num_consumers=3)
@@ -52,6 +60,19 @@ def _inputs(shape_q, shape_kv, dtype, seed):
             jnp.asarray(rng.standard_normal(shape_kv), dtype))
 
 
+def _forward(q, k, v, segment_ids=None, *, mask: MaskSpec, scale: float, config, softcap=None,
+             bias=None, attn_mask=None):
+    """The Mosaic forward through ``pallas_flash.attention``: (out, lse [B, N, T])."""
+    ids = {} if segment_ids is None else dict(q_segment_ids=segment_ids[0],
+                                              kv_segment_ids=segment_ids[1])
+    out, lse = pallas_flash.attention(
+        q, k, v, bias, attn_mask, scale=scale, is_causal=mask.is_causal,
+        causal_alignment=mask.causal_alignment, local_window_size=mask.window,
+        logits_soft_cap=softcap, return_residual=True, implementation="mosaic",
+        interpret=True, config=config, **ids)
+    return out, jnp.transpose(lse, (0, 2, 1))
+
+
 def _assert_matches_oracle(q, k, v, out, lse, mask: MaskSpec, scale: float, *,
                            segment_ids=None, softcap=None, bias=None, attn_mask=None):
     ref_out, ref_lse = attention_float64(q, k, v, scale=scale, mask=mask,
@@ -68,23 +89,10 @@ def _assert_matches_oracle(q, k, v, out, lse, mask: MaskSpec, scale: float, *,
     assert np.all(out.transpose(0, 2, 1, 3)[~seen] == 0)
 
 
-# (batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype, mask kwargs, config)
+# (batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype, mask kwargs, config); the serial
+# schedule's cases are the shared suite's (tests/test_attention.py).
 CASES = {
-    "dense_gqa_bf16": (2, 128, 128, 2, 1, 64, BF16, {}, SMALL),
-    "dense_odd_f16": (1, 100, 70, 2, 2, 64, F16, {}, SMALL),
-    "causal_odd_gqa_f16": (1, 200, 330, 4, 2, 64, F16, dict(is_causal=True), SMALL),
-    "causal_bottom_right_bf16": (
-        1, 200, 330, 2, 1, 64, BF16,
-        dict(is_causal=True, causal_alignment="bottom_right"), SMALL),
-    "causal_more_queries_than_keys": (  # bottom-right: the first 170 rows see nothing
-        1, 300, 130, 2, 2, 64, BF16,
-        dict(is_causal=True, causal_alignment="bottom_right"), SMALL),
-    "window": (1, 256, 256, 2, 1, 64, BF16, dict(window=(50, 10)), SMALL),
-    "causal_window": (1, 256, 256, 2, 1, 64, F16, dict(is_causal=True, window=(70, 0)), SMALL),
-    "window_rows_past_keys": (1, 320, 60, 1, 1, 64, BF16, dict(window=(10, 10)), SMALL),
-    "head_dim_96_padded": (1, 130, 130, 2, 1, 96, BF16, dict(is_causal=True), SMALL),
     "head_dim_128_3_stages": (1, 128, 384, 2, 2, 128, BF16, {}, MosaicConfig(64, 128, 3)),
-    "head_dim_256": (1, 128, 128, 1, 1, 256, F16, dict(is_causal=True), SMALL),
     # The overlapped schedule: its head (first visible block) and tail (last P·V) around
     # the loops, for rows that see every block, some blocks, or none.
     "overlap_dense_gqa": (2, 128, 192, 2, 1, 64, BF16, {}, OVERLAP),
@@ -124,8 +132,7 @@ def test_interpret_matches_oracle(case):
                       dtype, seed=len(case))
     mask = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, **mask_kwargs)
     scale = 0.7 / head_dim ** 0.5
-    out, lse = mosaic.forward(q, k, v, None, mask=mask, scale=scale, config=config,
-                              interpret=True)
+    out, lse = _forward(q, k, v, mask=mask, scale=scale, config=config)
     assert out.dtype == q.dtype and lse.dtype == jnp.float32
     _assert_matches_oracle(q, k, v, out, lse, mask, scale)
 
@@ -138,8 +145,7 @@ def test_interpret_no_races(config):
     q, k, v = _inputs((1, 128, 2, 64), (1, 192, 1, 64), BF16, seed=7)
     mask = MaskSpec(seq_q=128, seq_kv=192, is_causal=True, causal_alignment="bottom_right")
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
-        out, lse = mosaic.forward(q, k, v, None, mask=mask, scale=0.125, config=config,
-                                  interpret=True)
+        out, lse = _forward(q, k, v, mask=mask, scale=0.125, config=config)
         out.block_until_ready()
     assert not interpret_pallas_call.get_races().races_found
     _assert_matches_oracle(q, k, v, out, lse, mask, 0.125)
@@ -162,23 +168,17 @@ def _shuffled_ids(seq: int, seed: int) -> jax.Array:
 # (batch, seq_q, seq_kv, heads, kv_heads, dtype, mask kwargs, softcap, config)
 VARIANT_CASES = {
     # Three documents, boundaries off the 64-row tiles; GQA.
-    "segments_gqa": (1, 256, 256, 2, 1, BF16, {}, None, SMALL),
     "segments_causal_softcap_overlap": (1, 256, 256, 2, 1, F16, dict(is_causal=True), 20.0,
                                         OVERLAP),
     # Window + soft-cap + segments, padded keys (230 -> 256), queries of a document that
     # has no keys (rows 150..199: empty), and a second batch row with unordered ids.
-    "segments_softcap_window_padded": (2, 200, 230, 2, 2, BF16, dict(window=(40, 10)), 20.0,
-                                       SMALL),
     "segments_softcap_window_padded_persistent": (2, 200, 230, 2, 2, BF16,
                                                   dict(window=(40, 10)), 20.0,
                                                   _persistent(OVERLAP)),
-    "softcap_dense": (1, 128, 192, 2, 1, BF16, {}, 20.0, SMALL),
 }
 
 
 def _variant_ids(case, batch, seq_q, seq_kv):
-    if case == "softcap_dense":
-        return None
     if case.startswith("segments_softcap_window_padded"):
         q_ids = _doc_ids(batch, seq_q, [60, 150]) * 2  # 0, 2, 4: 4 has no keys
         kv_ids = _doc_ids(batch, seq_kv, [50, 140])  # 0, 1, 2
@@ -199,15 +199,15 @@ def test_interpret_variants_match_oracle(case):
     mask = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, **mask_kwargs)
     segment_ids = _variant_ids(case, batch, seq_q, seq_kv)
     scale = head_dim ** -0.5
-    out, lse = mosaic.forward(q, k, v, segment_ids, mask=mask, scale=scale, config=config,
-                              interpret=True, softcap=softcap)
+    out, lse = _forward(q, k, v, segment_ids, mask=mask, scale=scale, config=config,
+                        softcap=softcap)
     _assert_matches_oracle(q, k, v, out, lse, mask, scale, segment_ids=segment_ids,
                            softcap=softcap)
     if case.startswith("segments_softcap_window_padded"):
         assert np.all(np.asarray(out[0, 150:]) == 0)  # the document without keys
 
 
-@pytest.mark.parametrize("config", [SMALL, OVERLAP, THREE], ids=["serial", "overlap", "three"])
+@pytest.mark.parametrize("config", [OVERLAP, THREE], ids=["overlap", "three"])
 def test_segment_tiles_outside_the_span_are_never_read(config):
     """K/V of a document no query belongs to are NaN: a kernel that loaded them into a
     softmax would give NaN (0 · NaN); skipped tiles leave no trace. Also: a consumer whose
@@ -219,8 +219,7 @@ def test_segment_tiles_outside_the_span_are_never_read(config):
     kv_ids = kv_ids.at[:, 128:].set(2)
     k, v = k.at[:, 64:128].set(jnp.nan), v.at[:, 64:128].set(jnp.nan)
     mask = MaskSpec(seq_q=seq, seq_kv=seq)
-    out, lse = mosaic.forward(q, k, v, (q_ids, kv_ids), mask=mask, scale=0.125,
-                              config=config, interpret=True)
+    out, lse = _forward(q, k, v, (q_ids, kv_ids), mask=mask, scale=0.125, config=config)
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
     assert np.all(np.asarray(out[:, 64:128]) == 0)          # document 1: no keys
     assert np.all(np.asarray(lse[:, :, 64:128]) == np.float32(EMPTY_ROW_LSE))
@@ -236,58 +235,10 @@ def test_interpret_segments_no_races(config):
     ids = (_doc_ids(1, 128, [40, 100]), _doc_ids(1, 192, [40, 100]))
     mask = MaskSpec(seq_q=128, seq_kv=192)
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
-        out, lse = mosaic.forward(q, k, v, ids, mask=mask, scale=0.125, config=config,
-                                  interpret=True)
+        out, lse = _forward(q, k, v, ids, mask=mask, scale=0.125, config=config)
         out.block_until_ready()
     assert not interpret_pallas_call.get_races().races_found
     _assert_matches_oracle(q, k, v, out, lse, mask, 0.125, segment_ids=ids)
-
-
-def test_api_segments_softcap_gradients_interpret():
-    """pallas_flash.attention(implementation="mosaic") with segment ids, key padding
-    lengths and soft-capping: our forward, then the Mosaic backward on its (out, lse)."""
-    pytest.importorskip("pallas_flash.triton")
-    q, k, v = _inputs((1, 128, 2, 64), (1, 128, 1, 64), F16, seed=9)
-    q = q * 4
-    d_out = np.random.default_rng(10).standard_normal(q.shape)
-    ids = _doc_ids(1, 128, [50])
-    lengths = jnp.asarray([110], jnp.int32)
-
-    def f(q, k, v):
-        return pallas_flash.attention(
-            q, k, v, is_causal=True, q_segment_ids=ids, key_value_seq_lengths=lengths,
-            logits_soft_cap=20.0, implementation="mosaic", interpret=True, config=SMALL)
-
-    out, vjp = jax.vjp(f, q, k, v)
-    grads = vjp(jnp.asarray(d_out, F16))
-    kv_ids = jnp.where(jnp.arange(128) < 110, ids, -1)  # padded keys meet no query
-    ref_out, _, ref_grads = attention_float64(
-        q, k, v, mask=MaskSpec(seq_q=128, seq_kv=128, is_causal=True),
-        segment_ids=(ids, kv_ids), softcap=20.0, d_out=d_out)
-    for got, want in zip((out, *grads), (ref_out, *ref_grads), strict=True):
-        got = np.asarray(got, np.float64)
-        assert not np.isnan(got).any()
-        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
-
-
-def test_api_forward_and_gradients_interpret():
-    """pallas_flash.attention(implementation="mosaic"): our forward, Triton's backward."""
-    pytest.importorskip("pallas_flash.triton")
-    q, k, v = _inputs((1, 96, 4, 64), (1, 96, 2, 64), F16, seed=3)
-    d_out = np.random.default_rng(4).standard_normal(q.shape)
-    mask = MaskSpec(seq_q=96, seq_kv=96, is_causal=True)
-
-    def f(q, k, v):
-        return pallas_flash.attention(q, k, v, is_causal=True, implementation="mosaic",
-                                      interpret=True, config=SMALL)
-
-    out, vjp = jax.vjp(f, q, k, v)
-    grads = vjp(jnp.asarray(d_out, F16))
-    ref_out, _, ref_grads = attention_float64(q, k, v, mask=mask, d_out=d_out)
-    for got, want in zip((out, *grads), (ref_out, *ref_grads), strict=True):
-        got = np.asarray(got, np.float64)
-        assert not np.isnan(got).any()
-        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
 
 
 # --- bias and mask arrays --------------------------------------------------------------
@@ -319,24 +270,16 @@ def _seed(name: str) -> int:
 # and 1111 expanded to ..T1); a mask is int8 unless it broadcasts to the bias's shape
 # (then folded into it as -inf).
 LOGIT_CASES = {
-    "bias_BNTS": (2, 128, 128, 2, 1, BF16, "BNTS", None, {}, SMALL),
     "bias_11TS_overlap": (1, 128, 192, 2, 1, F16, "11TS", None, {}, OVERLAP),
     "bias_B11S_three": (2, 192, 128, 2, 2, BF16, "B11S", None, {}, THREE),
-    "bias_BNT1_causal": (2, 128, 128, 2, 1, BF16, "BNT1", None, dict(is_causal=True), SMALL),
     "bias_1111_overlap": (2, 128, 128, 2, 1, BF16, "1111", None, {}, OVERLAP),
-    "mask_B1TS": (2, 128, 128, 2, 1, BF16, None, "B1TS", {}, SMALL),
     "mask_B11S_overlap_odd": (2, 100, 130, 2, 1, F16, None, "B11S", {}, OVERLAP),
     "mask_1NT1_three": (1, 192, 128, 2, 1, BF16, None, "1NT1", {}, THREE),
     # Two rings (tile bias, key-row mask), causal, GQA, odd lengths.
-    "bias_mask_causal_gqa_odd": (2, 100, 170, 2, 1, F16, "1NTS", "B11S",
-                                 dict(is_causal=True), SMALL),
     "bias_mask_causal_gqa_odd_overlap": (2, 100, 170, 2, 1, BF16, "B1TS", "1N1S",
                                          dict(is_causal=True), OVERLAP),
     "bias_mask_window_three": (1, 200, 150, 2, 1, BF16, "B11S", "11TS", dict(window=(60, 20)),
                                THREE),
-    # Folded: the mask broadcasts to the bias's shape.
-    "bias_mask_folded_causal": (2, 128, 160, 2, 1, BF16, "B1TS", "B11S",
-                                dict(is_causal=True), SMALL),
     # Persistent CTAs: the rings and per-row reads follow each tile's batch and head.
     "bias_mask_causal_gqa_odd_persistent": (2, 100, 170, 2, 1, BF16, "B1TS", "1N1S",
                                             dict(is_causal=True), _persistent(OVERLAP)),
@@ -356,14 +299,14 @@ def test_interpret_bias_mask_match_oracle(case):
     bias, attn_mask = _logit_arrays(bias_spec, mask_spec, sizes, _seed(case) + 1)
     mask = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, **mask_kwargs)
     scale = head_dim ** -0.5
-    out, lse = mosaic.forward(q, k, v, None, mask=mask, scale=scale, config=config,
-                              interpret=True, bias=bias, attn_mask=attn_mask)
+    out, lse = _forward(q, k, v, mask=mask, scale=scale, config=config, bias=bias,
+                        attn_mask=attn_mask)
     _assert_matches_oracle(q, k, v, out, lse, mask, scale, bias=bias, attn_mask=attn_mask)
 
 
 @pytest.mark.parametrize(("config", "folded"), [
-    (SMALL, False), (OVERLAP, True), (THREE, False), (THREE, True)],
-    ids=["serial_int8_mask", "overlap_folded", "three_int8_mask", "three_folded"])
+    (OVERLAP, True), (THREE, False), (THREE, True)],
+    ids=["overlap_folded", "three_int8_mask", "three_folded"])
 def test_interpret_fully_masked_rows(config, folded):
     """Rows the mask hides entirely give out 0 and lse EMPTY_ROW_LSE, never NaN: through the
     int8 mask (every block masked), or folded into a bias as -inf, where the unmasked
@@ -379,8 +322,8 @@ def test_interpret_fully_masked_rows(config, folded):
         bias = jnp.asarray(np.random.default_rng(3).standard_normal((1, 2, seq, seq)),
                            jnp.float32)
     mask = MaskSpec(seq_q=seq, seq_kv=seq)
-    out, lse = mosaic.forward(q, k, v, None, mask=mask, scale=0.125, config=config,
-                              interpret=True, bias=bias, attn_mask=jnp.asarray(keep))
+    out, lse = _forward(q, k, v, mask=mask, scale=0.125, config=config, bias=bias,
+                        attn_mask=jnp.asarray(keep))
     assert np.all(np.asarray(out[0, 10:80, 0]) == 0)
     assert np.all(np.asarray(lse[0, 1, 150:]) == np.float32(EMPTY_ROW_LSE))
     _assert_matches_oracle(q, k, v, out, lse, mask, 0.125, bias=bias, attn_mask=keep)
@@ -395,42 +338,11 @@ def test_interpret_bias_mask_no_races(config):
     bias, attn_mask = _logit_arrays("1NTS", "B11S", sizes, seed=14)
     mask = MaskSpec(seq_q=128, seq_kv=192, is_causal=True, causal_alignment="bottom_right")
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
-        out, lse = mosaic.forward(q, k, v, None, mask=mask, scale=0.125, config=config,
-                                  interpret=True, bias=bias, attn_mask=attn_mask)
+        out, lse = _forward(q, k, v, mask=mask, scale=0.125, config=config, bias=bias,
+                            attn_mask=attn_mask)
         out.block_until_ready()
     assert not interpret_pallas_call.get_races().races_found
     _assert_matches_oracle(q, k, v, out, lse, mask, 0.125, bias=bias, attn_mask=attn_mask)
-
-
-def test_api_bias_mask_gradients_interpret():
-    """pallas_flash.attention(implementation="mosaic") with a differentiated per-head bias
-    and a padding mask: the Mosaic forward's (out, lse) feed the Triton backward, which
-    returns dbias (summed over the batch the bias broadcasts over)."""
-    pytest.importorskip("pallas_flash.triton")
-    batch, seq_q, seq_kv, heads, kv_heads = 2, 70, 130, 4, 2
-    q, k, v = _inputs((batch, seq_q, heads, 64), (batch, seq_kv, kv_heads, 64), F16, seed=41)
-    sizes = dict(B=batch, N=heads, T=seq_q, S=seq_kv)
-    bias, attn_mask = _logit_arrays("1NTS", "B11S", sizes, seed=42)
-    d_out = np.random.default_rng(43).standard_normal(q.shape)
-
-    def f(q, k, v, bias):
-        return pallas_flash.attention(q, k, v, bias, attn_mask, is_causal=True,
-                                      implementation="mosaic", interpret=True, config=SMALL)
-
-    out, vjp = jax.vjp(f, q, k, v, bias)
-    grads = vjp(jnp.asarray(d_out, F16))
-    assert grads[3].shape == bias.shape and grads[3].dtype == bias.dtype
-    ref_out, _, ref_grads = attention_float64(
-        q, k, v, mask=MaskSpec(seq_q=seq_q, seq_kv=seq_kv, is_causal=True), bias=bias,
-        attn_mask=attn_mask, d_out=d_out)
-    for got, want in zip((out, *grads), (ref_out, *ref_grads), strict=True):
-        got = np.asarray(got, np.float64)
-        assert not np.isnan(got).any()
-        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
-    # The float32 jax.nn reference agrees too (its fully masked rows differ: none here).
-    want = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), bias,
-                                        attn_mask, is_causal=True)
-    assert np.linalg.norm(np.asarray(out, np.float32) - want) / np.linalg.norm(want) < 1e-2
 
 
 # --- the GPU kernel, lowered for CUDA on the CPU ----------------------------------------
@@ -441,9 +353,9 @@ def _lower_for_cuda(shape_q, shape_kv, dtype, mask: MaskSpec, config: MosaicConf
                     bias: str | None = None, bias_dtype=jnp.float32, attn_mask: str | None = None):
     """``bias`` / ``attn_mask``: None or the array's shape spec over ``BNTS1``."""
     def f(q, k, v, q_ids, kv_ids, bias, attn_mask):
-        return mosaic.forward(q, k, v, (q_ids, kv_ids) if segments else None, mask=mask,
-                              scale=0.1, config=config, interpret=False, softcap=softcap,
-                              bias=bias, attn_mask=attn_mask)
+        return mosaic.KERNELS.forward(
+            q, k, v, (q_ids, kv_ids) if segments else None, mask=mask, scale=0.1,
+            config=config, interpret=False, softcap=softcap, bias=bias, attn_mask=attn_mask)
     sizes = dict(B=shape_q[0], N=shape_q[2], T=shape_q[1], S=shape_kv[1])
     args = (jax.ShapeDtypeStruct(shape_q, dtype), jax.ShapeDtypeStruct(shape_kv, dtype),
             jax.ShapeDtypeStruct(shape_kv, dtype),
@@ -684,6 +596,12 @@ def test_unsupported_reasons():
     for kwargs in (dict(has_bias=True), dict(has_mask=True)):
         assert "192" in mosaic.unsupported((1, 128, 2, 200), shape, BF16, mask, False,
                                            **kwargs)
+        # Bias / mask arrays up to head_dim 192: at 256 the K/V rings leave no shared
+        # memory for a bias tile.
+        for head_dim, supported in ((64, True), (192, True), (256, False)):
+            q_shape = (1, 128, 2, head_dim)
+            reason = mosaic.unsupported(q_shape, q_shape, BF16, mask, False, **kwargs)
+            assert (reason is None) == supported, (head_dim, kwargs, reason)
     assert mosaic.unsupported(shape, shape, F16, mask, False) is None
     assert mosaic.unsupported(shape, shape, BF16, mask, True, softcap=30.0) is None
     assert "float32" in mosaic.unsupported(shape, shape, jnp.float32, mask, False)
@@ -697,6 +615,7 @@ def test_api_rejects_unsupported_when_forced():
     with pytest.raises(ValueError, match="mosaic"):
         pallas_flash.attention(q, q, q, implementation="mosaic", interpret=True)
     q = jnp.zeros((1, 64, 2, 256), BF16)
-    with pytest.raises(ValueError, match=r"mosaic.*head_dim <= 192"):
+    with pytest.raises(ValueError, match=r"implementation='mosaic' cannot run this call: bias.*"
+                                         r"head_dim <= 192"):
         pallas_flash.attention(q, q, q, jnp.zeros((64, 64)), implementation="mosaic",
                                interpret=True)

@@ -1,10 +1,18 @@
-"""CPU tests of the Mosaic GPU backward (``pallas_flash/mosaic/backward.py``).
+"""CPU tests of the Mosaic GPU backward (``pallas_flash/mosaic/backward.py``) that are
+particular to it.
 
-* Numerics in Mosaic GPU interpret mode: the same kernels, pipeline, barriers and masking
-  as on the GPU, with the register A operands of wgmma detoured through SMEM and dQ from
-  the deterministic dQ kernel (the interpreter has no TMA reduce-add). Compared with the
-  float64 oracle on fresh random inputs, with and without segment ids (packed documents,
-  padding lengths) and soft-capping.
+The shared suite (tests/test_attention.py, tests/test_bias_mask.py) checks the Mosaic
+backward's gradients through ``pallas_flash.attention`` with the API's backward config
+(the fused dQ up to head_dim 128, the separate dQ kernel for short causal calls above 64,
+the split dK/dV kernel at 256), with masks, segment ids, padding, soft-capping and bias /
+mask arrays. Here:
+
+* Both dQ modes at head dims 64 and 128 with explicit configs, and the producer/consumer
+  protocols under the interpreter's race detector, in Mosaic GPU interpret mode (the
+  register A operands of wgmma detoured through SMEM; the fused dQ stored per consumer and
+  key tile, as the interpreter has no TMA reduce-add), vs the float64 oracle.
+* Which calls take the Triton backward (dbias, bias / mask arrays at head_dim 256,
+  head_dim 192).
 * The real GPU kernels (fused and deterministic dQ), lowered for ``cuda`` on the CPU:
   layouts, wgmma operands and the shared-memory budget, which the config's accounting
   must match exactly.
@@ -13,7 +21,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import functools
 import importlib
 import re
@@ -27,13 +35,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from support import random_qkv, rel_err
 
 import pallas_flash
+from pallas_flash import mosaic
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import MosaicBackwardConfig, MosaicConfig, default_backward_config
 from pallas_flash.mosaic import config as mosaic_config
 from pallas_flash.mosaic.config import LogitRing
 from pallas_flash.reference import attention_float64
 
-mosaic_backward = importlib.import_module("pallas_flash.mosaic.backward")
+# The backend interface (pallas_flash.autodiff.Kernels): (dq, dk, dv[, dbias]).
+mosaic_backward = mosaic.KERNELS.backward
 
 BF16, F16 = jnp.bfloat16, jnp.float16
 SMALL = MosaicBackwardConfig(block_q=64, dq_block_kv=64)
@@ -50,74 +60,18 @@ def _residuals(q, k, v, d_out, mask: MaskSpec, scale: float, segment_ids=None,
     return out, jnp.asarray(lse, jnp.float32), delta, grads
 
 
-# (batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype, mask kwargs)
-CASES = {
-    "dense_gqa_bf16": (1, 128, 256, 2, 1, 64, BF16, {}),
-    "causal_odd_gqa_f16": (1, 200, 130, 2, 1, 64, F16, dict(is_causal=True)),
-    "causal_bottom_right_empty_rows": (  # the first 60 rows see no key
-        1, 190, 130, 1, 1, 64, BF16, dict(is_causal=True, causal_alignment="bottom_right")),
-    "window_head_dim_96": (1, 192, 150, 1, 1, 96, BF16, dict(window=(40, 20))),
-}
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_interpret_matches_oracle(case):
-    batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype, mask_kwargs = CASES[case]
-    q, k, v, d_out = random_qkv(batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype)
-    mask = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, **mask_kwargs)
-    scale = 0.7 / head_dim ** 0.5
-    out, lse, delta, want = _residuals(q, k, v, d_out, mask, scale)
-    grads = mosaic_backward.backward(q, k, v, None, out, lse, d_out, delta, mask=mask,
-                                     scale=scale, config=SMALL, interpret=True)
-    for name, got, ref, x in zip("qkv", grads, want, (q, k, v), strict=True):
-        assert got.shape == x.shape and got.dtype == x.dtype, name
-        assert rel_err(got, ref) < 1e-2, f"d{name}: {rel_err(got, ref)}"
-
-
-# (batch, seq_q, seq_kv, heads, kv_heads, dtype, mask kwargs, segment ids kind, softcap)
-D256_CASES = {
-    "dense_gqa": (1, 128, 192, 4, 2, BF16, {}, None, None),
-    "causal_odd_bottom_right_f16": (1, 200, 130, 2, 1, F16,
-                                    dict(is_causal=True, causal_alignment="bottom_right"),
-                                    None, None),
-    "window": (1, 192, 192, 2, 1, BF16, dict(window=(40, 20)), None, None),
-    "segments_softcap_causal": (2, 200, 130, 2, 1, BF16, dict(is_causal=True),
-                                "docs_empty_rows", 20.0),
-}
-
-
-def _backward_d256(case: str, *, races: bool = False):
-    """The head_dim 256 kernels (split dK/dV, 32-key dQ) on a D256_CASES case, with the
-    head_dim 256 default config; returns (grads, oracle grads, inputs)."""
-    batch, seq_q, seq_kv, heads, kv_heads, dtype, mask_kwargs, ids_kind, softcap = (
-        D256_CASES[case])
-    q, k, v, d_out = random_qkv(batch, seq_q, seq_kv, heads, kv_heads, 256, dtype)
-    if softcap is not None:  # logits of several softcaps, where tanh bends them
-        q = q * 8
-    mask = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, **mask_kwargs)
-    segment_ids = _variant_ids(ids_kind, batch, seq_q, seq_kv)
-    out, lse, delta, want = _residuals(q, k, v, d_out, mask, 0.05, segment_ids, softcap)
-    config = default_backward_config(q.shape, k.shape, dtype, mask)
-    params = plgpu.InterpretGPUParams(detect_races=races)
-    with plgpu.force_gpu_interpret_mode(params):
-        grads = jax.block_until_ready(mosaic_backward.backward(
-            q, k, v, segment_ids, out, lse, d_out, delta, mask=mask, scale=0.05,
-            config=config, interpret=True, softcap=softcap))
-    return grads, want, (q, k, v)
-
-
-@pytest.mark.parametrize("case", sorted(D256_CASES))
-def test_interpret_head_dim_256_matches_oracle(case):
-    grads, want, inputs = _backward_d256(case)
-    for name, got, ref, x in zip("qkv", grads, want, inputs, strict=True):
-        assert got.shape == x.shape and got.dtype == x.dtype, name
-        assert rel_err(got, ref) < 1e-2, f"d{name}: {rel_err(got, ref)}"
-
-
 def test_interpret_head_dim_256_no_races():
-    """The split dK/dV kernel's exchange of Pᵀ / dSᵀ halves between its consumers, under
-    the interpreter's race detector."""
-    grads, want, _ = _backward_d256("causal_odd_bottom_right_f16", races=True)
+    """The split dK/dV kernel's exchange of Pᵀ / dSᵀ halves between its consumers (the
+    head_dim 256 default config), under the interpreter's race detector; bottom-right
+    causal, odd lengths, GQA. (The numbers of head_dim 256: the shared suite.)"""
+    q, k, v, d_out = random_qkv(1, 200, 130, 2, 1, 256, F16)
+    mask = MaskSpec(seq_q=200, seq_kv=130, is_causal=True, causal_alignment="bottom_right")
+    out, lse, delta, want = _residuals(q, k, v, d_out, mask, 0.05)
+    config = default_backward_config(q.shape, k.shape, F16, mask)
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
+        grads = jax.block_until_ready(mosaic_backward(
+            q, k, v, None, out, lse, d_out, delta, mask=mask, scale=0.05, config=config,
+            interpret=True))
     assert not interpret_pallas_call.get_races().races_found
     for got, ref in zip(grads, want, strict=True):
         assert rel_err(got, ref) < 1e-2
@@ -131,17 +85,12 @@ def _logit_array(spec: str, sizes: dict, seed: int, *, mask: bool, dtype=jnp.flo
     return (2 * jax.random.normal(jax.random.key(seed), shape, jnp.float32)).astype(dtype)
 
 
-# (bias spec, bias dtype, mask spec, mask kwargs): every reader kind in both kernels (the
-# dK/dV kernel reads the arrays transposed, so a key row there is a query row in dQ).
+# (bias spec, bias dtype, mask spec, mask kwargs): every reader kind of both kernels has
+# its numbers checked by tests/test_bias_mask.py (cases with a constant bias); here the
+# race check of the rings.
 LOGIT_CASES = {
-    # A per-head float32 tile ring; a key-row int8 mask (rows read once in dK/dV).
-    "tile_bias_key_mask_causal": ("1NTS", jnp.float32, "B11S", dict(is_causal=True)),
     # A bf16 key-row bias ring; an int8 tile mask (rows with no key: lse EMPTY_ROW_LSE).
     "key_bias_tile_mask_causal": ("B11S", BF16, "B1TS", dict(is_causal=True)),
-    # Query-row bias and mask: read once in dQ, key-row rings in dK/dV; window.
-    "row_bias_row_mask_window": ("BNT1", jnp.float32, "1NT1", dict(window=(50, 30))),
-    # A mask that broadcasts to the bias's shape is folded into it as -inf.
-    "folded_mask": ("BNTS", BF16, "B1TS", {}),
 }
 
 
@@ -162,20 +111,10 @@ def _backward_with_logits(case: str, *, races: bool = False):
     # The forward's config, as the API passes it: the backward picks its own tiling.
     config = MosaicConfig()
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=races)):
-        got = jax.block_until_ready(mosaic_backward.backward(
+        got = jax.block_until_ready(mosaic_backward(
             q, k, v, None, out, jnp.asarray(lse, jnp.float32), d_out, delta, mask=mask,
             scale=scale, config=config, interpret=True, bias=bias, attn_mask=attn_mask))
     return got, grads[:3], (q, k, v)  # the oracle's dbias is not computed here
-
-
-@pytest.mark.parametrize("case", sorted(LOGIT_CASES))
-def test_interpret_bias_mask_match_oracle(case, monkeypatch):
-    """Bias and mask arrays in both Mosaic kernels (no Triton fallback), vs the oracle."""
-    monkeypatch.setattr(mosaic_backward, "_triton_backward", None)  # any fallback fails
-    got, want, inputs = _backward_with_logits(case)
-    for name, g, ref, x in zip("qkv", got, want, inputs, strict=True):
-        assert g.shape == x.shape and g.dtype == x.dtype, name
-        assert rel_err(g, ref) < 1e-2, f"d{name}: {rel_err(g, ref)}"
 
 
 def test_interpret_bias_mask_no_races():
@@ -187,21 +126,60 @@ def test_interpret_bias_mask_no_races():
         assert rel_err(g, ref) < 1e-2
 
 
-def test_bias_gradient_and_head_dim_256_bias_take_triton(monkeypatch):
-    """dbias is Triton's, and so are bias / mask arrays at head_dim 256; a bias at head_dim
-    64 without dbias is not (the API's call, with the forward's config)."""
-    calls = []
-    monkeypatch.setattr(mosaic_backward, "_triton_backward",
-                        lambda *a, **kw: calls.append(kw["bias_grad"]) or "triton")
+@pytest.fixture
+def triton_backward_calls(monkeypatch) -> list:
+    """Records each call of the Triton backward (the Mosaic backward's fallback)."""
+    from pallas_flash import triton
+
+    kernels, calls = triton.KERNELS, []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("bias_grad", False))
+        return kernels.backward(*args, **kwargs)
+
+    monkeypatch.setattr(triton, "KERNELS", dataclasses.replace(kernels, backward=spy))
+    return calls
+
+
+@pytest.mark.parametrize(("head_dim", "bias", "bias_grad", "takes_triton"), [
+    (64, True, True, True),       # dbias is Triton's
+    (64, True, False, False),     # a constant bias is read by the Mosaic kernels
+    (192, True, False, True),     # head_dim 192: the Mosaic backward has no kernel for it
+    (256, False, False, False),   # head_dim 256: the split dK/dV kernel
+])
+def test_which_calls_take_the_triton_backward(head_dim, bias, bias_grad, takes_triton,
+                                              triton_backward_calls):
+    """pallas_flash.attention(implementation="mosaic"): dbias, bias / mask arrays at
+    head_dim 256 and head_dim 192 take the Triton backward; the rest, segment ids and
+    soft-capping included, the Mosaic kernels (the numbers: the shared suite)."""
+    q, k, v, d_out = random_qkv(1, 64, 64, 1, 1, head_dim, BF16)
+    bias_array = jnp.zeros((1, 1, 64, 64), jnp.float32) if bias else None
+    ids = jnp.asarray(np.arange(64)[None] // 40, jnp.int32)
+
+    def f(q, k, v, b):
+        return pallas_flash.attention(q, k, v, b, is_causal=True, q_segment_ids=ids,
+                                      logits_soft_cap=20.0, implementation="mosaic",
+                                      interpret=True)
+
+    if bias_grad:
+        _, vjp = jax.vjp(f, q, k, v, bias_array)
+    else:
+        _, vjp = jax.vjp(lambda q, k, v: f(q, k, v, bias_array), q, k, v)
+    jax.block_until_ready(vjp(d_out))
+    assert triton_backward_calls == ([bias_grad] if takes_triton else [])
+
+
+@pytest.mark.parametrize("head_dim", [192, 256])
+def test_bias_above_head_dim_128_takes_triton(head_dim, triton_backward_calls):
+    """Through the backend interface, as the API calls it (the forward's config): a bias
+    at head_dim 256 (which the forward would refuse) goes to Triton too."""
+    q, k, v, d_out = random_qkv(1, 64, 64, 1, 1, head_dim, BF16)
     lse = delta = jnp.zeros((1, 1, 64), jnp.float32)
     bias = jnp.zeros((1, 1, 64, 64), jnp.float32)
     mask = MaskSpec(seq_q=64, seq_kv=64)
-    for head_dim, bias_grad in ((64, True), (256, False)):
-        q, k, v, d_out = random_qkv(1, 64, 64, 1, 1, head_dim, BF16)
-        assert mosaic_backward.backward(
-            q, k, v, None, None, lse, d_out, delta, mask=mask, scale=0.1,
-            config=MosaicConfig(), interpret=True, bias=bias, bias_grad=bias_grad) == "triton"
-    assert calls == [True, False]
+    grads = mosaic_backward(q, k, v, None, None, lse, d_out, delta, mask=mask, scale=0.1,
+                            config=MosaicConfig(), interpret=True, bias=bias)
+    assert len(grads) == 3 and triton_backward_calls == [False]
 
 
 def test_interpret_no_races():
@@ -210,7 +188,7 @@ def test_interpret_no_races():
     mask = MaskSpec(seq_q=128, seq_kv=192, is_causal=True, causal_alignment="bottom_right")
     out, lse, delta, want = _residuals(q, k, v, d_out, mask, 0.125)
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
-        grads = mosaic_backward.backward(q, k, v, None, out, lse, d_out, delta, mask=mask,
+        grads = mosaic_backward(q, k, v, None, out, lse, d_out, delta, mask=mask,
                                          scale=0.125, config=SMALL, interpret=True)
         jax.block_until_ready(grads)
     assert not interpret_pallas_call.get_races().races_found
@@ -218,30 +196,36 @@ def test_interpret_no_races():
         assert rel_err(got, ref) < 1e-2
 
 
-# --- the fused dQ (deterministic=False) ---------------------------------------------------
+# --- both dQ modes ---------------------------------------------------------------------
 
-# (head_dim, causal, num_stages): head_dim 128 splits dQ's columns between the consumers
-# (splits_dq); at 64 the consumer that owns a step's ring slot adds all of it (with three
-# slots, consumer 0 owns two of them).
-FUSED_CASES = [(64, True, 2), (64, True, 3), (128, False, 2), (128, True, 2)]
+# (head_dim, causal, num_stages, deterministic). The fused dQ (deterministic=False): at
+# head_dim 128 dQ's columns are split between the consumers (splits_dq); at 64 the consumer
+# that owns a step's ring slot adds all of it (with three slots, consumer 0 owns two of
+# them). The separate dQ kernel with 64-key blocks (the API's default at head_dim 64 is the
+# fused dQ).
+DQ_CASES = [(64, True, 2, False), (64, True, 3, False), (128, False, 2, False),
+            (128, True, 2, False), (64, False, 2, True), (64, True, 2, True)]
 
 
-@pytest.mark.parametrize(("head_dim", "causal", "num_stages"), FUSED_CASES)
-def test_interpret_fused_dq_matches_oracle(head_dim, causal, num_stages):
+@pytest.mark.parametrize(("head_dim", "causal", "num_stages", "deterministic"), DQ_CASES)
+def test_interpret_dq_modes_match_oracle(head_dim, causal, num_stages, deterministic):
     """dQ from the dK/dV kernel (in interpret mode stored per consumer and key tile, as
-    TMA has no reduce-add there), GQA, odd lengths, rows that see no key: near the diagonal
-    one consumer skips a block while the other adds its dS·K."""
+    TMA has no reduce-add there) or from the dQ kernel; GQA, odd lengths, rows that see no
+    key: near the diagonal one consumer skips a block while the other adds its dS·K."""
     q, k, v, d_out = random_qkv(1, 200, 330, 2, 1, head_dim, BF16)
     mask = MaskSpec(seq_q=200, seq_kv=330, is_causal=causal, causal_alignment="bottom_right")
     out, lse, delta, want = _residuals(q, k, v, d_out, mask, 0.1)
-    config = MosaicBackwardConfig(num_stages=num_stages, deterministic=False)
+    config = MosaicBackwardConfig(num_stages=num_stages, deterministic=deterministic,
+                                  dq_block_kv=64 if deterministic else 128)
     assert mosaic_config.splits_dq(head_dim, 2) == (head_dim == 128)
-    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=causal)):
-        grads = jax.block_until_ready(mosaic_backward.backward(
+    races = causal and not deterministic  # (the deterministic kernels: below)
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=races)):
+        grads = jax.block_until_ready(mosaic_backward(
             q, k, v, None, out, lse, d_out, delta, mask=mask, scale=0.1, config=config,
             interpret=True))
-    assert not (causal and interpret_pallas_call.get_races().races_found)
-    for name, got, ref in zip("qkv", grads, want, strict=True):
+    assert not (races and interpret_pallas_call.get_races().races_found)
+    for name, got, ref, x in zip("qkv", grads, want, (q, k, v), strict=True):
+        assert got.shape == x.shape and got.dtype == x.dtype, name
         assert rel_err(got, ref) < 1e-2, f"d{name}: {rel_err(got, ref)}"
 
 
@@ -254,67 +238,12 @@ def _doc_ids(batch: int, seq: int, starts) -> jax.Array:
     return jnp.asarray(np.broadcast_to(ids, (batch, seq)), jnp.int32)
 
 
-def _variant_ids(kind: str | None, batch: int, seq_q: int, seq_kv: int):
-    """Segment ids of a VARIANT_CASES kind (None: no segment ids)."""
-    if kind is None:
-        return None
-    if kind == "docs":  # three documents, boundaries off the 64-row tiles
-        return _doc_ids(batch, seq_q, [70, 150]), _doc_ids(batch, seq_kv, [70, 150])
-    if kind == "docs_empty_rows":
-        # Query documents 0, 2, 4; key documents 0, 1, 2: rows of document 4 see no key,
-        # keys of document 1 no query. Batch row 1: ids in no order (wide spans).
-        q_ids = _doc_ids(batch, seq_q, [60, 150]) * 2
-        kv_ids = _doc_ids(batch, seq_kv, [50, 110])
-        rng = np.random.default_rng(seq_q)
-        return (q_ids.at[1].set(jnp.asarray(rng.integers(0, 3, seq_q), jnp.int32)),
-                kv_ids.at[1].set(jnp.asarray(rng.integers(0, 3, seq_kv), jnp.int32)))
-    # "lengths": padding lengths as the API folds them into ids (pallas_flash.api).
-    q_len, kv_len = (jnp.asarray([n - 37, n - 70][:batch], jnp.int32) for n in (seq_q, seq_kv))
-    q_ids = jnp.where(jnp.arange(seq_q) < q_len[:, None], 0, pallas_flash.api.PADDED_QUERY_ID)
-    kv_ids = jnp.where(jnp.arange(seq_kv) < kv_len[:, None], 0, pallas_flash.api.PADDED_KEY_ID)
-    return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
-
-
-# (batch, seq_q, seq_kv, heads, kv_heads, dtype, mask kwargs, segment ids kind, softcap)
-VARIANT_CASES = {
-    "segments_gqa": (1, 192, 192, 2, 1, BF16, {}, "docs", None),
-    "segments_causal_odd_f16": (1, 200, 200, 2, 1, F16, dict(is_causal=True), "docs", None),
-    # Padded keys (130 -> 256), empty rows, a key document without queries, GQA 2:1.
-    "segments_empty_rows_gqa": (2, 200, 130, 2, 1, BF16, {}, "docs_empty_rows", None),
-    "padding_lengths_causal": (2, 160, 160, 2, 2, BF16, dict(is_causal=True), "lengths",
-                               None),
-    "softcap_dense": (1, 128, 192, 2, 1, BF16, {}, None, 20.0),
-    "softcap_segments_causal_f16": (1, 200, 200, 2, 1, F16, dict(is_causal=True), "docs",
-                                    20.0),
-}
-
-
-@pytest.mark.parametrize("case", sorted(VARIANT_CASES))
-def test_interpret_variants_match_oracle(case):
-    batch, seq_q, seq_kv, heads, kv_heads, dtype, mask_kwargs, ids_kind, softcap = (
-        VARIANT_CASES[case])
-    head_dim = 64
-    q, k, v, d_out = random_qkv(batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype)
-    if softcap is not None:  # logits of several softcaps, where tanh bends them
-        q = q * 8
-    mask = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, **mask_kwargs)
-    segment_ids = _variant_ids(ids_kind, batch, seq_q, seq_kv)
-    scale = head_dim ** -0.5
-    out, lse, delta, want = _residuals(q, k, v, d_out, mask, scale, segment_ids, softcap)
-    grads = mosaic_backward.backward(q, k, v, segment_ids, out, lse, d_out, delta, mask=mask,
-                                     scale=scale, config=SMALL, interpret=True,
-                                     softcap=softcap)
-    for name, got, ref, x in zip("qkv", grads, want, (q, k, v), strict=True):
-        assert got.shape == x.shape and got.dtype == x.dtype, name
-        assert rel_err(got, ref) < 1e-2, f"d{name}: {rel_err(got, ref)}"
-    if ids_kind == "docs_empty_rows":  # rows of document 4 see no key: dQ is exactly 0
-        assert np.all(np.asarray(grads[0][0, 150:]) == 0)
-
-
 def test_segment_tiles_outside_the_span_are_never_read():
-    """Q/dO of a query document without keys and K/V of a key document without queries
-    are NaN: a kernel that loaded them into its GEMMs would give NaN; skipped tiles leave
-    exact zeros. CTA 0 of both kernels has one consumer with no block to visit."""
+    """The separate dQ kernel (64-key blocks): Q/dO of a query document without keys and
+    K/V of a key document without queries are NaN: a kernel that loaded them into its
+    GEMMs would give NaN; skipped tiles leave exact zeros. CTA 0 of both kernels has one
+    consumer with no block to visit. (dO cannot be NaN through the API, whose delta reads
+    it; the fused dQ skips key tiles per CTA: the shared suite's version.)"""
     seq = 256
     q, k, v, d_out = random_qkv(1, seq, seq, 2, 1, 64, BF16)
     q_ids = _doc_ids(1, seq, [64, 128])                     # 0 | 1 (no keys) | 2, 2
@@ -325,8 +254,8 @@ def test_segment_tiles_outside_the_span_are_never_read():
     out, lse, delta, want = _residuals(q, k, v, d_out, mask, 0.125, ids)
     hidden = slice(64, 128)
     q, d_out, k, v = (x.at[:, hidden].set(jnp.nan) for x in (q, d_out, k, v))
-    grads = mosaic_backward.backward(q, k, v, ids, out, lse, d_out, delta, mask=mask,
-                                     scale=0.125, config=SMALL, interpret=True)
+    grads = mosaic_backward(q, k, v, ids, out, lse, d_out, delta, mask=mask, scale=0.125,
+                            config=SMALL, interpret=True)
     for got, ref in zip(grads, want, strict=True):
         assert np.all(np.asarray(got[:, hidden]) == 0)
         assert rel_err(got, ref) < 1e-2
@@ -340,7 +269,7 @@ def test_interpret_segments_softcap_no_races():
     mask = MaskSpec(seq_q=128, seq_kv=192, is_causal=True)
     out, lse, delta, want = _residuals(q * 4, k, v, d_out, mask, 0.125, ids, 10.0)
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
-        grads = mosaic_backward.backward(q * 4, k, v, ids, out, lse, d_out, delta, mask=mask,
+        grads = mosaic_backward(q * 4, k, v, ids, out, lse, d_out, delta, mask=mask,
                                          scale=0.125, config=SMALL, interpret=True,
                                          softcap=10.0)
         jax.block_until_ready(grads)
@@ -349,55 +278,13 @@ def test_interpret_segments_softcap_no_races():
         assert rel_err(got, ref) < 1e-2
 
 
-def test_api_packed_documents_train_with_the_mosaic_backward(monkeypatch):
-    """pallas_flash.attention(implementation="mosaic") with segment ids, padding lengths and
-    soft-capping: the gradients come from the Mosaic backward, not the Triton fallback."""
-    monkeypatch.setattr(mosaic_backward, "_triton_backward", None)  # any fallback fails
-    q, k, v, d_out = random_qkv(1, 128, 128, 2, 1, 64, F16)
-    q = q * 4
-    ids = _doc_ids(1, 128, [50])
-    lengths = jnp.asarray([110], jnp.int32)
-
-    def f(q, k, v):
-        return pallas_flash.attention(
-            q, k, v, is_causal=True, q_segment_ids=ids, key_value_seq_lengths=lengths,
-            logits_soft_cap=20.0, implementation="mosaic", interpret=True)
-
-    _, vjp = jax.vjp(f, q, k, v)
-    grads = vjp(d_out)
-    kv_ids = jnp.where(jnp.arange(128) < 110, ids, -1)  # padded keys meet no query
-    _, _, want = attention_float64(
-        q, k, v, mask=MaskSpec(seq_q=128, seq_kv=128, is_causal=True),
-        segment_ids=(ids, kv_ids), softcap=20.0, d_out=np.asarray(d_out, np.float64))
-    for got, ref in zip(grads, want, strict=True):
-        assert rel_err(got, ref) < 1e-2
-
-
-@pytest.mark.parametrize(("head_dim", "takes_triton"), [(192, True), (256, False)])
-def test_fallback_to_triton(head_dim, takes_triton, monkeypatch):
-    """unsupported() names the reason for head_dim 192, whose gradients then come from the
-    Triton backward; head_dim 256 runs its own kernels given the forward's config (no
-    explicit MosaicBackwardConfig). Both give the right gradients."""
-    assert "head_dim 192" in mosaic_backward.unsupported((1, 64, 1, 192), BF16, True, 5.0)
-    assert "float32" in mosaic_backward.unsupported((1, 64, 1, 64), jnp.float32, True)
-    assert mosaic_backward.unsupported((1, 64, 1, 128), F16, False) is None
-    assert mosaic_backward.unsupported((1, 64, 1, 256), BF16, True, 5.0) is None
-    calls = []
-    triton_backward = mosaic_backward._triton_backward
-    monkeypatch.setattr(mosaic_backward, "_triton_backward",
-                        lambda *a, **kw: calls.append(1) or triton_backward(*a, **kw))
-    q, k, v, d_out = random_qkv(1, 40, 40, 1, 1, head_dim, BF16)
-    mask = MaskSpec(seq_q=40, seq_kv=40, is_causal=True)
-    out, lse, delta, want = _residuals(q, k, v, d_out, mask, 0.06)
-    # The Mosaic kernels run in GPU interpret mode; Triton's interpret mode runs outside it.
-    interpret_mosaic = (contextlib.nullcontext() if takes_triton
-                        else plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()))
-    with interpret_mosaic:
-        grads = mosaic_backward.backward(q, k, v, None, out, lse, d_out, delta, mask=mask,
-                                         scale=0.06, config=MosaicConfig(), interpret=True)
-    assert calls == ([1] if takes_triton else [])
-    for got, ref in zip(grads, want, strict=True):
-        assert rel_err(got, ref) < 1e-2
+def test_backward_unsupported_reasons():
+    """The reasons the Mosaic backward gives for taking the Triton backward."""
+    unsupported = importlib.import_module("pallas_flash.mosaic.backward").unsupported
+    assert "head_dim 192" in unsupported((1, 64, 1, 192), BF16, True, 5.0)
+    assert "float32" in unsupported((1, 64, 1, 64), jnp.float32, True)
+    assert unsupported((1, 64, 1, 128), F16, False) is None
+    assert unsupported((1, 64, 1, 256), BF16, True, 5.0) is None
 
 
 def test_head_dim_256_needs_the_deterministic_dq():
@@ -414,7 +301,7 @@ def _lower_for_cuda(shape_q, shape_kv, dtype, mask: MaskSpec, config, *,
                     attn_mask: str | None = None):
     """``bias`` / ``attn_mask``: None or the array's shape spec over ``BNTS1``."""
     def f(q, k, v, out, lse, d_out, delta, q_ids, kv_ids, bias, attn_mask):
-        return mosaic_backward.backward(
+        return mosaic_backward(
             q, k, v, (q_ids, kv_ids) if segments else None, out, lse, d_out, delta,
             mask=mask, scale=0.1, config=config, interpret=False, softcap=softcap, bias=bias,
             attn_mask=attn_mask)
@@ -466,7 +353,8 @@ def test_bias_mask_smem_accounting_matches_lowering(monkeypatch):
     dq_rings = (LogitRing(per_query=True, itemsize=4), LogitRing(per_query=False, itemsize=1))
     need = config.dq_smem_bytes(128, logit_rings=dq_rings)
     assert need > mosaic_config.SMEM_BUDGET
-    monkeypatch.setattr(mosaic_backward, "fit_backward_logit_rings", lambda c, *_, **__: c)
+    backward_module = importlib.import_module("pallas_flash.mosaic.backward")
+    monkeypatch.setattr(backward_module, "fit_backward_logit_rings", lambda c, *_, **__: c)
     monkeypatch.setattr(MosaicBackwardConfig, "check_fits", lambda *_, **__: None)
     shape = (2, 1024, 2, 128)
     with pytest.raises(ValueError, match="exceeds available shared memory") as error:

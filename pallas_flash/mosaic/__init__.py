@@ -7,7 +7,9 @@ Exposes the backend interface of :mod:`pallas_flash.api`: ``KERNELS``,
 from pallas_flash.autodiff import Kernels
 from pallas_flash.mosaic.backward import backward
 from pallas_flash.mosaic.config import (
+    CONFIG_TYPES,
     MosaicBackwardConfig,
+    MosaicCallConfig,
     MosaicConfig,
     default_backward_config,
     default_config,
@@ -16,5 +18,6 @@ from pallas_flash.mosaic.forward import forward, unsupported
 
 KERNELS = Kernels(name="mosaic", forward=forward, backward=backward)
 
-__all__ = ["KERNELS", "MosaicBackwardConfig", "MosaicConfig", "default_backward_config",
-           "default_config", "forward", "unsupported"]
+__all__ = ["CONFIG_TYPES", "KERNELS", "MosaicBackwardConfig", "MosaicCallConfig",
+           "MosaicConfig", "default_backward_config", "default_config", "forward",
+           "unsupported"]

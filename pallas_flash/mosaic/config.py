@@ -196,57 +196,15 @@ def padded_head_dim(head_dim: int) -> int:
 def default_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicConfig:
     """Heuristic per (head_dim, causal, length), from H200 timings (bf16, hidden 2048).
 
-    Two stages beat three in almost every comparison (1-9 %, L 4096, batch 4): with the
-    consumers already overlapping softmax and GEMMs, a deeper ring only takes shared
-    memory. At head_dim 192/256 a 2-stage ring of 128-key blocks exceeds 227 KiB, so
-    block_kv = 64 (tokamax's H100 tuning picks the same 64/64/2).
-
-    The overlapped schedule (``overlap=True``) above head_dim 64, from one run of
-    ``benchmarks/mosaic_probe.py --lengths 4096 16384 --causal both`` (2026-11-29, H200,
-    TFLOP/s at L 4096 / 16384, serial -> overlapped, cuDNN in the same process):
-    head_dim 128 dense 615 / 648 -> 647 / 663 (cuDNN 625 / 614), causal 565 / 656 ->
-    583 / 682 (509 / 603); head_dim 256 dense 660 / 662 -> 711 / 730 (673 / 669), causal
-    610 / 687 -> 659 / 753 (547 / 626).
-
-    Head dim 64 (2026-11-29, ``mosaic_probe.py --head-dims 64 --configs 64=...``, ratio to
-    cuDNN at L 1024 / 2048 / 4096 / 16384; ``c3`` = three consumers, overlapped):
-
-    ============  ===========================  ===========================
-    config        dense                        causal
-    ============  ===========================  ===========================
-    64x256x2      0.99 / 0.98 / 0.98 / 1.02    0.78 / 0.88 / 0.95 / 1.02
-    64x128x2      0.98 / 0.95 / 0.94 / 0.96    0.89 / 0.52* / 1.01 / 1.04
-    128x128x2     1.08 / 1.02 / 0.98 / 1.01    0.88 / 0.94 / 0.96 / 0.98
-    64x128x2 c3   0.84 / 0.99 / 1.04 / 1.15    0.62 / 0.80 / 0.92 / 1.10
-    ============  ===========================  ===========================
-
-    (* 0.98 in an earlier run; the card is shared and single points drift.) Three
-    consumers win on long rows (the softmax of a block at head_dim 64 takes as long as
-    its two GEMMs, and a third warpgroup keeps the tensor cores fed); serial 64x128 on
-    causal rows of middle length, whose 192-row CTAs would cross more diagonal blocks.
-
-    Persistent CTAs (``p``; 2026-11-30, ``mosaic_probe.py --head-dims 64 --configs
-    64=...``, two runs, ratio to cuDNN at L 1024 / 2048 / 4096 / 8192 / 16384, second run):
-
-    ==============  ========================================  ==========================
-    config          dense                                     causal (L <= 4096)
-    ==============  ========================================  ==========================
-    128x128x2       0.98 / 1.00 / 0.99 / 1.00 / 0.99          0.90 / 0.95 / 0.96
-    64x256x2 p      1.07 / 1.09 / 1.06 / 1.04 / 1.03
-    64x128x2 c3     0.78 / 0.95 / 1.01 / 1.10 / 1.13
-    64x128x2 c3 p   0.86 / 0.92 / 1.08 / 1.12 / 1.14
-    64x128x2                                                  0.89 / 0.96 / 1.01
-    64x128x2 p                                                1.00 / 1.01 / 1.01
-    ==============  ========================================  ==========================
-
-    (first run: 64x256x2 p dense 1.05 / 1.07, 64x128x2 p causal 0.96 / 1.01 / 1.02, c3 p
-    1.06 / 1.12 / 1.13 at L 4096 / 8192 / 16384, vs c3 1.00 / 1.09 / 1.11). Short rows
-    gain most: a CTA's fixed costs (pipeline fill, Q load, epilogue) overlap the previous
-    tile's work. A 128-row warpgroup spills registers in the tile loop (0.72-0.76 with
-    ``p``), and causal rows longer than 2048 run better with the hardware's dynamic CTA
-    scheduling than with a fixed round robin of unequal tiles. At head_dim 128 ``p`` was
-    mixed dense at L 1024 / 2048 / 4096 (+8 / +5 / +7 % in one run, -20 / +18 / -7 % in
-    another) and lost 12-27 % causal: not a default there.
+    Always 64 query rows per consumer warpgroup and two stages. Above head_dim 128:
+    ``block_kv`` 64 (a 2-stage ring of 128-key blocks exceeds 227 KiB) with the overlapped
+    schedule; head_dim 65-128: ``block_kv`` 128, overlapped. At head_dim 64 the choice
+    follows ``seq_kv`` and the mask, with persistent CTAs except on long causal rows:
+    dense up to 2048 keys ``64x256``, persistent; dense above, three consumers of 128-key
+    blocks, overlapped and persistent; causal up to 2048 ``64x128`` serial, persistent;
+    causal from 16384 three consumers, overlapped, not persistent; causal in between
+    ``64x128`` serial, not persistent.
+    (measurements: docs/tuning.md#mosaic-forward-default_config)
     """
     del dtype
     head_dim = padded_head_dim(q_shape[-1])
@@ -290,8 +248,6 @@ class MosaicBackwardConfig:
 
     Attributes:
       block_q: query rows per step of the dK/dV kernel (N of Sᵀ = K·Qᵀ); 64 or 128.
-      block_kv: keys per consumer warpgroup of the dK/dV kernel (wgmma M); 64.
-      dq_block_q: query rows per consumer warpgroup of the dQ kernel (wgmma M); 64.
       dq_block_kv: keys per step of the dQ kernel; 32, 64 or 128 (32 leaves room for a
         2-stage K/V ring at head_dim 256).
       num_stages: depth of both kernels' SMEM rings, 2 to 4.
@@ -302,22 +258,25 @@ class MosaicBackwardConfig:
         the additions, hence the rounding, varies from run to run. :func:`default_backward_config`
         picks it up to head_dim 128, where it is the faster mode (but for short causal
         sequences).
+
+    The keys per dK/dV consumer (:attr:`block_kv`) and the query rows per dQ consumer
+    (:attr:`dq_block_q`) are fixed at 64, wgmma's M: dK and dV of more keys, or dQ of more
+    rows, do not fit a consumer's registers beside the S and dP tiles.
     """
 
     block_q: int = 64
-    block_kv: int = 64
-    dq_block_q: int = 64
     dq_block_kv: int = 128
     num_stages: int = 2
     deterministic: bool = True
 
+    #: Keys per consumer warpgroup of the dK/dV kernel (wgmma M).
+    block_kv = 64
+    #: Query rows per consumer warpgroup of the dQ kernel (wgmma M).
+    dq_block_q = 64
+
     def __post_init__(self) -> None:
         if self.block_q not in (64, 128):
             raise ValueError(f"block_q must be 64 or 128, got {self.block_q}")
-        if self.block_kv != 64:
-            raise ValueError(f"block_kv must be 64, got {self.block_kv}")
-        if self.dq_block_q != 64:
-            raise ValueError(f"dq_block_q must be 64, got {self.dq_block_q}")
         if self.dq_block_kv not in (32, 64, 128):
             raise ValueError(f"dq_block_kv must be 32, 64 or 128, got {self.dq_block_kv}")
         if not 2 <= self.num_stages <= 4:
@@ -424,6 +383,54 @@ def ring_view(*, owned: int, walked: int, num_stages: int) -> MosaicConfig:
     return MosaicConfig(block_q=owned, block_kv=walked, num_stages=num_stages)
 
 
+@dataclasses.dataclass(frozen=True)
+class MosaicCallConfig:
+    """The Mosaic backend's configs of one ``attention`` call, forward and backward.
+
+    ``attention(config=...)`` takes one of these, or a :class:`MosaicConfig` alone (the
+    backward's from :func:`default_backward_config`), or a :class:`MosaicBackwardConfig`
+    alone (the forward's from :func:`default_config`).
+
+    Attributes:
+      forward: the forward kernel's tiling; None for :func:`default_config`'s.
+      backward: the backward kernels' tiling and dQ mode; None for
+        :func:`default_backward_config`'s.
+    """
+
+    forward: MosaicConfig | None = None
+    backward: MosaicBackwardConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.forward is not None and not isinstance(self.forward, MosaicConfig):
+            raise ValueError(f"forward must be a MosaicConfig or None, got {self.forward!r}")
+        if self.backward is not None and not isinstance(self.backward, MosaicBackwardConfig):
+            raise ValueError(
+                f"backward must be a MosaicBackwardConfig or None, got {self.backward!r}")
+
+
+#: What ``attention(config=...)`` accepts for the Mosaic backend.
+CONFIG_TYPES = (MosaicConfig, MosaicBackwardConfig, MosaicCallConfig)
+
+
+def forward_config(config, q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicConfig:
+    """The forward's part of any of :data:`CONFIG_TYPES` (its heuristic where absent)."""
+    if isinstance(config, MosaicConfig):
+        return config
+    if isinstance(config, MosaicCallConfig) and config.forward is not None:
+        return config.forward
+    return default_config(q_shape, kv_shape, dtype, mask)
+
+
+def backward_config(config, q_shape, kv_shape, dtype, mask: MaskSpec
+                    ) -> MosaicBackwardConfig:
+    """The backward's part of any of :data:`CONFIG_TYPES` (its heuristic where absent)."""
+    if isinstance(config, MosaicBackwardConfig):
+        return config
+    if isinstance(config, MosaicCallConfig) and config.backward is not None:
+        return config.backward
+    return default_backward_config(q_shape, kv_shape, dtype, mask)
+
+
 def fit_backward_logit_rings(config: MosaicBackwardConfig, head_dim: int, itemsize: int, *,
                              segments: bool, dkdv_rings: tuple[LogitRing, ...],
                              dq_rings: tuple[LogitRing, ...]) -> MosaicBackwardConfig:
@@ -463,63 +470,17 @@ def deterministic_requested() -> bool:
 
 
 def default_backward_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicBackwardConfig:
-    """The tiling and dQ mode per head dim; measured on an H200 (bf16, 16k tokens, hidden
-    2048, cuDNN in the same process).
+    """The backward's tiling and dQ mode per head dim, from H200 timings (bf16, hidden 2048).
 
-    The dK/dV consumers hold dK and dV for 64 keys each (``D`` f32 registers per thread for
-    both at head_dim 128), so the S and dP tiles must stay small: 64 query rows per step.
-    At head_dim 64, 128 rows per step ran 231-258 TFLOP/s (L 4096/16384, dense) and 64
-    rows 375 / 390 (2026-11-29, ``benchmarks/mosaic_bwd_probe.py``; cuDNN 393 / 425).
-
-    dQ: up to head_dim 128 the fused dQ (FA3; at 64 with K and V in registers:
-    :func:`pallas_flash.mosaic.backward._resident`) is the default unless ``XLA_FLAGS`` asks
-    for deterministic ops (:func:`deterministic_requested`): its additions into dQ come in
-    a varying order. With each consumer reduce-adding dS·K over its own keys it ran
-    0.97-1.06x cuDNN at L 2048-16384, causal or not, and the separate dQ kernel 0.90-0.99x
-    (2026-11-30, ``--head-dims 64 --impls 'mosaic:resident=0;mosaic_fused;cudnn'``). One
-    reduce-add per step over both consumers' keys, by the consumer that owns the ring slot,
-    halves the float32 staging stores and the L2 traffic (L2 was 80 % busy under ncu): at
-    L 2048 / 4096 / 16384, dense then causal, 338 / 413 / 448 and 295 / 328 / 422 TFLOP/s
-    against 322 / 385 / 423 and 286 / 330 / 395 (cuDNN 342 / 379 / 433 and 318 / 297 /
-    407; the separate dQ kernel 297 / 340 / 385 and 203 / 281 / 375; 2026-11-30). At
-    head_dim 128 the fused dQ (shared by the two consumers, :func:`splits_dq`) ran
-    0.61-0.85x the separate kernel while its dK/dV kernel spilled 1568 bytes per thread.
-    Issuing the dQ GEMM once dK's has retired, one code path for both column halves and
-    delta loaded where dSᵀ needs it brought that to 792 bytes, and the fused dQ to about
-    the separate kernel's speed: 0.88-1.13x cuDNN against 0.94-1.10x at L 2048 / 4096 /
-    16384, dense and causal (2026-11-30, ``--head-dims 128 --impls
-    'mosaic;mosaic_fused;cudnn'``). Leaving its parts out one at a time (L 16384, dense,
-    2026-11-30) showed where its time went: the dK/dV GEMMs and softmax alone 6.6 ms,
-    publishing dSᵀ +0.4 ms, the dQ GEMM and the exchange +0.5 ms, storing the float32 dQ
-    tile to SMEM with its proxy fence +1.6 ms, the TMA reduce-add +1.2 ms (10.3 ms; cuDNN
-    10.3). Adding each step's dQ one step late, behind the same proxy fence as the next
-    step's dSᵀ, then gained at all four points measured: 1.02 / 1.10x cuDNN against 1.00
-    / 0.98x at L 16384 / 4096 dense, 0.91 / 0.94x against 0.90 / 0.89x causal (the
-    deterministic mode: 0.96 / 0.98x and 0.88 / 1.03x; 2026-11-30, interleaved rounds).
-    Across L 2048 / 4096 / 8192 / 16384 (2026-11-30, one probe each) it ran 479 / 499 /
-    549 / 567 TFLOP/s dense against the deterministic mode's 443 / 487 / 479 / 513 (cuDNN
-    358 / 514 / 516 / 518), and 1.14 / 1.09x cuDNN at L 16384 / 4096 in interleaved
-    rounds (the deterministic mode 1.01 / 1.00x). With a causal mask the two modes traded
-    places from run to run (321 / 302 / 436 / 476 against 312 / 354 / 414 / 482, cuDNN
-    344 / 398 / 470 / 520) while the fused kernel's masked walk spilled 740 bytes per
-    thread. Its consumers' code, one copy per warpgroup with the warpgroup index a
-    constant (``backward._warp_specialized``), took that to 288 bytes, and the causal
-    backward to 1.06 / 1.10x cuDNN against the deterministic mode's 1.01 / 1.09x at L
-    16384 / 4096 (2026-11-30, interleaved rounds; before the copies 0.98 / 0.91x and
-    0.96 / 1.09x): the fused dQ is the default at head_dim 128 too, as at 64.
-    Slower: a second staging tile per consumer, so that one step's reduce-add overlaps
-    the next step; keeping each step's dQ tile in registers until behind the next Sᵀ
-    GEMM (it spills); and ``red.global.add`` from registers instead of the staging tile
-    (0.45-0.6x cuDNN).
-
-    One exception: causal at head_dim 65-128 up to ``SHORT_CAUSAL_SEQ`` (2048) tokens takes
-    the separate dQ kernel. There the fused dQ ran slower in each of three runs that timed
-    the two modes side by side: 345 / 284 / 380 TFLOP/s against 375 / 356 / 399 at L 2048
-    (cuDNN 338 / 321 / 349; at L 1024 292 against 304, cuDNN 259);
-    at L 4096 they tied or the fused dQ led (449 / 448, 417 / 418, 437 / 387), and from
-    L 8192 on the fused dQ led (2026-11-30, H200, head_dim 128, ``mosaic_bwd_probe.py``
-    and interleaved rounds; at head_dim 64 the fused dQ led at L 2048 too: 295 against
-    203).
+    64 query rows per step at every head dim (the dK/dV consumers hold dK and dV for 64
+    keys each, so the S and dP tiles must stay small), two stages, 128-key dQ blocks.
+    Above head_dim 128: ``dq_block_kv=32`` (Q and dO of two 64-row consumers fill 128 KiB,
+    and 32-key blocks keep a 2-stage ring) with the separate, deterministic dQ kernel.
+    Up to head_dim 128 the fused dQ (FA3; ``deterministic=False``) unless ``XLA_FLAGS`` asks
+    for deterministic ops (:func:`deterministic_requested`), since its additions into dQ
+    come in a varying order; and one exception, causal attention at head_dim 65-128 over
+    at most ``SHORT_CAUSAL_SEQ`` (2048) tokens, which takes the separate dQ kernel.
+    (measurements: docs/tuning.md#mosaic-backward-default_backward_config)
     """
     del dtype
     head_dim = padded_head_dim(q_shape[-1])

@@ -36,8 +36,8 @@ register file split 3 x 160 + 32, and the overlapped schedule's turns passed rou
 loops over work tiles (:func:`_tiles`). The producer's ring runs on across tiles, each
 consumer loads its next Q tile once its last Q·Kᵀ has read the current one, and O leaves
 through an SMEM tile of its own, so the next tile's loads run under this tile's epilogue;
-the consumers' ping-pong stagger is set up once per CTA (:class:`_SerialTurns`,
-:class:`_OverlappedTurns`).
+the consumers' ping-pong stagger is set up once per CTA (:class:`SerialTurns`,
+:class:`OverlappedTurns`).
 
 Block skipping comes from :class:`~pallas_flash.masking.MaskSpec.kv_blocks`: K/V blocks
 outside the CTA's ``[first, last)`` are never loaded (causal: nothing above the diagonal),
@@ -55,7 +55,7 @@ slot is freed). **Soft-capping**: logits become ``c·tanh(scale·s/c)`` (``tanh.
 FA3) before the mask and the base-2 softmax.
 
 **Bias and mask arrays** (as ``jax.nn``; canonical ``[B', N', T', S']``, see
-:mod:`pallas_flash.bias`) are read where they vary (:class:`_LogitArray`), never expanded
+:mod:`pallas_flash.bias`) are read where they vary (:class:`LogitArray`), never expanded
 along a broadcast dim: a tile that varies along queries and keys rides in an SMEM ring next
 to K (one ``[block_q, block_kv]`` tile per consumer and block, TMA'd on K's ready barrier and
 read, like the key ids, before K's slot is freed), one that varies along keys only is a
@@ -68,7 +68,7 @@ guards its softmax against rows that have seen only -inf so far.
 CPU testing: Mosaic GPU interpret mode cannot run ``pl.run_state`` nor a wgmma whose A
 operand is in registers, which is how FA3 feeds P to the P·V GEMM. With
 ``interpret=True`` the kernel takes one documented detour (:func:`_p_operand`,
-:func:`_accumulate_pv`): P is stored to SMEM and P·V lands in a fresh accumulator that is
+:func:`accumulate_pv`): P is stored to SMEM and P·V lands in a fresh accumulator that is
 added to O. Everything
 else (pipeline, barriers, ping-pong, masking, epilogue) is the same code on both paths.
 """
@@ -77,7 +77,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -88,37 +87,46 @@ from jax import lax
 
 from pallas_flash.logits import log2_logits
 from pallas_flash.masking import MaskSpec
+from pallas_flash.mosaic.block_walk import hull, visible_tile, walk, walk_overlapped
 from pallas_flash.mosaic.config import (
     MAX_HEAD_DIM,
     NUM_CONSUMERS,
-    LogitRing,
     MosaicConfig,
     fit_logit_rings,
+    forward_config,
     padded_head_dim,
 )
+from pallas_flash.mosaic.epilogue import normalized, store_rows
+from pallas_flash.mosaic.logit_arrays import LogitArray, fold_mask, logit_array, logit_operand
+from pallas_flash.mosaic.mainloop import (
+    OverlappedTurns,
+    SerialTurns,
+    accumulate_pv,
+    head_scores,
+    overlapped_skip_step,
+    round_robin,
+    serial_skip_step,
+    softmax_under_pv,
+    sync,
+)
 from pallas_flash.mosaic.pipeline import observe_releases, ring_slot, stream_kv
-from pallas_flash.padding import pad_axis, round_up
-from pallas_flash.reference import EMPTY_ROW_LSE
+from pallas_flash.mosaic.scheduler import Tile, TileGrid, for_each_tile, persistent_ctas
+from pallas_flash.mosaic.softmax import online_softmax_step
+from pallas_flash.mosaic.tiles import (
+    DTYPES,
+    LOG2E,
+    REGISTERS,
+    a_operand,
+    pad_operand,
+    row,
+    smem_transforms,
+)
+from pallas_flash.padding import round_up
 from pallas_flash.segments import cut_to_span, pad_segment_ids, tile_spans
 
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
-_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # With a bias or mask array up to head_dim 192: at 256 the Q/O tiles and a 64-key K/V ring
 # already take 192 KiB, and a float32 bias tile ring (64 KiB) no longer fits in 227 KiB.
 _MAX_LOGIT_ARRAY_HEAD_DIM = 192
-# Registers per thread (setmaxnreg): 2 x 232 (consumers) + 40 (producer) = 504 <= 512,
-# i.e. the 64 K registers of an SM for 3 x 128 threads.
-_CONSUMER_REGISTERS = 232
-_PRODUCER_REGISTERS = 40
-_PRODUCER = NUM_CONSUMERS  # warpgroup index of the TMA producer (two consumers)
-# With three consumers, 4 x 128 threads: 3 x 160 + 32 = 512 (FA3's split at head_dim 64).
-_REGISTERS = {2: (_CONSUMER_REGISTERS, _PRODUCER_REGISTERS), 3: (160, 32)}
-# 128-byte swizzle: one swizzle row is 64 16-bit elements, so every SMEM tile is stored in
-# (8, 64) tiles, the layout wgmma reads without bank conflicts.
-_SWIZZLE = 128
-# Persistent CTAs in interpret mode: few, so that the CPU tests give each several tiles.
-_INTERPRET_CTAS = 2
 
 
 class _ScoreInputs(NamedTuple):
@@ -132,85 +140,6 @@ class _ScoreInputs(NamedTuple):
     ids: Any = None
     bias: Any = None
     mask: Any = None
-
-
-@dataclasses.dataclass(frozen=True)
-class _LogitArray:
-    """How the kernel reads a ``bias`` or ``mask`` array (operand from :func:`_logit_operand`).
-
-    ``kind``, what the array varies along, decides where it lives:
-
-    * ``"tile"``: queries and keys (operand ``[B', N', T, S]``): a ``[block_q, block_kv]`` tile
-      per consumer and K/V block, in an SMEM ring filled next to K;
-    * ``"keys"``: keys only (``[B', N', S]``): a ``[block_kv]`` row per block in such a ring,
-      spread over the rows in registers;
-    * ``"rows"``: queries only (``[B', N', T]``): a ``[block_q]`` column per consumer, loaded
-      once from GMEM and spread over the keys.
-
-    ``B'`` / ``N'`` are full or 1; a size-1 dim is read at index 0 (:func:`_batch_head`).
-    ``is_mask``: int8, 0 hides the pair; otherwise a float bias added to the logits.
-    """
-
-    kind: str
-    is_mask: bool
-    dtype: jnp.dtype
-
-    @property
-    def ring(self) -> LogitRing | None:
-        if self.kind == "rows":
-            return None
-        return LogitRing(per_query=self.kind == "tile", itemsize=self.dtype.itemsize)
-
-    def copies_per_block(self, num_consumers: int) -> int:
-        """TMA copies, hence arrivals on K's ready barrier, per K/V block."""
-        return {"tile": num_consumers, "keys": 1, "rows": 0}[self.kind]
-
-    def smem(self, config: MosaicConfig) -> plgpu.SMEM:
-        """The ring's scratch; tiles swizzled as wgmma's operands, to spare bank conflicts
-        when each consumer reads its tile in the WGMMA layout."""
-        transforms = ()
-        if self.kind == "tile":
-            swizzle = min(_SWIZZLE, config.block_kv * self.dtype.itemsize)
-            transforms = _smem_transforms(self.dtype.itemsize, swizzle)
-        return plgpu.SMEM(self.ring.shape(config), self.dtype, transforms=transforms)
-
-    def load_block(self, ref, smem, barrier, *, batch, head, rows, keys) -> None:
-        """Producer: TMA of K/V block ``keys`` (``pl.ds``) into ring slot ``smem``; ``rows``:
-        the ``pl.ds`` of each consumer's query rows, in order."""
-        b, n = _batch_head(ref, batch, head)
-        if self.kind == "keys":  # row 0 of the slot (LogitRing.row_slot_rows)
-            plgpu.copy_gmem_to_smem(ref.at[b, n, keys], smem.at[0], barrier)
-            return
-        for consumer, consumer_rows in enumerate(rows):
-            plgpu.copy_gmem_to_smem(ref.at[b, n, consumer_rows, keys], smem.at[consumer],
-                                    barrier)
-
-    def read_slot(self, smem, wg) -> jax.Array:
-        """Consumer ``wg``: its part of a ring slot, laid out as S (tile) or its columns."""
-        if self.kind == "tile":
-            return plgpu.load(smem.at[wg], layout=plgpu.Layout.WGMMA)
-        return plgpu.load(smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
-
-    def read_rows(self, ref, *, batch, head, rows) -> jax.Array:
-        """Consumer: its rows' values (``rows``: a ``pl.ds``), laid out as the rows of S.
-        A plain load from GMEM (Mosaic GPU vectorises SMEM loads only), once per CTA."""
-        b, n = _batch_head(ref, batch, head)
-        return plgpu.load(ref.at[b, n, rows], layout=plgpu.Layout.WGMMA.reduce(1),
-                          optimized=False)
-
-    def tile(self, row_part, block_part, shape: tuple[int, int]) -> jax.Array:
-        """This array's ``shape`` = [block_q, block_kv] values for S_j, from the consumer's
-        rows (kind ``rows``) or from block j's slot."""
-        if self.kind == "rows":
-            return _row(row_part, shape)
-        if self.kind == "keys":
-            return lax.broadcast_in_dim(block_part, shape, [1])
-        return block_part
-
-
-def _batch_head(ref, batch, head):
-    """(batch, head) index into a bias / mask operand: 0 along a broadcast (size-1) dim."""
-    return (batch if ref.shape[0] > 1 else 0, head if ref.shape[1] > 1 else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,15 +161,21 @@ class _Static:
     softcap: float | None = None  # logits become softcap * tanh(scale * s / softcap)
     segmented: bool = False  # segment ids: a pair is visible only if its ids are equal
     num_consumers: int = NUM_CONSUMERS  # consumer warpgroups; the producer comes after
-    bias: _LogitArray | None = None  # added to the scaled logits
-    attn_mask: _LogitArray | None = None  # 0 hides a pair
+    bias: LogitArray | None = None  # added to the scaled logits
+    attn_mask: LogitArray | None = None  # 0 hides a pair
     heads: int = 1  # query heads; with batch and num_q_tiles, the grid of work tiles
     batch: int = 1
     persistent_ctas: int = 0  # CTAs that loop over the work tiles; 0: one CTA per tile
 
     @property
+    def tile_grid(self) -> TileGrid:
+        return TileGrid(num_q_tiles=self.num_q_tiles, reverse_q_tiles=self.reverse_q_tiles,
+                        batch=self.batch, heads=self.heads,
+                        persistent_ctas=self.persistent_ctas)
+
+    @property
     def num_tiles(self) -> int:
-        return self.batch * self.heads * self.num_q_tiles
+        return self.tile_grid.num_tiles
 
     @property
     def logits_in_base2(self) -> bool:
@@ -295,21 +230,6 @@ class _Static:
         return self.has_lower_band or self.has_upper_mask
 
 
-def _smem_transforms(itemsize: int, swizzle: int = _SWIZZLE):
-    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
-def _row(x: jax.Array, shape: tuple[int, int]) -> jax.Array:
-    """Broadcasts a per-row vector (``WGMMA.reduce(1)`` layout) over a [rows, n] tile."""
-    return lax.broadcast_in_dim(x, shape, [0])
-
-
-def _sync(barrier) -> None:
-    """Both consumers meet: arrive at the 2-arrival barrier and wait for the other."""
-    plgpu.barrier_arrive(barrier)
-    plgpu.barrier_wait(barrier)
-
-
 def _consumer_ranges(st: _Static, spans_ref, batch, q_block):
     """KV blocks of query block ``q_block`` (``block_q`` rows), as ``MaskSpec.kv_blocks``.
 
@@ -327,22 +247,12 @@ def _consumer_ranges(st: _Static, spans_ref, batch, q_block):
     return ranges
 
 
-def _hull(a, b):
-    """The smallest block range ``[first, last)`` holding ranges ``a`` and ``b``; an empty
-    range (first == last) adds nothing, wherever it sits."""
-    (a_first, a_last), (b_first, b_last) = a, b
-    a_empty, b_empty = a_first == a_last, b_first == b_last
-    first = jnp.where(a_empty, b_first, jnp.where(b_empty, a_first, jnp.minimum(a_first, b_first)))
-    last = jnp.where(a_empty, b_last, jnp.where(b_empty, a_last, jnp.maximum(a_last, b_last)))
-    return first, last
-
-
 def _release_k(st: _Static, k_free, key_rings: _ScoreInputs, s, wg) -> _ScoreInputs:
     """S_j is in registers: K_j's ring slot ``s`` may be refilled.
 
     Returns what else the slot holds, read by consumer ``wg`` before the slot is released
     (None where absent): the keys' segment ids ([block_kv] int32, laid out as the columns
-    of S) and its part of the bias / mask (:meth:`_LogitArray.read_slot`).
+    of S) and its part of the bias / mask (:meth:`LogitArray.read_slot`).
     """
     ids = bias = mask = None
     if key_rings.ids is not None:
@@ -355,191 +265,197 @@ def _release_k(st: _Static, k_free, key_rings: _ScoreInputs, s, wg) -> _ScoreInp
     return _ScoreInputs(ids, bias, mask)
 
 
-class _Tile(NamedTuple):
-    """One work tile: ``num_consumers * block_q`` query rows of one (batch, head)."""
+class _Gmem(NamedTuple):
+    """The kernel's GMEM refs: q/out [B, Tq, N, D], k/v [B, Tk, K, D], lse [B, N, Tq]; with
+    segment ids q_ids [B, Tq], kv_ids [B, Tk], spans [B, 2, Tq / block_q]; the bias and
+    mask operands (:class:`LogitArray`); None where absent."""
 
-    batch: jax.Array
-    head: jax.Array
-    q_tile: jax.Array  # index along the sequence, in CTA-sized tiles
-
-
-def _tiles(st: _Static):
-    """This CTA's work tiles: ``(count, tile_at)``, ``tile_at(i)`` the i-th one.
-
-    One CTA per tile: the grid's indices, one tile. Persistent CTAs: tiles are numbered
-    in the order that grid launches its CTAs (Pallas makes the last grid axis CUDA's
-    fastest: batch, then q tiles, then heads), and CTA c takes tiles c, c + num_ctas, ...
-    That order matters: the tiles running at one time then share a head, hence the K/V
-    blocks they stream, which stay in L2. Causal rows run heaviest first either way: the last
-    tiles to start are the short ones (FA3/tokamax's causal load balancing).
-    """
-    def tile(batch, head, q_tile):
-        if st.reverse_q_tiles:
-            q_tile = st.num_q_tiles - 1 - q_tile
-        return _Tile(batch, head, q_tile)
-
-    if not st.persistent_ctas:
-        only = tile(lax.axis_index("batch"), lax.axis_index("heads"),
-                    lax.axis_index("q_tiles"))
-        return 1, lambda i: only
-    cta, ctas = lax.axis_index("ctas"), st.persistent_ctas
-
-    def tile_at(i):
-        t = cta + i * ctas
-        rest = lax.div(t, st.batch)
-        return tile(lax.rem(t, st.batch), lax.div(rest, st.num_q_tiles),
-                    lax.rem(rest, st.num_q_tiles))
-    return lax.div(st.num_tiles - cta + ctas - 1, ctas), tile_at
+    q: Any
+    k: Any
+    v: Any
+    out: Any
+    lse: Any
+    q_ids: Any = None
+    kv_ids: Any = None
+    spans: Any = None
+    bias: Any = None
+    mask: Any = None
 
 
-def _for_each_tile(count, body, init):
-    """``body(i, carry)`` for the CTA's tiles ``i < count``; a plain call for one tile."""
-    if isinstance(count, int) and count == 1:
-        return body(0, init)
-    return lax.fori_loop(0, count, body, init)
+class _Smem(NamedTuple):
+    """The kernel's SMEM scratch and barriers (C consumers): q [C, block_q, D], the k / v
+    rings [num_stages, block_kv, D], lse [C, block_q]; the rings riding along K's
+    (``key_rings``: key ids, bias, mask; one more TMA arrival on ``k_ready`` per copy:
+    ``st.key_slot_copies``); p [C, block_q, block_kv] in interpret mode only; o like q
+    when persistent (else O leaves through Q's tile)."""
+
+    q: Any
+    k: Any
+    v: Any
+    lse: Any
+    q_ready: Any
+    k_ready: Any
+    v_ready: Any
+    k_free: Any
+    v_free: Any
+    turn: Any
+    key_rings: _ScoreInputs
+    p: Any = None
+    o: Any = None
 
 
 def _kernel(q_ref, k_ref, v_ref, *refs, st: _Static, q_smem, k_smem, v_smem, lse_smem,
             q_ready, k_ready, v_ready, k_free, v_free, turn, kv_ids_smem=None, bias_smem=None,
             mask_smem=None, p_smem=None, o_smem=None):
-    """One CTA: one work tile, or a persistent CTA's tiles (:func:`_tiles`). Refs: q/out
-    [B, Tq, N, D], k/v [B, Tk, K, D], lse [B, N, Tq] (GMEM); q_smem [C, block_q, D],
-    k_smem/v_smem [num_stages, block_kv, D], lse_smem [C, block_q] (C consumers); o_smem
-    like q_smem when persistent (else O leaves through Q's tile).
-
-    ``refs`` is ``out_ref, lse_ref`` preceded by, when present: with segment ids q_ids
-    [B, Tq], kv_ids [B, Tk] and spans [B, 2, Tq / block_q] (GMEM), and kv_ids_smem
-    [num_stages, block_kv] rides along K's ring; the bias operand, then the mask operand
-    (:class:`_LogitArray`), whose rings bias_smem / mask_smem ride along K's ring too (one
-    more TMA arrival on ``k_ready`` per copy: ``st.key_slot_copies``).
+    """One CTA: one work tile, or a persistent CTA's tiles (:class:`TileGrid`). ``refs`` is
+    ``out_ref, lse_ref`` preceded by, when present, the segment ids' and the bias / mask
+    operands (:class:`_Gmem`); the scratch is :class:`_Smem`'s.
 
     K/V ring steps are counted over the CTA's tiles (``ring_base``: the steps of its
     earlier tiles), so the producer fills the ring for the next tile as slots free up.
     """
     *inputs, out_ref, lse_ref = refs
     inputs = iter(inputs)
-    q_ids_ref, kv_ids_ref, spans_ref = (
-        (next(inputs), next(inputs), next(inputs)) if st.segmented else (None, None, None))
-    bias_ref = next(inputs) if st.bias is not None else None
-    mask_ref = next(inputs) if st.attn_mask is not None else None
-    key_rings = _ScoreInputs(kv_ids_smem, bias_smem, mask_smem)
-    bq, bkv = st.block_q, st.block_kv
-    consumers = st.num_consumers
-    count, tile_at = _tiles(st)
-
-    def cta_blocks(tile: _Tile):
-        """The K/V blocks any row of the tile sees; the producer loads exactly these, once."""
-        if st.segmented:  # each consumer's span may differ: load their union
-            first_block = tile.q_tile * consumers
-            return functools.reduce(_hull, (
-                _consumer_ranges(st, spans_ref, tile.batch, first_block + c)[::3]
-                for c in range(consumers)))
-        first, _, _, last = st.mask.kv_blocks(tile.q_tile * (consumers * bq), consumers * bq,
-                                              bkv)
-        return first, last
-
-    def slot_of(ring_base, cta_first):
-        def slot(j):
-            """Ring slot of K/V block j (ring steps counted from the CTA's first load)."""
-            return ring_slot(ring_base + j - cta_first, st.num_stages)
-        return slot
-
+    ids = (next(inputs), next(inputs), next(inputs)) if st.segmented else (None,) * 3
+    gmem = _Gmem(q_ref, k_ref, v_ref, out_ref, lse_ref, *ids,
+                 bias=next(inputs) if st.bias is not None else None,
+                 mask=next(inputs) if st.attn_mask is not None else None)
+    smem = _Smem(q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready, k_free, v_free,
+                 turn, _ScoreInputs(kv_ids_smem, bias_smem, mask_smem), p_smem, o_smem)
+    tiles = st.tile_grid.tiles()
     wg = lax.axis_index("wg")
-    consumer_registers, producer_registers = _REGISTERS[consumers]
+    consumer_registers, producer_registers = REGISTERS[st.num_consumers]
 
-    @pl.when(wg < consumers)
+    @pl.when(wg < st.num_consumers)
     def _consumer():
         plgpu.set_max_registers(consumer_registers, action="increase")
+        _consumer_tiles(st, gmem, smem, wg, tiles)
 
-        def load_q(tile: _Tile):
-            rows = (tile.batch, pl.ds((tile.q_tile * consumers + wg) * bq, bq), tile.head)
-            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[wg], q_ready.at[wg])
-
-        def tile_work(i, ring_base):
-            tile = tile_at(i)
-            batch, head = tile.batch, tile.head
-            cta_first, cta_last = cta_blocks(tile)
-            # This warpgroup's block ranges, inside the CTA's (it must step through all of
-            # the CTA's blocks to keep the ring and the ping-pong in lockstep with the
-            # other consumers).
-            ranges = tuple(jnp.clip(x, cta_first, cta_last) for x in _consumer_ranges(
-                st, spans_ref, batch, tile.q_tile * consumers + wg))
-            q0 = (tile.q_tile * consumers + wg) * bq
-            # This warpgroup's per-row inputs, laid out as the rows of S, loaded once.
-            rows = pl.ds(q0, bq)
-            q_ids = bias_rows = mask_rows = None
-            if st.segmented:  # (plain loads from GMEM: Mosaic GPU vectorises SMEM loads only)
-                q_ids = plgpu.load(q_ids_ref.at[batch, rows],
-                                   layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-            if st.bias is not None and st.bias.kind == "rows":
-                bias_rows = st.bias.read_rows(bias_ref, batch=batch, head=head, rows=rows)
-            if st.attn_mask is not None and st.attn_mask.kind == "rows":
-                mask_rows = st.attn_mask.read_rows(mask_ref, batch=batch, head=head, rows=rows)
-
-            def load_next_q():
-                pl.when(i + 1 < count)(lambda: load_q(tile_at(i + 1)))
-
-            _consumer_warpgroup(
-                wg, st, out_ref, lse_ref, q_smem.at[wg], k_smem, v_smem, lse_smem.at[wg],
-                q_ready.at[wg], k_ready, v_ready, k_free, v_free, turn,
-                None if p_smem is None else p_smem.at[wg], key_rings,
-                o_tile=q_smem.at[wg] if o_smem is None else o_smem.at[wg],
-                load_next_q=load_next_q if st.persistent_ctas else None, batch=batch,
-                head=head, q0=q0, row_inputs=_ScoreInputs(q_ids, bias_rows, mask_rows),
-                ranges=ranges, cta_first=cta_first, cta_last=cta_last,
-                slot=slot_of(ring_base, cta_first))
-            return ring_base + cta_last - cta_first
-
-        load_q(tile_at(0))
-        turns = _OverlappedTurns if st.overlap else _SerialTurns
-        turns.begin(st, wg, turn)
-        _for_each_tile(count, tile_work, 0)
-        turns.end(st, wg, turn)
-        plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(wg == consumers)  # the last warpgroup
+    @pl.when(wg == st.num_consumers)  # the last warpgroup
     def _producer():
         plgpu.set_max_registers(producer_registers, action="decrease")
+        _producer_tiles(st, gmem, smem, tiles)
 
-        def tile_loads(i, loaded):
-            tile = tile_at(i)
-            batch, head = tile.batch, tile.head
-            kv_head = lax.div(head, st.group)  # GQA: K/V are indexed, never repeated
-            cta_first, cta_last = cta_blocks(tile)
-            slot = slot_of(loaded, cta_first)
 
-            def load(ref, smem, ready, j):
-                rows = (batch, pl.ds(j * bkv, bkv), kv_head)
-                plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot(j)], ready.at[slot(j)])
+def _cta_blocks(st: _Static, spans_ref, tile: Tile):
+    """The K/V blocks any row of the tile sees; the producer loads exactly these, once."""
+    consumers, bq = st.num_consumers, st.block_q
+    if st.segmented:  # each consumer's span may differ: load their union
+        first_block = tile.q_tile * consumers
+        return functools.reduce(hull, (
+            _consumer_ranges(st, spans_ref, tile.batch, first_block + c)[::3]
+            for c in range(consumers)))
+    first, _, _, last = st.mask.kv_blocks(tile.q_tile * (consumers * bq), consumers * bq,
+                                          st.block_kv)
+    return first, last
 
-            cta_q0 = tile.q_tile * (consumers * bq)
-            consumer_rows = [pl.ds(cta_q0 + c * bq, bq) for c in range(consumers)]
 
-            def load_k(j):
-                load(k_ref, k_smem, k_ready, j)
-                keys, ready = pl.ds(j * bkv, bkv), k_ready.at[slot(j)]
-                if st.segmented:  # the keys' ids, 4 * block_kv bytes, on K's barrier
-                    plgpu.copy_gmem_to_smem(kv_ids_ref.at[batch, keys],
-                                            kv_ids_smem.at[slot(j)], ready)
-                for array, ref, ring in ((st.bias, bias_ref, bias_smem),
-                                         (st.attn_mask, mask_ref, mask_smem)):
-                    if ring is not None:  # bias / mask tiles or rows of block j, on K's barrier
-                        array.load_block(ref, ring.at[slot(j)], ready, batch=batch, head=head,
-                                         rows=consumer_rows, keys=keys)
-            load_v = functools.partial(load, v_ref, v_smem, v_ready)
+def _slot_of(st: _Static, ring_base, cta_first):
+    """The ring slot of K/V block j of a tile whose first block is ``cta_first``, after
+    ``ring_base`` ring steps of the CTA's earlier tiles."""
+    def slot(j):
+        return ring_slot(ring_base + j - cta_first, st.num_stages)
+    return slot
 
-            # The consumers read the slots' key ids / bias / mask through the generic
-            # proxy: a proxy fence orders those reads before the TMA (async proxy)
-            # overwrites them.
-            stream_kv(num_stages=st.num_stages, first=cta_first, last=cta_last, slot=slot,
-                      load_k=load_k, load_v=load_v, k_free=k_free, v_free=v_free,
-                      before_k_refill=plgpu.commit_smem if st.reads_key_slots else None,
-                      loaded_before=loaded)
-            return loaded + cta_last - cta_first
 
-        loaded = _for_each_tile(count, tile_loads, 0)
-        observe_releases(num_stages=st.num_stages, loaded=loaded, k_free=k_free,
-                         v_free=v_free)
+def _consumer_tiles(st: _Static, gmem: _Gmem, smem: _Smem, wg, tiles) -> None:
+    """Consumer ``wg``: its rows of each of the CTA's tiles (``tiles``: count, tile_at)."""
+    bq, consumers = st.block_q, st.num_consumers
+    count, tile_at = tiles
+
+    def load_q(tile: Tile):
+        rows = (tile.batch, pl.ds((tile.q_tile * consumers + wg) * bq, bq), tile.head)
+        plgpu.copy_gmem_to_smem(gmem.q.at[rows], smem.q.at[wg], smem.q_ready.at[wg])
+
+    def tile_work(i, ring_base):
+        tile = tile_at(i)
+        batch, head = tile.batch, tile.head
+        cta_first, cta_last = _cta_blocks(st, gmem.spans, tile)
+        # This warpgroup's block ranges, inside the CTA's (it must step through all of
+        # the CTA's blocks to keep the ring and the ping-pong in lockstep with the
+        # other consumers).
+        ranges = tuple(jnp.clip(x, cta_first, cta_last) for x in _consumer_ranges(
+            st, gmem.spans, batch, tile.q_tile * consumers + wg))
+        q0 = (tile.q_tile * consumers + wg) * bq
+        # This warpgroup's per-row inputs, laid out as the rows of S, loaded once.
+        rows = pl.ds(q0, bq)
+        q_ids = bias_rows = mask_rows = None
+        if st.segmented:  # (plain loads from GMEM: Mosaic GPU vectorises SMEM loads only)
+            q_ids = plgpu.load(gmem.q_ids.at[batch, rows],
+                               layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+        if st.bias is not None and st.bias.kind == "rows":
+            bias_rows = st.bias.read_rows(gmem.bias, batch=batch, head=head, rows=rows)
+        if st.attn_mask is not None and st.attn_mask.kind == "rows":
+            mask_rows = st.attn_mask.read_rows(gmem.mask, batch=batch, head=head, rows=rows)
+
+        def load_next_q():
+            pl.when(i + 1 < count)(lambda: load_q(tile_at(i + 1)))
+
+        _consumer_warpgroup(
+            wg, st, gmem.out, gmem.lse, smem.q.at[wg], smem.k, smem.v, smem.lse.at[wg],
+            smem.q_ready.at[wg], smem.k_ready, smem.v_ready, smem.k_free, smem.v_free,
+            smem.turn, None if smem.p is None else smem.p.at[wg], smem.key_rings,
+            o_tile=smem.q.at[wg] if smem.o is None else smem.o.at[wg],
+            load_next_q=load_next_q if st.persistent_ctas else None, batch=batch,
+            head=head, q0=q0, row_inputs=_ScoreInputs(q_ids, bias_rows, mask_rows),
+            ranges=ranges, cta_first=cta_first, cta_last=cta_last,
+            slot=_slot_of(st, ring_base, cta_first))
+        return ring_base + cta_last - cta_first
+
+    load_q(tile_at(0))
+    turns = OverlappedTurns if st.overlap else SerialTurns
+    turns.begin(consumers, wg, smem.turn)
+    for_each_tile(count, tile_work, 0)
+    turns.end(consumers, wg, smem.turn)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _producer_tiles(st: _Static, gmem: _Gmem, smem: _Smem, tiles) -> None:
+    """The producer: K_j, V_j (and what rides along K) of each of the CTA's tiles into
+    the ring (:func:`~pallas_flash.mosaic.pipeline.stream_kv`)."""
+    bq, bkv, consumers = st.block_q, st.block_kv, st.num_consumers
+    count, tile_at = tiles
+    key_rings = smem.key_rings
+
+    def tile_loads(i, loaded):
+        tile = tile_at(i)
+        batch, head = tile.batch, tile.head
+        kv_head = lax.div(head, st.group)  # GQA: K/V are indexed, never repeated
+        cta_first, cta_last = _cta_blocks(st, gmem.spans, tile)
+        slot = _slot_of(st, loaded, cta_first)
+
+        def load(ref, ring, ready, j):
+            rows = (batch, pl.ds(j * bkv, bkv), kv_head)
+            plgpu.copy_gmem_to_smem(ref.at[rows], ring.at[slot(j)], ready.at[slot(j)])
+
+        cta_q0 = tile.q_tile * (consumers * bq)
+        consumer_rows = [pl.ds(cta_q0 + c * bq, bq) for c in range(consumers)]
+
+        def load_k(j):
+            load(gmem.k, smem.k, smem.k_ready, j)
+            keys, ready = pl.ds(j * bkv, bkv), smem.k_ready.at[slot(j)]
+            if st.segmented:  # the keys' ids, 4 * block_kv bytes, on K's barrier
+                plgpu.copy_gmem_to_smem(gmem.kv_ids.at[batch, keys],
+                                        key_rings.ids.at[slot(j)], ready)
+            for array, ref, ring in ((st.bias, gmem.bias, key_rings.bias),
+                                     (st.attn_mask, gmem.mask, key_rings.mask)):
+                if ring is not None:  # bias / mask tiles or rows of block j, on K's barrier
+                    array.load_block(ref, ring.at[slot(j)], ready, batch=batch, head=head,
+                                     rows=consumer_rows, keys=keys)
+        load_v = functools.partial(load, gmem.v, smem.v, smem.v_ready)
+
+        # The consumers read the slots' key ids / bias / mask through the generic
+        # proxy: a proxy fence orders those reads before the TMA (async proxy)
+        # overwrites them.
+        stream_kv(num_stages=st.num_stages, first=cta_first, last=cta_last, slot=slot,
+                  load_k=load_k, load_v=load_v, k_free=smem.k_free, v_free=smem.v_free,
+                  before_k_refill=plgpu.commit_smem if st.reads_key_slots else None,
+                  loaded_before=loaded)
+        return loaded + cta_last - cta_first
+
+    loaded = for_each_tile(count, tile_loads, 0)
+    observe_releases(num_stages=st.num_stages, loaded=loaded, k_free=smem.k_free,
+                     v_free=smem.v_free)
 
 
 def _consumer_warpgroup(wg, st: _Static, out_ref, lse_ref, q_tile, k_smem, v_smem, lse_tile,
@@ -559,42 +475,26 @@ def _consumer_warpgroup(wg, st: _Static, out_ref, lse_ref, q_tile, k_smem, v_sme
     shape = (bq, bkv)
 
     def softmax(scores, m_i, j, block: _ScoreInputs, *, masked: bool):
-        """Online softmax of S_j in base 2 (FA3 Alg. 1 lines 9-11).
-
-        m is kept in log2 units so that p = exp2(s * scale_log2 - m) is one FMA + ex2 per
-        element. ``block``: block j's key ids, bias and mask (from :func:`_release_k`).
-        Returns P_j in the input dtype, the new m and alpha, the factor that rescales O
-        (and l) to the new m.
-        """
-        def to_log2(x):  # scale * log2(e), applied in exp2's FMA rather than to the tile
-            return x if st.logits_in_base2 else x * st.scale_log2
-
+        """S_j's logits (soft-cap, bias, mask) and its online softmax step
+        (:func:`~pallas_flash.mosaic.softmax.online_softmax_step`): ``(p, m_new, alpha)``.
+        ``block``: block j's key ids, bias and mask (from :func:`_release_k`)."""
         if st.logits_in_base2:  # c * tanh(scale * s / c) and/or + bias, in base 2
             bias = None
             if st.bias is not None:
                 bias = st.bias.tile(row_inputs.bias, block.bias, shape)
-            scores, _ = log2_logits(scores, st.scale_log2 / _LOG2E, st.softcap, bias)
+            scores, _ = log2_logits(scores, st.scale_log2 / LOG2E, st.softcap, bias)
         if masked:  # boundary block: hide pairs outside the band and keys >= seq_kv
-            rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-            cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-            visible = st.mask.visible(rows + q0, cols + j * bkv)
-            if st.segmented:  # ... and pairs of different documents
-                visible &= (_row(row_inputs.ids, shape)
-                            == lax.broadcast_in_dim(block.ids, shape, [1]))
-            if st.attn_mask is not None:  # ... and pairs the mask array hides
-                visible &= st.attn_mask.tile(row_inputs.mask, block.mask, shape) != 0
+            mask_tile = None
+            if st.attn_mask is not None:
+                mask_tile = st.attn_mask.tile(row_inputs.mask, block.mask, shape)
+            visible = visible_tile(st.mask, shape, q0, j * bkv, q_ids=row_inputs.ids,
+                                   kv_ids=block.ids, mask_tile=mask_tile)
             scores = jnp.where(visible, scores, -jnp.inf)
-        m_new = jnp.maximum(m_i, to_log2(scores.max(axis=1)))
-        if masked or st.bias is not None:
-            # A row that has seen no visible key yet (or only -inf biases) keeps m = -inf;
-            # subtract 0 instead so that exp2(-inf - m) stays 0 rather than NaN (empty rows
-            # end with l = 0).
-            m_new_finite = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        else:
-            m_new_finite = m_new
-        p = jnp.exp2(to_log2(scores) - _row(m_new_finite, shape))
-        alpha = jnp.exp2(m_i - m_new_finite)
-        return p, m_new, alpha
+        # A soft-cap or a bias took the tile to base 2 already; otherwise the scale is
+        # folded into exp2's FMA. Masked blocks and -inf biases can leave a row empty.
+        return online_softmax_step(
+            scores, m_i, None if st.logits_in_base2 else st.scale_log2,
+            guard_empty=masked or st.bias is not None)
 
     carry = (
         plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA),
@@ -612,15 +512,11 @@ def _consumer_warpgroup(wg, st: _Static, out_ref, lse_ref, q_tile, k_smem, v_sme
         load_next_q()  # its TMA runs under this epilogue
         # The previous tile's O and LSE stores must have read their tiles.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    empty = l_i == 0.0  # rows that saw no key: O = 0, lse = EMPTY_ROW_LSE
-    l_safe = jnp.where(empty, 1.0, l_i)
-    o = o * _row(1.0 / l_safe, o.shape)
-    lse = jnp.where(empty, EMPTY_ROW_LSE, (m_i + jnp.log2(l_safe)) * _LN2)
+    o, lse = normalized(o, m_i, l_i)
     o_tile[...] = o.astype(st.dtype)  # Q's tile unless persistent: Q is dead by now
     lse_tile[...] = lse
-    plgpu.commit_smem()  # register stores -> visible to the TMA engine
-    plgpu.copy_smem_to_gmem(o_tile, out_ref.at[batch, pl.ds(q0, bq), head])
-    plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[batch, head, pl.ds(q0, bq)])
+    store_rows(o_tile, lse_tile, out_ref.at[batch, pl.ds(q0, bq), head],
+               lse_ref.at[batch, head, pl.ds(q0, bq)])
 
 
 def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem, k_ready,
@@ -629,9 +525,8 @@ def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem
     """Per block: S = Q·K_jᵀ, wait, softmax, O += P·V_j, wait (no intra-warpgroup overlap).
 
     ``turn`` is one 2-arrival mbarrier at which the two consumers meet twice per block
-    (consumer 1 one turn behind: :class:`_SerialTurns`).
+    (consumer 1 one turn behind: :class:`SerialTurns`).
     """
-    first, full_first, full_last, last = ranges
 
     def wait_k(j):
         """K_j must have landed before S = Q·K_jᵀ is issued."""
@@ -642,7 +537,7 @@ def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem
     def pv(o, p16, s, j):
         """O += P·V_j, on the tensor cores; the wait for K_{j+1} overlaps the GEMM."""
         interpret = st.pv_through_smem
-        return _accumulate_pv(o, _p_operand(p16, p_tile, interpret=interpret), v_smem.at[s],
+        return accumulate_pv(o, a_operand(p16, p_tile), v_smem.at[s],
                               lambda: wait_k(j + 1), interpret=interpret)
 
     def step(j, carry, *, masked: bool):
@@ -653,12 +548,12 @@ def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem
             plgpu.wgmma(s_acc, q_tile, k_smem.at[s].T)
             # Ping: meet the other warpgroup as it finishes its softmax; it issues its P·V
             # while this GEMM runs, then its softmax overlaps our next GEMMs.
-            _sync(turn)
+            sync(turn)
             return s_acc[...]
         scores = pl.run_scoped(qk, plgpu.ACC((st.block_q, st.block_kv), jnp.float32))
         block = _release_k(st, k_free, key_rings, s, wg)
         p, m_new, alpha = softmax(scores, m_i, j, block, masked=masked)
-        o = o * _row(alpha, o.shape)
+        o = o * row(alpha, o.shape)
         p16 = p.astype(st.dtype)
 
         def give_turn():
@@ -680,64 +575,12 @@ def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem
         plgpu.barrier_arrive(v_free.at[s])
         return o, m_new, l_i
 
-    skip_step = functools.partial(_serial_skip_step, slot=slot, turn=turn, k_free=k_free,
+    skip_step = functools.partial(serial_skip_step, slot=slot, turn=turn, k_free=k_free,
                                   v_ready=v_ready, v_free=v_free, wait_k=wait_k)
     wait_k(cta_first)
-    masked_step = functools.partial(step, masked=True)
-    unmasked_step = functools.partial(step, masked=False)
-    if st.has_lower_band:
-        carry = lax.fori_loop(cta_first, first, skip_step, carry)
-        carry = lax.fori_loop(first, full_first, masked_step, carry)
-    if st.has_unmasked_blocks:
-        carry = lax.fori_loop(full_first, full_last, unmasked_step, carry)  # the fast loop
-    if st.has_upper_mask:
-        carry = lax.fori_loop(full_last, last, masked_step, carry)
-    return lax.fori_loop(last, cta_last, skip_step, carry)
-
-
-class _SerialTurns:
-    """The serial schedule's stagger, once per CTA (it carries over a persistent CTA's
-    tiles): consumer 1 starts one turn late, so the two alternate on the tensor cores,
-    and consumer 0 ends one late."""
-
-    @staticmethod
-    def begin(st: _Static, wg, turn) -> None:
-        del st
-        pl.when(wg == 1)(functools.partial(_sync, turn))
-
-    @staticmethod
-    def end(st: _Static, wg, turn) -> None:
-        del st
-        pl.when(wg == 0)(functools.partial(_sync, turn))
-
-
-class _OverlappedTurns:
-    """The overlapped schedule's round robin, once per CTA: the last consumer hands
-    consumer 0 the first turn, and consumer 0 takes the one the last consumer hands over
-    at its last step."""
-
-    @staticmethod
-    def begin(st: _Static, wg, turn) -> None:
-        pl.when(wg == st.num_consumers - 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
-
-    @staticmethod
-    def end(st: _Static, wg, turn) -> None:
-        del st
-        pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
-
-
-def _serial_skip_step(j, carry, *, slot, turn, k_free, v_ready, v_free, wait_k):
-    """The serial schedule's step for block j when another row range of the CTA needs it
-    and this one does not: the same barriers and turns as a real step, no math."""
-    s = slot(j)
-    _sync(turn)
-    plgpu.barrier_arrive(k_free.at[s])
-    plgpu.barrier_arrive(turn)
-    plgpu.barrier_wait(v_ready.at[s])
-    plgpu.barrier_wait(turn)
-    wait_k(j + 1)
-    plgpu.barrier_arrive(v_free.at[s])
-    return carry
+    return walk(carry, ranges, cta_first=cta_first, cta_last=cta_last, step=step,
+                skip_step=skip_step, lower_band=st.has_lower_band,
+                unmasked=st.has_unmasked_blocks, upper_mask=st.has_upper_mask)
 
 
 def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem,
@@ -757,16 +600,16 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_
     """
     first, last = ranges[0], ranges[3]
     bq, bkv = st.block_q, st.block_kv
-    take_turn, pass_turn = turns = _round_robin(turn, wg, st.num_consumers)
+    take_turn, pass_turn = turns = round_robin(turn, wg, st.num_consumers)
 
     def pv_operand(p16):
-        return _p_operand(p16, p_tile, interpret=st.pv_through_smem)
+        return a_operand(p16, p_tile)
 
     def head(carry):
         """The first visible block: S, softmax, no P·V yet (O is still 0)."""
         o, m_i, _, _ = carry
         s = slot(first)
-        scores = _head_scores(q_tile, k_smem.at[s], k_ready.at[s], turns)
+        scores = head_scores(q_tile, k_smem.at[s], k_ready.at[s], turns)
         block = _release_k(st, k_free, key_rings, s, wg)
         p, m_new, _ = softmax(scores, m_i, first, block, masked=st.has_mask)
         return o, m_new, p.sum(axis=1), p.astype(st.dtype)
@@ -788,7 +631,7 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_
             p, m_new, alpha = softmax(scores, m_i, j, block, masked=masked)
             return p, m_new, l_i * alpha + p.sum(axis=1), alpha
 
-        o, (p, m_new, l_new, alpha) = _softmax_under_pv(
+        o, (p, m_new, l_new, alpha) = softmax_under_pv(
             o, (bq, bkv), gemms, lambda zeros: (zeros, m_i, l_i, m_i),
             interpret=st.pv_through_smem)
         if not st.pv_through_smem:
@@ -798,19 +641,19 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_
             # barrier pins the cast after the wait.
             p = lax.optimization_barrier(p)
         plgpu.barrier_arrive(v_free.at[s_prev])  # V_{j-1} is read
-        return o * _row(alpha, o.shape), m_new, l_new, p.astype(st.dtype)
+        return o * row(alpha, o.shape), m_new, l_new, p.astype(st.dtype)
 
     def tail(o, p_last):
         """O += P·V of the last visible block."""
         s = slot(last - 1)
         take_turn()
         plgpu.barrier_wait(v_ready.at[s])
-        o = _accumulate_pv(o, pv_operand(p_last), v_smem.at[s], pass_turn,
+        o = accumulate_pv(o, pv_operand(p_last), v_smem.at[s], pass_turn,
                            interpret=st.pv_through_smem)
         plgpu.barrier_arrive(v_free.at[s])
         return o
 
-    skip_step = functools.partial(_overlapped_skip_step, slot=slot, turns=turns,
+    skip_step = functools.partial(overlapped_skip_step, slot=slot, turns=turns,
                                   k_ready=k_ready, k_free=k_free, v_ready=v_ready,
                                   v_free=v_free)
 
@@ -825,143 +668,10 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_
 
     # P of the previous block rides in the carry; a placeholder until the head's.
     p_none = plgpu.layout_cast(jnp.zeros((bq, bkv), st.dtype), plgpu.Layout.WGMMA)
-    return _walk_overlapped(
+    return walk_overlapped(
         (*carry, p_none), ranges, cta_first=cta_first, cta_last=cta_last, head=head,
         step=step, last_pv=last_pv, skip_step=skip_step, lower_band=st.has_lower_band,
         unmasked=st.has_unmasked_blocks, upper_mask=st.has_upper_mask)
-
-
-def _walk_overlapped(carry, ranges, *, cta_first, cta_last, head, step, last_pv, skip_step,
-                     lower_band: bool, unmasked: bool, upper_mask: bool):
-    """One consumer's walk over its CTA's blocks [cta_first, cta_last) in the overlapped
-    schedule: ``skip_step`` for the blocks outside its ``ranges`` (first, full_first,
-    full_last, last), ``head`` for its first visible block, ``step(j, carry, masked=)`` for
-    the others (the loops the flags say can be non-empty), and ``last_pv(nonempty,
-    carry)`` for the P·V of its last block (only the turn when it sees no block)."""
-    first, full_first, full_last, last = ranges
-    masked_step = functools.partial(step, masked=True)
-    carry = lax.fori_loop(cta_first, first, skip_step, carry)
-    nonempty = first < last
-    carry = lax.cond(nonempty, head, lambda carry: carry, carry)
-    after_head = first + 1
-    if lower_band:
-        carry = lax.fori_loop(after_head, full_first, masked_step, carry)
-    if unmasked:
-        carry = lax.fori_loop(jnp.maximum(after_head, full_first), full_last,
-                              functools.partial(step, masked=False), carry)
-    if upper_mask:
-        carry = lax.fori_loop(jnp.maximum(after_head, full_last), last, masked_step, carry)
-    return lax.fori_loop(last, cta_last, skip_step, last_pv(nonempty, carry))
-
-
-def _softmax_under_pv(o, s_shape, gemms, results_like, *, interpret: bool):
-    """One step of the overlapped schedule once the turn is taken: ``gemms(s_acc, pv_acc)``
-    issues S_j ([s_shape] float32) and P_{j-1}·V_{j-1} (into ``pv_acc``) and returns what
-    it computes while P·V runs (the softmax of S_j). Returns O + P·V and those results,
-    after P·V's wait.
-
-    ``results_like(zeros)``: arrays shaped as the results, given a zero S tile. On the GPU
-    P·V accumulates into O's registers (``run_state``, whose exit waits for the GEMM:
-    wgmma.wait_group 0); interpret mode cannot run ``run_state``, so there P·V lands in a
-    fresh accumulator that is added to O.
-    """
-    if interpret:
-        results, pv = pl.run_scoped(
-            lambda s_acc, pv_acc: (gemms(s_acc, pv_acc), pv_acc[...]),
-            plgpu.ACC(s_shape, jnp.float32), plgpu.ACC(o.shape, jnp.float32))
-        return o + pv, results
-
-    def body(refs):
-        o_acc, s_acc, results = refs
-        for ref, x in zip(results, gemms(s_acc, o_acc), strict=True):
-            ref[...] = x
-    zeros = plgpu.layout_cast(jnp.zeros(s_shape, jnp.float32), plgpu.Layout.WGMMA)
-    o, _, results = pl.run_state(body)((
-        plgpu.ACC.init(o), plgpu.ACC.init(zeros), results_like(zeros)))
-    return o, results
-
-
-def _round_robin(turn, wg, num_consumers: int):
-    """``(take_turn, pass_turn)`` of the overlapped schedule: ``turn`` holds one
-    single-arrival mbarrier per consumer; a consumer waits on its own before issuing its
-    GEMMs and arrives at the next consumer's after."""
-    def take_turn():
-        plgpu.barrier_wait(turn.at[wg])
-
-    def pass_turn():
-        plgpu.barrier_arrive(turn.at[lax.rem(wg + 1, num_consumers)])
-    return take_turn, pass_turn
-
-
-def _head_scores(q_tile, k_tile, k_ready, turns) -> jax.Array:
-    """S = Q·Kᵀ of a consumer's first visible block in the overlapped schedule (no P·V to
-    issue with it yet): wait for K, take the turn, issue, pass the turn, wait for S."""
-    take_turn, pass_turn = turns
-    plgpu.barrier_wait(k_ready)
-    take_turn()
-
-    def qk(s_acc):
-        plgpu.wgmma(s_acc, q_tile, k_tile.T)
-        pass_turn()
-        return s_acc[...]
-    return pl.run_scoped(qk, plgpu.ACC((q_tile.shape[0], k_tile.shape[0]), jnp.float32))
-
-
-def _overlapped_skip_step(j, carry, *, slot, turns, k_ready, k_free, v_ready, v_free):
-    """The overlapped schedule's step for block j when another consumer of the CTA needs
-    it and this one does not: the same barriers and turn (``turns``: take, pass) as a
-    real step, no math."""
-    take_turn, pass_turn = turns
-    s = slot(j)
-    plgpu.barrier_wait(k_ready.at[s])
-    take_turn()
-    pass_turn()
-    plgpu.barrier_arrive(k_free.at[s])
-    plgpu.barrier_wait(v_ready.at[s])
-    plgpu.barrier_arrive(v_free.at[s])
-    return carry
-
-
-def _p_operand(p16, p_tile, *, interpret: bool):
-    """P as the P·V wgmma's A operand: from registers (FA3); stored to ``p_tile`` in
-    interpret mode, which cannot run a wgmma whose A operand is in registers."""
-    if not interpret:
-        return p16
-    p_tile[...] = p16
-    plgpu.commit_smem()
-    return p_tile
-
-
-def _accumulate_pv(o, p, v_tile, during, *, interpret: bool):
-    """O + P·V on the tensor cores, with ``during()`` issued while the GEMM runs.
-
-    On the GPU P·V accumulates into O's registers (``run_state``, whose exit waits for the
-    GEMM). Interpret mode cannot run ``run_state``: there P·V lands in a fresh accumulator
-    that is added to O, the same arithmetic for a second [block_q, D] f32 accumulator.
-    """
-    if interpret:
-        def fresh(pv_acc):
-            plgpu.wgmma(pv_acc, p, v_tile)
-            during()
-            return pv_acc[...]
-        return o + pl.run_scoped(fresh, plgpu.ACC(o.shape, jnp.float32))
-
-    def gemm(o_acc):
-        plgpu.wgmma(o_acc, p, v_tile)
-        during()
-    return pl.run_state(gemm)(plgpu.ACC.init(o))
-
-
-def _sm_count() -> int:
-    """Streaming multiprocessors of the first GPU: one persistent CTA each (one CTA fills
-    an SM: 3-4 warpgroups at up to 232 registers per thread)."""
-    # 132 (H100/H200 SXM) where the device does not say, e.g. when lowering on a CPU.
-    return getattr(jax.devices()[0], "core_count", 132)
-
-
-def _pad(x: jax.Array, seq: int, head_dim: int) -> jax.Array:
-    """Zero-pads [B, S, H, D] to [B, seq, H, head_dim] (no copy when nothing to pad)."""
-    return pad_axis(pad_axis(x, 1, seq), 3, head_dim)
 
 
 def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
@@ -974,7 +684,7 @@ def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
     gradients come from the Triton backward).
     """
     del kv_shape, mask, has_segments, softcap
-    if jnp.dtype(dtype) not in _DTYPES:
+    if jnp.dtype(dtype) not in DTYPES:
         return f"the Mosaic GPU kernel takes bfloat16 or float16 inputs, got {jnp.dtype(dtype)}"
     if q_shape[-1] > MAX_HEAD_DIM:
         return f"head_dim {q_shape[-1]} is above the kernel's maximum {MAX_HEAD_DIM}"
@@ -983,50 +693,6 @@ def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
                 f"Mosaic GPU kernel (got {q_shape[-1]}): above it the K/V rings leave no "
                 "shared memory for a bias tile")
     return None
-
-
-def _fold_mask(bias, attn_mask):
-    """(bias, attn_mask) with the mask folded into the bias as -inf where the mask
-    broadcasts to the bias's shape: one array to read, no larger than the bias."""
-    if bias is None or attn_mask is None:
-        return bias, attn_mask
-    if jnp.broadcast_shapes(bias.shape, attn_mask.shape) != bias.shape:
-        return bias, attn_mask
-    return jnp.where(attn_mask, bias, -jnp.inf), None  # -inf is weakly typed: bias's dtype
-
-
-def _logit_array(x, *, is_mask: bool) -> _LogitArray | None:
-    """How the kernel reads canonical ``x`` [B', N', T', S'] (None for None): a mask as
-    int8, a bias in its own dtype if 16 or 32 bits wide, else as float32."""
-    if x is None:
-        return None
-    if is_mask:
-        dtype = jnp.dtype(jnp.int8)
-    elif x.dtype in (*_DTYPES, jnp.dtype(jnp.float32)):
-        dtype = jnp.dtype(x.dtype)
-    else:
-        dtype = jnp.dtype(jnp.float32)
-    t, s = x.shape[2:]
-    kind = "tile" if t > 1 and s > 1 else "keys" if s > 1 else "rows"
-    return _LogitArray(kind=kind, is_mask=is_mask, dtype=dtype)
-
-
-def _logit_operand(x, array: _LogitArray, seq_q_pad: int, seq_kv_pad: int) -> jax.Array:
-    """The kernel operand of canonical ``x`` [B', N', T', S']: [B', N', Tp, Sp] (tile),
-    [B', N', Sp] (keys) or [B', N', Tp] (rows), zero-padded to whole blocks (padded keys
-    are hidden by the MaskSpec, padded rows dropped).
-
-    An array constant over queries and keys ([B', N', 1, 1]) is expanded along the queries
-    (B'·N'·T elements, small), so that it is read as rows.
-    """
-    x = x.astype(array.dtype)
-    b, n = x.shape[:2]
-    if array.kind == "tile":
-        return pad_axis(pad_axis(x, 2, seq_q_pad), 3, seq_kv_pad)
-    if array.kind == "keys":
-        return pad_axis(x.reshape(b, n, -1), 2, seq_kv_pad)
-    rows = jnp.broadcast_to(x, (b, n, x.shape[2] if x.shape[2] > 1 else seq_q_pad, 1))
-    return pad_axis(rows.reshape(b, n, -1), 2, seq_q_pad)
 
 
 def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: MaskSpec,
@@ -1043,14 +709,15 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         visits the KV blocks whose id range can meet its rows' (:mod:`pallas_flash.segments`).
       mask: visibility; its ``seq_q``/``seq_kv`` are the real lengths.
       scale: logit scale.
-      config: block sizes; ``config.check_fits`` must pass at the padded head dim. With
+      config: block sizes (or any of :data:`~pallas_flash.mosaic.config.CONFIG_TYPES`: its
+        forward part); ``config.check_fits`` must pass at the padded head dim. With
         bias / mask arrays it is first shrunk to fit their rings
         (:func:`~pallas_flash.mosaic.config.fit_logit_rings`).
       interpret: run in Mosaic GPU interpret mode on the CPU.
       softcap: ``c``: logits become ``c * tanh(scale * q·k / c)`` before the softmax.
       bias: None or canonical ``[B', N', T', S']`` (:mod:`pallas_flash.bias`), floating,
         added to the scaled (and capped) logits; read where it varies, broadcast dims never
-        expanded (:class:`_LogitArray`; only a ``[B', N', 1, 1]`` one is expanded to
+        expanded (:class:`LogitArray`; only a ``[B', N', 1, 1]`` one is expanded to
         ``[B', N', T]``).
       attn_mask: None or canonical ``[B', N', T', S']`` bool, False hides a pair; folded
         into the bias as -inf when it broadcasts to the bias's shape, else read as int8.
@@ -1063,6 +730,7 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
     are hidden by ``mask.seq_kv``, padded query rows are cut off) and the head dim to a
     multiple of 64 (zero columns change neither Q·Kᵀ nor the kept columns of P·V).
     """
+    config = forward_config(config, q.shape, k.shape, q.dtype, mask)
     segmented = segment_ids is not None
     reason = unsupported(q.shape, k.shape, q.dtype, mask, segmented, softcap,
                          has_bias=bias is not None, has_mask=attn_mask is not None)
@@ -1072,9 +740,9 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     dim = padded_head_dim(head_dim)
     itemsize = jnp.dtype(q.dtype).itemsize
-    bias, attn_mask = _fold_mask(bias, attn_mask)
-    bias_array = _logit_array(bias, is_mask=False)
-    mask_array = _logit_array(attn_mask, is_mask=True)
+    bias, attn_mask = fold_mask(bias, attn_mask)
+    bias_array = logit_array(bias, is_mask=False)
+    mask_array = logit_array(attn_mask, is_mask=True)
     logit_arrays = [(x, a) for x, a in ((bias, bias_array), (attn_mask, mask_array))
                     if a is not None]
     rings = tuple(a.ring for _, a in logit_arrays if a.ring is not None)
@@ -1084,7 +752,7 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
     seq_q_pad = round_up(seq_q, rows_per_cta)
     seq_kv_pad = round_up(seq_kv, config.block_kv)
     st = _Static(
-        mask=mask, scale_log2=scale * _LOG2E, block_q=config.block_q,
+        mask=mask, scale_log2=scale * LOG2E, block_q=config.block_q,
         block_kv=config.block_kv, num_stages=config.num_stages, head_dim=dim,
         dtype=jnp.dtype(q.dtype), group=heads // kv_heads,
         num_q_tiles=seq_q_pad // rows_per_cta, kv_padded=seq_kv_pad != seq_kv,
@@ -1092,15 +760,46 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         segmented=segmented, num_consumers=config.num_consumers, bias=bias_array,
         attn_mask=mask_array, heads=heads, batch=batch)
     if config.persistent:
-        ctas = min(st.num_tiles, _INTERPRET_CTAS if interpret else _sm_count())
-        st = dataclasses.replace(st, persistent_ctas=ctas)
-    consumers = st.num_consumers
+        st = dataclasses.replace(
+            st, persistent_ctas=persistent_ctas(st.num_tiles, interpret=interpret))
 
-    transforms = _smem_transforms(itemsize)
+    operands = [pad_operand(q, seq_q_pad, dim), pad_operand(k, seq_kv_pad, dim),
+                pad_operand(v, seq_kv_pad, dim)]
+    if segmented:
+        q_ids, kv_ids = pad_segment_ids(segment_ids, seq_q_pad, seq_kv_pad)
+        operands += [q_ids, kv_ids,
+                     tile_spans(q_ids, kv_ids, st.block_q, st.block_kv, walk_kv=True)]
+    # The bias, then the mask, as _kernel unpacks them.
+    operands += [logit_operand(x, array, seq_q_pad, seq_kv_pad) for x, array in logit_arrays]
+    grid, grid_names = st.tile_grid.launch()
+
+    call = plgpu.kernel(
+        functools.partial(_kernel, st=st),
+        out_type=(
+            jax.ShapeDtypeStruct((batch, seq_q_pad, heads, dim), q.dtype),
+            jax.ShapeDtypeStruct((batch, heads, seq_q_pad), jnp.float32),
+        ),
+        scratch_types=_scratch(st, config, [a for _, a in logit_arrays]),
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=st.num_consumers + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    out, lse = call(*operands)
+    return out[:, :seq_q, :, :head_dim], lse[:, :, :seq_q]
+
+
+def _scratch(st: _Static, config: MosaicConfig, logit_arrays: list[LogitArray]) -> dict:
+    """The kernel's SMEM scratch and barriers (:class:`_Smem`), in the order they are
+    allocated."""
+    consumers, dtype, dim = st.num_consumers, st.dtype, st.head_dim
+    transforms = smem_transforms(dtype.itemsize)
     scratch = dict(
-        q_smem=plgpu.SMEM((consumers, st.block_q, dim), q.dtype, transforms=transforms),
-        k_smem=plgpu.SMEM((st.num_stages, st.block_kv, dim), q.dtype, transforms=transforms),
-        v_smem=plgpu.SMEM((st.num_stages, st.block_kv, dim), q.dtype, transforms=transforms),
+        q_smem=plgpu.SMEM((consumers, st.block_q, dim), dtype, transforms=transforms),
+        k_smem=plgpu.SMEM((st.num_stages, st.block_kv, dim), dtype, transforms=transforms),
+        v_smem=plgpu.SMEM((st.num_stages, st.block_kv, dim), dtype, transforms=transforms),
         lse_smem=plgpu.SMEM((consumers, st.block_q), jnp.float32),
         q_ready=plgpu.Barrier(num_barriers=consumers),
         # One TMA arrival per copy: K, and what rides along (key ids, bias / mask tiles).
@@ -1112,40 +811,15 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         turn=(plgpu.Barrier(num_barriers=consumers) if st.overlap
               else plgpu.Barrier(num_arrivals=consumers)),
     )
-    operands = [_pad(q, seq_q_pad, dim), _pad(k, seq_kv_pad, dim), _pad(v, seq_kv_pad, dim)]
-    if segmented:
-        q_ids, kv_ids = pad_segment_ids(segment_ids, seq_q_pad, seq_kv_pad)
-        operands += [q_ids, kv_ids,
-                     tile_spans(q_ids, kv_ids, st.block_q, st.block_kv, walk_kv=True)]
+    if st.segmented:
         scratch["kv_ids_smem"] = plgpu.SMEM((st.num_stages, st.block_kv), jnp.int32)
-    for x, array in logit_arrays:  # the bias, then the mask, as _kernel unpacks them
-        operands.append(_logit_operand(x, array, seq_q_pad, seq_kv_pad))
+    for array in logit_arrays:
         if array.ring is not None:
             scratch["mask_smem" if array.is_mask else "bias_smem"] = array.smem(config)
     if st.pv_through_smem:
         scratch["p_smem"] = plgpu.SMEM(
-            (consumers, st.block_q, st.block_kv), q.dtype, transforms=transforms)
+            (consumers, st.block_q, st.block_kv), dtype, transforms=transforms)
     if st.persistent_ctas:
-        scratch["o_smem"] = plgpu.SMEM((consumers, st.block_q, dim), q.dtype,
+        scratch["o_smem"] = plgpu.SMEM((consumers, st.block_q, dim), dtype,
                                        transforms=transforms)
-    if st.persistent_ctas:
-        grid, grid_names = (st.persistent_ctas,), ("ctas",)
-    else:
-        grid, grid_names = (heads, st.num_q_tiles, batch), ("heads", "q_tiles", "batch")
-
-    call = plgpu.kernel(
-        functools.partial(_kernel, st=st),
-        out_type=(
-            jax.ShapeDtypeStruct((batch, seq_q_pad, heads, dim), q.dtype),
-            jax.ShapeDtypeStruct((batch, heads, seq_q_pad), jnp.float32),
-        ),
-        scratch_types=scratch,
-        grid=grid,
-        grid_names=grid_names,
-        num_threads=consumers + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )
-    out, lse = call(*operands)
-    return out[:, :seq_q, :, :head_dim], lse[:, :, :seq_q]
+    return scratch

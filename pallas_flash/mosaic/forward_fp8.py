@@ -53,31 +53,30 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_flash.masking import MaskSpec
+from pallas_flash.mosaic.block_walk import visible_tile, walk, walk_overlapped
 from pallas_flash.mosaic.config import (
     MAX_HEAD_DIM,
     SMEM_BUDGET,
     MosaicConfig,
     padded_head_dim,
 )
-from pallas_flash.mosaic.forward import (
-    _LN2,
-    _LOG2E,
-    _REGISTERS,
-    _accumulate_pv,
-    _head_scores,
-    _overlapped_skip_step,
-    _OverlappedTurns,
-    _round_robin,
-    _row,
-    _serial_skip_step,
-    _SerialTurns,
-    _softmax_under_pv,
-    _sync,
-    _walk_overlapped,
+from pallas_flash.mosaic.epilogue import normalized, store_rows
+from pallas_flash.mosaic.mainloop import (
+    OverlappedTurns,
+    SerialTurns,
+    accumulate_pv,
+    head_scores,
+    overlapped_skip_step,
+    round_robin,
+    serial_skip_step,
+    softmax_under_pv,
+    sync,
 )
 from pallas_flash.mosaic.pipeline import observe_releases, ring_slot, stream_kv
+from pallas_flash.mosaic.scheduler import TileGrid
+from pallas_flash.mosaic.softmax import online_softmax_step
+from pallas_flash.mosaic.tiles import LOG2E, REGISTERS, row
 from pallas_flash.padding import pad_axis, round_up
-from pallas_flash.reference import EMPTY_ROW_LSE
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 #: P ∈ [0, 1] is stored as e4m3(P · 448): 448 is e4m3's largest finite value.
@@ -120,7 +119,14 @@ class _Static:
     num_q_tiles: int  # CTAs along the sequence, each of num_consumers * block_q rows
     kv_padded: bool  # seq_kv was padded up to whole blocks
     interpret: bool  # P·V into a fresh accumulator (see the module docstring)
+    batch: int
+    heads: int
     overlap: bool = False  # FA3's intra-warpgroup pipelining (MosaicConfig.overlap)
+
+    @property
+    def tile_grid(self) -> TileGrid:
+        return TileGrid(num_q_tiles=self.num_q_tiles, reverse_q_tiles=self.reverse_q_tiles,
+                        batch=self.batch, heads=self.heads)
 
     @property
     def reverse_q_tiles(self) -> bool:
@@ -199,42 +205,7 @@ def default_config(head_dim: int) -> MosaicConfig:
     """64 rows per consumer and 2 stages, as the bf16 kernel, with FA3's overlapped
     schedule: 128-key blocks above head_dim 128, 256-key blocks at 65-128, and three
     consumers of 128-key blocks up to 64.
-
-    Kernel TFLOP/s on an H200 (``benchmarks/fp8_probe.py``), dense / causal. Serial tiles,
-    with separate P and O tiles (2026-11-30, ``--configs
-    128=64x128x2,64x256x2,64x192x2,64x128x3 --configs 256=64x64x2,64x64x3``, L 16384):
-    head_dim 128 64x128x2 663 / 672, 64x256x2 783 / 702, 64x192x2 732 / 637, 64x128x3
-    636 / 603; head_dim 256 64x64x2 826 / 817, 64x64x3 786 / 745. Wide key blocks halve
-    the per-block costs (barriers, O's rescale, the scale loads) that FP8's faster GEMMs
-    expose. The overlapped schedule (``o``) needs a second P tile; with the O tiles in
-    the P tiles' memory (a union, since O is stored only once every P tile is dead),
-    256-key blocks fit at head_dim 128 and 128-key blocks at 256. L 16384, in one run:
-
-    ==========  ============
-    config      dense / causal
-    ==========  ============
-    128: 256x2  807 / 615
-    128: 256x2o 883 / 814
-    128: 128x2o 758 / 758
-    256: 64x2o  948 / 971
-    256: 128x2o 1182 / 1109
-    ==========  ============
-
-    Three consumers (``c3``: 160 registers per thread, so S and O must be narrow, see
-    :func:`check_config`) hide more of the softmax's latency where its share is largest,
-    at head_dim 64 (2026-11-30, dense / causal; L 4096 | L 16384):
-
-    ============  ===================  ===================
-    config        L 4096               L 16384
-    ============  ===================  ===================
-    64x256x2      419 / 301            460 / 414
-    64x128x2oc3   427 / 330            509 / 453
-    64x128x3oc3   407 / 310            488 / 451
-    64x64x2oc3    352 / 278            400 / 350
-    ============  ===================  ===================
-
-    At head_dim 128 they lose: 64x128x2oc3 830 / 756 against 906 / 800 for 64x256x2o
-    (L 16384), 704 / 514 against 800 / 526 (L 4096).
+    (measurements: docs/tuning.md#fp8-forward-default_config)
     """
     head_dim = padded_head_dim(head_dim)
     if head_dim > 128:
@@ -252,11 +223,9 @@ def _kernel(q_ref, k_ref, vt_ref, q_scale_ref, k_scale_ref, v_scale_ref, out_ref
     of ``num_stages``."""
     p_smem, o_smem = p_o_smem
     bq, bkv = st.block_q, st.block_kv
-    batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+    _, tile_at = st.tile_grid.tiles()  # one CTA per tile
+    batch, head, q_tile = tile_at(0)
     kv_head = lax.div(head, st.group)  # GQA: K/V are indexed, never repeated
-    q_tile = lax.axis_index("q_tiles")
-    if st.reverse_q_tiles:
-        q_tile = st.num_q_tiles - 1 - q_tile
     consumers = st.num_consumers
     cta_q0 = q_tile * (consumers * bq)
     cta_first, _, _, cta_last = st.mask.kv_blocks(cta_q0, consumers * bq, bkv)
@@ -265,7 +234,7 @@ def _kernel(q_ref, k_ref, vt_ref, q_scale_ref, k_scale_ref, v_scale_ref, out_ref
         return ring_slot(j - cta_first, st.num_stages)
 
     wg = lax.axis_index("wg")
-    consumer_registers, producer_registers = _REGISTERS[consumers]
+    consumer_registers, producer_registers = REGISTERS[consumers]
 
     @pl.when(wg < consumers)
     def _consumer():
@@ -320,16 +289,11 @@ def _consumer_warpgroup(wg, st: _Static, q_gmem, out_gmem, lse_gmem, scales, q_t
         goes to ``p_out``. Returns the new m and l, and alpha, O's factor to the new m.
         ``k_scale``: s_K,j, loaded before the GEMM so that the GEMM hides the load."""
         if masked:
-            rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
-            cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
-            scores = jnp.where(st.mask.visible(rows + q0, cols + j * bkv), scores, -jnp.inf)
-        # A row that has seen no key keeps m = -inf and subtracts 0, so that its P and l
-        # stay 0 rather than NaN.
-        scale_log2 = q_scale_log2 * k_scale
-        m_new = jnp.maximum(m_i, scores.max(axis=1) * scale_log2)
-        m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-        p = jnp.exp2(scores * scale_log2 - _row(m_sub, scores.shape))
-        alpha = jnp.exp2(m_i - m_sub)
+            visible = visible_tile(st.mask, (bq, bkv), q0, j * bkv)
+            scores = jnp.where(visible, scores, -jnp.inf)
+        # A masked row that has seen no key yet keeps m = -inf, its P and l 0.
+        p, m_new, alpha = online_softmax_step(scores, m_i, q_scale_log2 * k_scale,
+                                              guard_empty=masked)
         p_out[...] = (p * P_SCALE).astype(E4M3)
         plgpu.commit_smem()  # register stores -> visible to wgmma
         return m_new, l_i * alpha + p.sum(axis=1), alpha  # l from the unrounded P
@@ -341,32 +305,28 @@ def _consumer_warpgroup(wg, st: _Static, q_gmem, out_gmem, lse_gmem, scales, q_t
         jnp.float32(1.0),  # s_V of the previous block; O is still 0, so any value works
     )
     plgpu.barrier_wait(q_ready)
-    loop, turns = (_overlapped_loop, _OverlappedTurns) if st.overlap else (_serial_loop,
-                                                                          _SerialTurns)
-    turns.begin(st, wg, turn)
+    loop, turns = (_overlapped_loop, OverlappedTurns) if st.overlap else (_serial_loop,
+                                                                          SerialTurns)
+    turns.begin(st.num_consumers, wg, turn)
     o, m_i, l_i, v_scale = loop(
         wg, st, carry, ranges, softmax, q_tile, k_smem, vt_smem, p_tile, k_ready, v_ready,
         k_free, v_free, turn, scales=(k_scales, v_scales), cta_first=cta_first,
         cta_last=cta_last, slot=slot)
-    turns.end(st, wg, turn)
+    turns.end(st.num_consumers, wg, turn)
 
     # Epilogue: undo P's 448 and the last V scale, normalise; O and LSE leave via TMA.
-    empty = l_i == 0.0
-    l_safe = jnp.where(empty, 1.0, l_i)
-    o = o * _row((v_scale / P_SCALE) / l_safe, o.shape)
-    lse_tile[...] = jnp.where(empty, EMPTY_ROW_LSE, (m_i + jnp.log2(l_safe)) * _LN2)
-    _sync(p_done)  # every P tile is read: O may overwrite them
+    o, lse = normalized(o, m_i, l_i, o_scale=v_scale / P_SCALE)
+    lse_tile[...] = lse
+    sync(p_done)  # every P tile is read: O may overwrite them
     o_tile[...] = o.astype(OUT_DTYPE)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_tile, out_gmem)
-    plgpu.copy_smem_to_gmem(lse_tile, lse_gmem)
+    store_rows(o_tile, lse_tile, out_gmem, lse_gmem)
     plgpu.wait_smem_to_gmem(0)
 
 
 def _pv(st: _Static, o, p_tile, vt_tile, during):
     """O += P̃·Ṽ with Vᵀ's (D, keys) tile read through a transposed view (K-major B);
-    ``during()`` runs while the GEMM does (the bf16 kernel's :func:`_accumulate_pv`)."""
-    return _accumulate_pv(o, p_tile, vt_tile.T, during, interpret=st.interpret)
+    ``during()`` runs while the GEMM does (the bf16 kernel's :func:`accumulate_pv`)."""
+    return accumulate_pv(o, p_tile, vt_tile.T, during, interpret=st.interpret)
 
 
 def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, vt_smem, p_tile,
@@ -375,7 +335,6 @@ def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, vt_sme
     """The bf16 kernel's serial schedule: S_j, softmax (P̃_j to SMEM), P̃_j·Ṽ_j.
     ``scales``: s_K and s_V per key block ([blocks] GMEM refs)."""
     del wg
-    first, full_first, full_last, last = ranges
     bq, bkv = st.block_q, st.block_kv
     k_scales, v_scales = scales
 
@@ -391,12 +350,12 @@ def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, vt_sme
 
         def qk(s_acc):
             plgpu.wgmma(s_acc, q_tile, k_smem.at[s].T)
-            _sync(turn)  # ping (see the bf16 kernel's _serial_loop)
+            sync(turn)  # ping (see the bf16 kernel's _serial_loop)
             return s_acc[...]
         scores = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
         plgpu.barrier_arrive(k_free.at[s])
         m_new, l_i, alpha = softmax(scores, m_i, l_i, j, k_scale, p_tile, masked=masked)
-        o = o * _row(alpha * (v_scale_prev / v_scale), o.shape)
+        o = o * row(alpha * (v_scale_prev / v_scale), o.shape)
         plgpu.barrier_arrive(turn)  # pong: softmax done, the other consumer may go on
         plgpu.barrier_wait(v_ready.at[s])
         plgpu.barrier_wait(turn)
@@ -404,17 +363,12 @@ def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, vt_sme
         plgpu.barrier_arrive(v_free.at[s])
         return o, m_new, l_i, v_scale
 
-    skip_step = functools.partial(_serial_skip_step, slot=slot, turn=turn, k_free=k_free,
+    skip_step = functools.partial(serial_skip_step, slot=slot, turn=turn, k_free=k_free,
                                   v_ready=v_ready, v_free=v_free, wait_k=wait_k)
     wait_k(cta_first)
-    masked_step = functools.partial(step, masked=True)
-    if st.has_lower_band:
-        carry = lax.fori_loop(cta_first, first, skip_step, carry)
-        carry = lax.fori_loop(first, full_first, masked_step, carry)
-    carry = lax.fori_loop(full_first, full_last, functools.partial(step, masked=False), carry)
-    if st.has_upper_mask:
-        carry = lax.fori_loop(full_last, last, masked_step, carry)
-    return lax.fori_loop(last, cta_last, skip_step, carry)
+    return walk(carry, ranges, cta_first=cta_first, cta_last=cta_last, step=step,
+                skip_step=skip_step, lower_band=st.has_lower_band,
+                upper_mask=st.has_upper_mask)
 
 
 def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, vt_smem,
@@ -432,7 +386,7 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, vt
     first, last = ranges[0], ranges[3]
     bq, bkv = st.block_q, st.block_kv
     k_scales, v_scales = scales
-    take_turn, pass_turn = turns = _round_robin(turn, wg, st.num_consumers)
+    take_turn, pass_turn = turns = round_robin(turn, wg, st.num_consumers)
 
     def p_tile(j):
         return p_tiles.at[lax.rem(j, 2)]
@@ -442,7 +396,7 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, vt
         o, m_i, l_i, _ = carry
         s = slot(first)
         k_scale, v_scale = k_scales[first], v_scales[first]
-        scores = _head_scores(q_tile, k_smem.at[s], k_ready.at[s], turns)
+        scores = head_scores(q_tile, k_smem.at[s], k_ready.at[s], turns)
         plgpu.barrier_arrive(k_free.at[s])
         m_new, l_new, _ = softmax(scores, m_i, l_i, first, k_scale, p_tile(first),
                                   masked=st.has_mask)
@@ -465,10 +419,10 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, vt
             plgpu.barrier_arrive(k_free.at[s])
             return softmax(scores, m_i, l_i, j, k_scale, p_tile(j), masked=masked)
 
-        o, (m_new, l_new, alpha) = _softmax_under_pv(
+        o, (m_new, l_new, alpha) = softmax_under_pv(
             o, (bq, bkv), gemms, lambda zeros: (m_i, l_i, m_i), interpret=st.interpret)
         plgpu.barrier_arrive(v_free.at[s_prev])  # Ṽ_{j-1} is read
-        return o * _row(alpha * (v_scale_prev / v_scale), o.shape), m_new, l_new, v_scale
+        return o * row(alpha * (v_scale_prev / v_scale), o.shape), m_new, l_new, v_scale
 
     def tail(o):
         """O += P̃·Ṽ of the last visible block."""
@@ -488,10 +442,10 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, vt
         o, m_i, l_i, v_scale = carry
         return lax.cond(nonempty, tail, no_tail, o), m_i, l_i, v_scale
 
-    skip_step = functools.partial(_overlapped_skip_step, slot=slot, turns=turns,
+    skip_step = functools.partial(overlapped_skip_step, slot=slot, turns=turns,
                                   k_ready=k_ready, k_free=k_free, v_ready=v_ready,
                                   v_free=v_free)
-    return _walk_overlapped(
+    return walk_overlapped(
         carry, ranges, cta_first=cta_first, cta_last=cta_last, head=head, step=step,
         last_pv=last_pv, skip_step=skip_step, lower_band=st.has_lower_band, unmasked=True,
         upper_mask=st.has_upper_mask)
@@ -547,10 +501,11 @@ def forward(ops: Fp8Operands, *, mask: MaskSpec, scale: float, config: MosaicCon
     seq_q_pad = round_up(seq_q, rows_per_cta)
     seq_kv_pad = round_up(seq_kv, config.block_kv)
     st = _Static(
-        mask=mask, scale_log2=scale * _LOG2E, block_q=config.block_q,
+        mask=mask, scale_log2=scale * LOG2E, block_q=config.block_q,
         block_kv=config.block_kv, num_stages=config.num_stages, head_dim=dim,
         group=heads // kv_heads, num_consumers=consumers, num_q_tiles=seq_q_pad // rows_per_cta,
-        kv_padded=seq_kv_pad != seq_kv, interpret=interpret, overlap=config.overlap)
+        kv_padded=seq_kv_pad != seq_kv, interpret=interpret, batch=batch, heads=heads,
+        overlap=config.overlap)
 
     bq, bkv, stages = st.block_q, st.block_kv, st.num_stages
     scratch = dict(
@@ -573,6 +528,7 @@ def forward(ops: Fp8Operands, *, mask: MaskSpec, scale: float, config: MosaicCon
               else plgpu.Barrier(num_arrivals=consumers)),
         p_done=plgpu.Barrier(num_arrivals=consumers),
     )
+    grid, grid_names = st.tile_grid.launch()
     call = plgpu.kernel(
         functools.partial(_kernel, st=st),
         out_type=(
@@ -580,8 +536,8 @@ def forward(ops: Fp8Operands, *, mask: MaskSpec, scale: float, config: MosaicCon
             jax.ShapeDtypeStruct((batch, heads, seq_q_pad), jnp.float32),
         ),
         scratch_types=scratch,
-        grid=(heads, st.num_q_tiles, batch),
-        grid_names=("heads", "q_tiles", "batch"),
+        grid=grid,
+        grid_names=grid_names,
         num_threads=consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),

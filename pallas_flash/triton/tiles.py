@@ -7,10 +7,8 @@ visited, tiles inside ``[full_first, full_last)`` run without mask arithmetic.
 
 With packed sequences the band is intersected with each tile's span
 (:mod:`pallas_flash.segments`), so the loop stays a plain counted loop that Triton
-software-pipelines. (An earlier version tested every tile with a branch inside the loop;
-the branch stopped the pipelining and 8 packed documents cost 0.48 of the dense causal
-time; with spans they cost 0.19 forward and backward, against an ideal of about an eighth
-plus the diagonal tiles: H200, 2026-11-29, ``benchmarks.variants``.)
+software-pipelines; a branch inside the loop that tests each tile would stop the
+pipelining. (measurements: docs/tuning.md#triton-packed-sequence-spans)
 
 A ``bias`` / ``mask`` array keeps its broadcast dims at size 1 (pallas_flash.bias): its block
 specs give those dims block size 1 and index 0 (the same element for every program, as a

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import pallas_flash
-from pallas_flash import reference
+from pallas_flash import dispatch, reference
 from pallas_flash.api import PADDED_KEY_ID
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import MosaicConfig, default_config, forward
@@ -287,10 +287,9 @@ def test_api_bias_mask_dispatch_and_gradients(monkeypatch):
     sizes = dict(B=batch, N=heads, T=seq, S=seq)
     bias = _logit_array("1NTS", sizes, 45, mask=False)
     attn_mask = _logit_array("B11S", sizes, 46, mask=True)
-    assert pallas_flash.api._choose(
-        q, k, MaskSpec(seq_q=seq, seq_kv=seq, is_causal=True),
-        dict(has_segments=False, softcap=None, has_bias=True, has_mask=True),
-        interpret=False) == "mosaic"
+    assert dispatch.choose(
+        q.shape, k.shape, q.dtype, MaskSpec(seq_q=seq, seq_kv=seq, is_causal=True),
+        dispatch.Features(has_bias=True, has_mask=True), interpret=False) == "mosaic"
 
     def loss(impl):
         return lambda q, k, v, b: jnp.sum(pallas_flash.attention(

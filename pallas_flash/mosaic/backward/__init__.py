@@ -80,7 +80,7 @@ above the 240 a consumer can hold, so the two consumers of a CTA split one key b
 consumers fill 128 KiB), with 64-byte swizzled tiles (:class:`.BackwardStatic`).
 
 **Bias / mask arrays** are read with the forward's readers
-(the forward's ``LogitArray``): the dQ kernel as the forward does (tiles
+(:class:`~pallas_flash.mosaic.logit_arrays.LogitArray`): the dQ kernel as the forward does (tiles
 or key rows in rings next to K, query rows once), the dK/dV kernel on the arrays transposed
 to ``[B', N', S, T]``, so that its tiles come laid out as Sᵀ (tiles or query rows in rings
 next to lse, key rows once per head). The transpose is an XLA copy of the array as the
@@ -95,13 +95,11 @@ mask arrays at head_dim 256 go to the Triton backward.
 
 **CPU testing**: Mosaic GPU interpret mode cannot run a wgmma whose A operand is in
 registers. With ``interpret=True`` the A operands (Pᵀ, dSᵀ, dS) are stored to an SMEM
-scratch tile first (:func:`.common.operand_a`); everything else is the same code on both
-paths.
+scratch tile first (:func:`~pallas_flash.mosaic.tiles.a_operand`); everything else is the
+same code on both paths.
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -120,18 +118,10 @@ from pallas_flash.mosaic.config import (
     fit_backward_logit_rings,
     padded_head_dim,
 )
-from pallas_flash.mosaic.forward import (
-    _DTYPES,
-    _SWIZZLE,
-    _fold_mask,
-    _logit_array,
-    _logit_operand,
-    _pad,
-)
+from pallas_flash.mosaic.logit_arrays import fold_mask, logit_array, logit_operand
+from pallas_flash.mosaic.tiles import DTYPES, LOG2E, SWIZZLE, pad_operand
 from pallas_flash.padding import pad_axis, round_up
 from pallas_flash.segments import pad_segment_ids, tile_spans
-
-_LOG2E = math.log2(math.e)  # the kernels' exponent is base 2 (FA3)
 
 
 def unsupported(q_shape, dtype, has_segments: bool, softcap: float | None = None
@@ -141,7 +131,7 @@ def unsupported(q_shape, dtype, has_segments: bool, softcap: float | None = None
     Segment ids (hence padding lengths) and soft-capping are supported.
     """
     del has_segments, softcap
-    if jnp.dtype(dtype) not in _DTYPES:
+    if jnp.dtype(dtype) not in DTYPES:
         return f"the Mosaic GPU backward takes bfloat16 or float16, got {jnp.dtype(dtype)}"
     dim = padded_head_dim(q_shape[-1])
     if MAX_PER_CONSUMER_HEAD_DIM < dim < MAX_HEAD_DIM:
@@ -205,11 +195,11 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
     itemsize = jnp.dtype(q.dtype).itemsize
     # Bias / mask arrays: the dQ kernel reads them as the forward does, the dK/dV kernel
     # transposed ([B', N', S, T]), so that its tiles are laid out as Sᵀ.
-    bias, attn_mask = _fold_mask(bias, attn_mask)
+    bias, attn_mask = fold_mask(bias, attn_mask)
     logits = [(x, is_mask) for x, is_mask in ((bias, False), (attn_mask, True))
               if x is not None]
-    dq_logits = [(x, _logit_array(x, is_mask=m)) for x, m in logits]
-    dkdv_logits = [(x, _logit_array(x, is_mask=m))
+    dq_logits = [(x, logit_array(x, is_mask=m)) for x, m in logits]
+    dkdv_logits = [(x, logit_array(x, is_mask=m))
                    for x, m in ((jnp.swapaxes(x, 2, 3), m) for x, m in logits)]
     rings = {name: tuple(a.ring for _, a in arrays if a.ring is not None)
              for name, arrays in (("dkdv_rings", dkdv_logits), ("dq_rings", dq_logits))}
@@ -219,11 +209,11 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
     # dK/dV CTAs and dQ key blocks (all block sizes are powers of two times 64).
     seq_q_pad = round_up(seq_q, max(config.block_q, NUM_CONSUMERS * config.dq_block_q))
     seq_kv_pad = round_up(seq_kv, max(NUM_CONSUMERS * config.block_kv, config.dq_block_kv))
-    q_p, do_p = (_pad(x, seq_q_pad, dim) for x in (q, d_out))
-    k_p, v_p = (_pad(x, seq_kv_pad, dim) for x in (k, v))
+    q_p, do_p = (pad_operand(x, seq_q_pad, dim) for x in (q, d_out))
+    k_p, v_p = (pad_operand(x, seq_kv_pad, dim) for x in (k, v))
     # lse in base 2 (the kernels' exponent); padded rows get +inf so that their P is 0.
     # Rows that see no key have lse = EMPTY_ROW_LSE and only hidden (-inf) logits: P = 0.
-    lse2 = pad_axis(lse * _LOG2E, 2, seq_q_pad, jnp.inf)
+    lse2 = pad_axis(lse * LOG2E, 2, seq_q_pad, jnp.inf)
     delta = pad_axis(delta, 2, seq_q_pad)
     fuse_dq = not config.deterministic
     common = dict(
@@ -242,9 +232,9 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         extra = () if ids is None else (
             *ids, tile_spans(*ids, st.block_q, st.block_kv, walk_kv=walk_kv))
         if walk_kv:  # the dQ kernel
-            arrays = [_logit_operand(x, a, seq_q_pad, seq_kv_pad) for x, a in dq_logits]
+            arrays = [logit_operand(x, a, seq_q_pad, seq_kv_pad) for x, a in dq_logits]
         else:
-            arrays = [_logit_operand(x, a, seq_kv_pad, seq_q_pad) for x, a in dkdv_logits]
+            arrays = [logit_operand(x, a, seq_kv_pad, seq_q_pad) for x, a in dkdv_logits]
         return (*operands, *extra, *arrays)
 
     def logit_arrays(arrays):
@@ -260,8 +250,8 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         num_q_blocks=seq_q_pad // config.block_q,
         num_tiles=seq_kv_pad // ((1 if split else NUM_CONSUMERS) * config.block_kv),
         # Split: dV/dK contract over the 32 rows of a consumer's half of the query block.
-        swizzle=min(_SWIZZLE, config.block_q // NUM_CONSUMERS * itemsize) if split
-        else _SWIZZLE, **logit_arrays(dkdv_logits), **common)
+        swizzle=min(SWIZZLE, config.block_q // NUM_CONSUMERS * itemsize) if split
+        else SWIZZLE, **logit_arrays(dkdv_logits), **common)
     dkdv_operands = with_ids(dkdv_static, walk_kv=False)  # owns key tiles, walks queries
     if fuse_dq:
         # The reduce-adds' target (interpret mode: a partial sum per consumer and key tile).
@@ -279,7 +269,7 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         dq_static = BackwardStatic(block_q=config.dq_block_q, block_kv=config.dq_block_kv,
                             num_q_blocks=seq_q_pad // config.dq_block_q,
                             num_tiles=seq_q_pad // (NUM_CONSUMERS * config.dq_block_q),
-                            swizzle=min(_SWIZZLE, config.dq_block_kv * itemsize),
+                            swizzle=min(SWIZZLE, config.dq_block_kv * itemsize),
                             **logit_arrays(dq_logits), **common)
         dq = call_dq(dq_static, with_ids(dq_static, walk_kv=True), interpret=interpret)
     return (dq[:, :seq_q, :, :head_dim], dk[:, :seq_kv, :, :head_dim],

@@ -22,18 +22,17 @@ from jax import lax
 
 from pallas_flash.logits import log2_logits
 from pallas_flash.masking import MaskSpec
+from pallas_flash.mosaic.block_walk import hull
 from pallas_flash.mosaic.config import NUM_CONSUMERS, ring_view, splits_dq
-from pallas_flash.mosaic.forward import (
-    _CONSUMER_REGISTERS,
-    _PRODUCER,
-    _PRODUCER_REGISTERS,
-    _SWIZZLE,
-    _hull,
-    _LogitArray,
-    _row,
-    _smem_transforms,
-)
+from pallas_flash.mosaic.logit_arrays import LogitArray
 from pallas_flash.mosaic.pipeline import stream_steps
+from pallas_flash.mosaic.tiles import (
+    CONSUMER_REGISTERS,
+    PRODUCER,
+    PRODUCER_REGISTERS,
+    SWIZZLE,
+    smem_transforms,
+)
 from pallas_flash.segments import cut_to_span
 
 
@@ -61,12 +60,12 @@ class BackwardStatic:
     # Swizzle (bytes) of every SMEM tile. wgmma steps through K one swizzle width at a
     # time and wants both SMEM operands equally swizzled, so a GEMM that contracts over
     # 32 rows (32-key blocks of the dQ kernel at head_dim 256) takes 64 bytes throughout.
-    swizzle: int = _SWIZZLE
+    swizzle: int = SWIZZLE
     # Bias / mask arrays (the forward's reader), in this kernel's orientation: the dK/dV
     # kernel reads them transposed ([B', N', S, T]: its rows are keys, its ring walks
     # queries), the dQ kernel as they are.
-    bias: _LogitArray | None = None
-    attn_mask: _LogitArray | None = None
+    bias: LogitArray | None = None
+    attn_mask: LogitArray | None = None
 
     @property
     def split_dq(self) -> bool:
@@ -77,7 +76,7 @@ class BackwardStatic:
         return self.fuse_dq and splits_dq(self.head_dim, self.dtype.itemsize)
 
     @property
-    def logit_arrays(self) -> tuple[_LogitArray, ...]:
+    def logit_arrays(self) -> tuple[LogitArray, ...]:
         return tuple(a for a in (self.bias, self.attn_mask) if a is not None)
 
     @property
@@ -88,21 +87,6 @@ class BackwardStatic:
     def logit_copies(self) -> int:
         """TMA copies of bias / mask per walked block (arrivals on its ready barrier)."""
         return sum(a.copies_per_block(NUM_CONSUMERS) for a in self.logit_arrays)
-
-
-def col(x: jax.Array, shape: tuple[int, int]) -> jax.Array:
-    """Broadcasts a per-column vector (``WGMMA.reduce(0)`` layout) over a [m, cols] tile."""
-    return lax.broadcast_in_dim(x, shape, [1])
-
-
-def operand_a(x: jax.Array, scratch):
-    """The A operand of a wgmma: ``x`` from registers (FA3), or via SMEM when interpreting
-    (the interpreter cannot run a wgmma whose A operand is in registers)."""
-    if scratch is None:
-        return x
-    scratch[...] = x
-    plgpu.commit_smem()
-    return scratch
 
 
 def probabilities(st: BackwardStatic, scores, lse2, visible, bias=None):
@@ -120,24 +104,6 @@ def probabilities(st: BackwardStatic, scores, lse2, visible, bias=None):
     return jnp.exp2(logits2 - lse2), slope
 
 
-def visible_tile(st: BackwardStatic, shape, q_first, k_first, q_ids, kv_ids, *,
-                 keys_are_rows: bool, mask_tile=None):
-    """The mask of a boundary tile: pairs the mask spec shows and, with segment ids, of one
-    document. ``q_first``/``k_first``: the tile's first query row and key; ``q_ids``/``kv_ids``:
-    their ids laid out along the tile's query / key axis (None without segment ids).
-    ``keys_are_rows``: the dK/dV kernel's transposed tiles (Sᵀ, keys along the rows)."""
-    def iota(axis):
-        return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
-    q_axis, k_axis = (1, 0) if keys_are_rows else (0, 1)
-    shown = st.mask.visible(iota(q_axis) + q_first, iota(k_axis) + k_first)
-    if st.segmented:  # ... and pairs of the same document
-        spread = {0: _row, 1: col}
-        shown &= spread[q_axis](q_ids, shape) == spread[k_axis](kv_ids, shape)
-    if mask_tile is not None:  # ... and pairs the mask array shows
-        shown &= mask_tile != 0
-    return shown
-
-
 def owned_ranges(st: BackwardStatic, band, spans_ref, batch, own_block):
     """The walked blocks of one owned block: the mask ``band`` (``MaskSpec.kv_blocks`` /
     ``q_blocks``), cut with segment ids to the span of blocks whose ids can meet it
@@ -152,7 +118,7 @@ def cta_range(st: BackwardStatic, cta_band, ranges_of):
     ids the hull of its consumers' ranges (``ranges_of(c)``: consumer c's)."""
     if not st.segmented:
         return cta_band[0], cta_band[3]
-    return functools.reduce(_hull, (ranges_of(c)[::3] for c in range(NUM_CONSUMERS)))
+    return functools.reduce(hull, (ranges_of(c)[::3] for c in range(NUM_CONSUMERS)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +217,7 @@ def _registers(head_dim: int) -> tuple[int, int]:
     """
     if head_dim > 64:
         return 240, 24
-    return _CONSUMER_REGISTERS, _PRODUCER_REGISTERS
+    return CONSUMER_REGISTERS, PRODUCER_REGISTERS
 
 
 def warp_specialized(st: BackwardStatic, free, num_steps, load, consume, *,
@@ -273,7 +239,7 @@ def warp_specialized(st: BackwardStatic, free, num_steps, load, consume, *,
     consumer_registers, producer_registers = _registers(st.head_dim)
     wg = lax.axis_index("wg")
 
-    @pl.when(wg == _PRODUCER)
+    @pl.when(wg == PRODUCER)
     def _producer():
         plgpu.set_max_registers(producer_registers, action="decrease")
         # The consumers read the slot's ids / bias / mask through the generic proxy; the
@@ -302,7 +268,7 @@ def smem_tiles(st: BackwardStatic, *shape, dtype=None):
     """A swizzled SMEM buffer (the layout TMA writes and wgmma reads)."""
     dtype = jnp.dtype(dtype or st.dtype)
     swizzle = min(st.swizzle, shape[-1] * dtype.itemsize)  # float32 staging: 128 bytes
-    return plgpu.SMEM(shape, dtype, transforms=_smem_transforms(dtype.itemsize, swizzle))
+    return plgpu.SMEM(shape, dtype, transforms=smem_transforms(dtype.itemsize, swizzle))
 
 
 def logit_scratch(st: BackwardStatic, *, owned: int, walked: int) -> dict:

@@ -26,24 +26,23 @@ from pallas_flash.logits import raw_score_gradient
 from pallas_flash.mosaic.backward.common import (
     BackwardStatic,
     QueryStream,
-    col,
     cta_range,
     kernel_params,
     load_logit_slots,
     logit_scratch,
     logit_tiles,
-    operand_a,
     owned_logit_parts,
     owned_ranges,
     probabilities,
     smem_tiles,
     unpack_refs,
-    visible_tile,
     wait_all,
     walk,
     warp_specialized,
 )
+from pallas_flash.mosaic.block_walk import visible_tile
 from pallas_flash.mosaic.config import NUM_CONSUMERS
+from pallas_flash.mosaic.tiles import a_operand, col
 
 #: Head dims up to which the fused dK/dV kernel keeps K and V in registers (:func:`_resident`).
 _RESIDENT_MAX_HEAD_DIM = 64
@@ -244,11 +243,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: Bac
                     scores_t = plgpu.wgmma_accumulator_load(st_acc, wait_n=1)
                     visible = None
                     if masked:
-                        visible = visible_tile(st, shape, i * bq, k0, q_ids, kv_ids,
-                                           keys_are_rows=True, mask_tile=mask_t)
+                        visible = visible_tile(st.mask, shape, i * bq, k0, keys_are_rows=True,
+                                               q_ids=q_ids, kv_ids=kv_ids, mask_tile=mask_t)
                     p_t, slope_t = probabilities(st, scores_t, col(lse2, shape), visible,
                                                   bias_t)
-                    plgpu.wgmma(dv_acc, operand_a(p_t.astype(st.dtype), a_tile), do_tile)
+                    plgpu.wgmma(dv_acc, a_operand(p_t.astype(st.dtype), a_tile), do_tile)
                     # dPᵀ is ready once at most the dV GEMM is in flight: dSᵀ overlaps it.
                     dp_t = plgpu.wgmma_accumulator_load(dpt_acc, wait_n=1)
                     delta_t = col(load_delta() if delta is None else delta, shape)
@@ -256,7 +255,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: Bac
                     ds_t = ds_t.astype(st.dtype)
 
                     def issue_dk():
-                        plgpu.wgmma(dk_acc, operand_a(ds_t, a_tile), q_tile)
+                        plgpu.wgmma(dk_acc, a_operand(ds_t, a_tile), q_tile)
                     if st.split_dq:  # dS = (dSᵀ)ᵀ is read from SMEM, transposed
                         # The dQ GEMM's wait retires the step's GEMMs: Q_i, dO_i are read.
                         add_previous_dq(head_step0 + i, s, ds_t, issue_dk)

@@ -44,17 +44,17 @@ from pallas_flash.logits import raw_score_gradient
 from pallas_flash.mosaic.backward.common import (
     BackwardStatic,
     QueryStream,
-    col,
     kernel_params,
     owned_ranges,
     probabilities,
     smem_tiles,
-    visible_tile,
     wait_all,
     walk,
     warp_specialized,
 )
+from pallas_flash.mosaic.block_walk import visible_tile
 from pallas_flash.mosaic.config import NUM_CONSUMERS
+from pallas_flash.mosaic.tiles import col
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: BackwardStatic,
@@ -142,8 +142,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: Bac
                     scores_t = plgpu.wgmma_accumulator_load(st_acc, wait_n=len(halves))
                     visible = None
                     if masked:
-                        visible = visible_tile(st, shape, i * bq + wg * half_q, k0, q_ids,
-                                           kv_ids, keys_are_rows=True)
+                        visible = visible_tile(st.mask, shape, i * bq + wg * half_q, k0,
+                                               keys_are_rows=True, q_ids=q_ids, kv_ids=kv_ids)
                     p_t, slope_t = probabilities(st, scores_t, col(lse2, shape), visible)
                     dp_t = plgpu.wgmma_accumulator_load(dpt_acc, wait_n=0)
                     ds_t = raw_score_gradient(p_t * (dp_t - col(delta, shape)), slope_t)

@@ -29,19 +29,18 @@ from pallas_flash.mosaic.backward.common import (
     load_logit_slots,
     logit_scratch,
     logit_tiles,
-    operand_a,
     owned_logit_parts,
     owned_ranges,
     probabilities,
     smem_tiles,
     unpack_refs,
-    visible_tile,
     wait_all,
     walk,
     warp_specialized,
 )
+from pallas_flash.mosaic.block_walk import visible_tile
 from pallas_flash.mosaic.config import NUM_CONSUMERS
-from pallas_flash.mosaic.forward import _row
+from pallas_flash.mosaic.tiles import a_operand, row
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: BackwardStatic,
@@ -134,12 +133,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: Backw
                     scores = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
                     visible = None
                     if masked:
-                        visible = visible_tile(st, shape, q0, j * bkv, q_ids, kv_ids,
-                                           keys_are_rows=False, mask_tile=mask)
-                    p, slope = probabilities(st, scores, _row(lse2, shape), visible, bias)
+                        visible = visible_tile(st.mask, shape, q0, j * bkv, q_ids=q_ids,
+                                               kv_ids=kv_ids, mask_tile=mask)
+                    p, slope = probabilities(st, scores, row(lse2, shape), visible, bias)
                     dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=0)
-                    ds = raw_score_gradient(p * (dp - _row(delta, shape)), slope)
-                    plgpu.wgmma(dq_acc, operand_a(ds.astype(st.dtype), a_tile), k_tile)
+                    ds = raw_score_gradient(p * (dp - row(delta, shape)), slope)
+                    plgpu.wgmma(dq_acc, a_operand(ds.astype(st.dtype), a_tile), k_tile)
                     plgpu.wgmma_wait(0)  # K_j is read: the slot may be refilled
 
                 pl.run_scoped(gemms, plgpu.ACC((bq, bkv), jnp.float32),

@@ -1,0 +1,198 @@
+"""Which backend runs a call: the registry, availability, and one choice per pass.
+
+Every backend module (``BACKEND_MODULES``) exposes
+
+* ``KERNELS`` (:class:`pallas_flash.autodiff.Kernels`, whose ``name`` is its key here);
+* ``default_config(q_shape, kv_shape, dtype, mask)`` -> its frozen config dataclass;
+* ``unsupported(q_shape, kv_shape, dtype, mask, has_segments, softcap=None,
+  has_bias=False, has_mask=False)`` -> None, or a sentence saying why its forward cannot
+  run this call;
+* optionally ``unsupported_backward(q_shape, kv_shape, dtype, mask, has_segments,
+  softcap=None, has_bias=False, has_mask=False, bias_grad=False)``, the same for its
+  backward. A module without it runs every backward its forward can.
+
+The forward and the backward are chosen separately: every backward reads the same
+residuals (q, k, v, out, lse ``[B, N, T]`` float32, delta), so a backward of one backend
+can follow the forward of another. :func:`choose_backward` keeps the forward's backend when
+it can run the backward, and otherwise takes the first other candidate, fastest first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from types import ModuleType
+
+import jax
+import jax.numpy as jnp
+
+from pallas_flash.masking import MaskSpec
+
+BACKEND_MODULES = {
+    "xla": "pallas_flash.xla",
+    "triton": "pallas_flash.triton",
+    "mosaic": "pallas_flash.mosaic",
+}
+#: Input dtypes every backend accepts (some through another backend's kernels).
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """What a call uses beyond q, k, v and the mask spec: the keywords of ``unsupported``."""
+
+    has_segments: bool = False
+    softcap: float | None = None
+    has_bias: bool = False
+    has_mask: bool = False
+
+
+#: A call with no segment ids, soft-cap, bias or mask (what the autotuner times).
+PLAIN_CALL = Features()
+
+
+def backend(name: str) -> ModuleType:
+    """The backend module registered as ``name`` (imported on first use).
+
+    Raises:
+      ValueError: ``name`` is not a key of ``BACKEND_MODULES``.
+      ImportError: the module cannot be imported here.
+    """
+    if name not in BACKEND_MODULES:
+        raise ValueError(
+            f"implementation must be one of {sorted(BACKEND_MODULES)} or None, got {name!r}")
+    # Imported lazily: the backends import pallas_flash.autodiff, and Mosaic needs a jaxlib
+    # with Mosaic GPU.
+    return importlib.import_module(BACKEND_MODULES[name])
+
+
+def available_implementations() -> tuple[str, ...]:
+    """Implementations that can run on the default device (``interpret=False``), fastest
+    first."""
+    if jax.default_backend() != "gpu":
+        return ("xla",)
+    names = ["triton", "xla"]
+    if _is_hopper() and _importable("mosaic"):
+        names.insert(0, "mosaic")
+    return tuple(names)
+
+
+def default_implementation() -> str:
+    """``mosaic`` on Hopper GPUs, ``triton`` on other GPUs, ``xla`` elsewhere."""
+    return available_implementations()[0]
+
+
+def candidates(interpret: bool) -> tuple[str, ...]:
+    """The implementations :func:`choose` considers, fastest first: on the CPU in interpret
+    mode the Triton kernels run too."""
+    if not isinstance(interpret, bool):
+        raise ValueError(f"interpret must be a bool, got {interpret!r}")
+    return ("triton", "xla") if interpret else available_implementations()
+
+
+def unsupported(name: str, q_shape, kv_shape, dtype, mask: MaskSpec,
+                features: Features) -> str | None:
+    """Why backend ``name``'s forward cannot run this call, or None."""
+    _check_features(features)
+    return backend(name).unsupported(q_shape, kv_shape, dtype, mask,
+                                     **dataclasses.asdict(features))
+
+
+def unsupported_backward(name: str, q_shape, kv_shape, dtype, mask: MaskSpec,
+                         features: Features, *, bias_grad: bool = False) -> str | None:
+    """Why backend ``name``'s backward cannot run this call, or None.
+
+    A backend that cannot run the forward of a call cannot run its backward either.
+    """
+    if not isinstance(bias_grad, bool):
+        raise ValueError(f"bias_grad must be a bool, got {bias_grad!r}")
+    reason = unsupported(name, q_shape, kv_shape, dtype, mask, features)
+    check = getattr(backend(name), "unsupported_backward", None)
+    if reason is None and check is not None:
+        reason = check(q_shape, kv_shape, dtype, mask, **dataclasses.asdict(features),
+                       bias_grad=bias_grad)
+    return reason
+
+
+def choose(q_shape, kv_shape, dtype, mask: MaskSpec, features: Features, *,
+           interpret: bool) -> str:
+    """The forward's backend: the first of :func:`candidates`, fastest first, that supports
+    this call (``xla`` supports every call)."""
+    for name in candidates(interpret):
+        if unsupported(name, q_shape, kv_shape, dtype, mask, features) is None:
+            return name
+    return "xla"
+
+
+def choose_backward(forward: str, q_shape, kv_shape, dtype, mask: MaskSpec,
+                    features: Features, *, bias_grad: bool, interpret: bool) -> str:
+    """The backward's backend after a forward on ``forward``: ``forward`` itself when it can
+    run this backward, else the first other of :func:`candidates` that can.
+
+    Raises:
+      ValueError: no backend can run this backward (each one's reason is in the message).
+    """
+    reasons = {}
+    others = [name for name in candidates(interpret) if name != forward]
+    for name in (forward, *others):
+        reasons[name] = unsupported_backward(name, q_shape, kv_shape, dtype, mask, features,
+                                             bias_grad=bias_grad)
+        if reasons[name] is None:
+            return name
+    raise ValueError("no implementation can run this backward: " + "; ".join(
+        f"{name}: {reason}" for name, reason in reasons.items()))
+
+
+def check_arrays(query, key, value) -> None:
+    """Raises ValueError, naming the argument, unless ``query``, ``key`` and ``value`` are
+    the attention inputs every backend accepts: rank 4 ``[batch, seq, heads, head_dim]``, one
+    dtype of ``DTYPES``, matching batch and head_dim (at most ``MAX_HEAD_DIM``), query heads a
+    multiple of key/value heads, nothing empty."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(
+                f"{name} must have rank 4 [batch, seq, heads, head_dim], "
+                f"got shape {getattr(x, 'shape', None)}")
+        if jnp.dtype(x.dtype) not in DTYPES:
+            raise ValueError(
+                f"{name} dtype must be one of bfloat16, float16, float32, got {x.dtype}")
+    if not query.dtype == key.dtype == value.dtype:
+        raise ValueError(
+            "query, key and value must share one dtype, got "
+            f"{query.dtype}, {key.dtype}, {value.dtype}")
+    if key.shape != value.shape:
+        raise ValueError(
+            f"key and value must have the same shape, got {key.shape} and {value.shape}")
+    if query.shape[0] != key.shape[0]:
+        raise ValueError(
+            f"key batch size {key.shape[0]} does not match query batch size {query.shape[0]}")
+    if query.shape[3] != key.shape[3]:
+        raise ValueError(
+            f"key head_dim {key.shape[3]} does not match query head_dim {query.shape[3]}")
+    if not 1 <= query.shape[3] <= MAX_HEAD_DIM:
+        raise ValueError(f"query head_dim must be in [1, {MAX_HEAD_DIM}], got {query.shape[3]}")
+    if min(query.shape[:3]) < 1 or min(key.shape[:3]) < 1:
+        raise ValueError(f"query and key must not be empty, got {query.shape} and {key.shape}")
+    if query.shape[2] % key.shape[2]:
+        raise ValueError(
+            f"query heads ({query.shape[2]}) must be a multiple of key/value heads "
+            f"({key.shape[2]})")
+
+
+def _check_features(features) -> None:
+    if not isinstance(features, Features):
+        raise ValueError(f"features must be a dispatch.Features, got {features!r}")
+
+
+def _is_hopper() -> bool:
+    device = jax.devices()[0]
+    return getattr(device, "compute_capability", "") in ("9.0", "9.0a")
+
+
+def _importable(name: str) -> bool:
+    try:
+        backend(name)
+    except ImportError:
+        return False
+    return True
