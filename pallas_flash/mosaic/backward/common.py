@@ -123,13 +123,18 @@ def cta_range(st: BackwardStatic, cta_band, ranges_of):
 
 @dataclasses.dataclass(frozen=True)
 class QueryStream:
-    """What a dK/dV CTA's producer streams: query blocks ``[first, first + blocks_per_head)``
-    of each query head of the GQA group in turn (one ring step per block)."""
+    """What a dK/dV CTA's producer streams: query blocks ``[first, last)`` of each query
+    head of the GQA group in turn (one ring step per block)."""
 
     group: int
     kv_head: jax.Array
     first: jax.Array
-    blocks_per_head: jax.Array
+    last: jax.Array
+    blocks_per_head: jax.Array  # last - first
+
+    @classmethod
+    def between(cls, group: int, kv_head, first, last) -> QueryStream:
+        return cls(group, kv_head, first, last, last - first)
 
     def num_steps(self) -> jax.Array:
         return self.group * self.blocks_per_head
@@ -138,10 +143,14 @@ class QueryStream:
         """The step of block 0 of the group's head ``g`` (block i is step head_step0 + i)."""
         return g * self.blocks_per_head - self.first
 
+    def head(self, g) -> jax.Array:
+        """The query head of the group's head ``g``."""
+        return self.kv_head * self.group + g
+
     def head_and_block(self, t):
         """(query head, query block) of step t."""
         g = lax.div(t, self.blocks_per_head)
-        return self.kv_head * self.group + g, self.first + lax.rem(t, self.blocks_per_head)
+        return self.head(g), self.first + lax.rem(t, self.blocks_per_head)
 
 
 def unpack_refs(st: BackwardStatic, refs):

@@ -83,7 +83,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: Bac
     band = owned_ranges(st, st.mask.q_blocks(k0, bkv, bq, st.num_q_blocks), spans_ref,
                          batch, kv_tile)
     first, last = band[0], band[3]
-    stream = QueryStream(st.group, kv_head, first, last - first)
+    stream = QueryStream.between(st.group, kv_head, first, last)
 
     def slot(t):
         return lax.rem(t, st.num_stages)
