@@ -88,10 +88,11 @@ kernel reads it (broadcast dims stay 1): one more pass over a ``[.., T, S]`` bia
 that broadcasts to the bias's shape is folded into it as −inf; any other mask makes every
 block take the masked path. The rings are fitted
 to shared memory by :func:`~pallas_flash.mosaic.config.fit_backward_logit_rings`. dbias is not
-computed here: calls that need it take the Triton backward.
+computed here.
 
-**Fallback**: float32, head dims 129-192 (:func:`unsupported` says why), dbias, and bias /
-mask arrays at head_dim 256 go to the Triton backward.
+**Refused calls** (:func:`unsupported_backward` says why; the dispatcher,
+:mod:`pallas_flash.dispatch`, then picks another backend's backward): float32, head dims
+129-192, dbias, and bias / mask arrays above head_dim 128.
 
 **CPU testing**: Mosaic GPU interpret mode cannot run a wgmma whose A operand is in
 registers. With ``interpret=True`` the A operands (Pᵀ, dSᵀ, dS) are stored to an SMEM
@@ -126,9 +127,9 @@ from pallas_flash.segments import pad_segment_ids, tile_spans
 
 def unsupported(q_shape, dtype, has_segments: bool, softcap: float | None = None
                 ) -> str | None:
-    """Why the Mosaic GPU backward cannot run this call (it then uses Triton's), or None.
-
-    Segment ids (hence padding lengths) and soft-capping are supported.
+    """Why the Mosaic GPU kernels cannot run a backward of this dtype and head dim, or
+    None (:func:`unsupported_backward` has the rest). Segment ids (hence padding lengths)
+    and soft-capping are supported.
     """
     del has_segments, softcap
     if jnp.dtype(dtype) not in DTYPES:
@@ -141,16 +142,26 @@ def unsupported(q_shape, dtype, has_segments: bool, softcap: float | None = None
     return None
 
 
-def _triton_backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask, scale, interpret,
-                     softcap, bias, attn_mask, bias_grad):
-    """Triton's backward on the Mosaic forward's (out, lse), dbias included."""
-    from pallas_flash import triton as triton_backend  # lazy: only for the fallback cases
+def unsupported_backward(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
+                         softcap: float | None = None, has_bias: bool = False,
+                         has_mask: bool = False, bias_grad: bool = False) -> str | None:
+    """Why the Mosaic GPU backward cannot run this call, or None (the dispatcher's
+    interface, :mod:`pallas_flash.dispatch`).
 
-    kwargs = {} if softcap is None else dict(softcap=softcap)
-    config = triton_backend.default_config(q.shape, k.shape, q.dtype, mask)
-    return triton_backend.KERNELS.backward(
-        q, k, v, segment_ids, out, lse, d_out, delta, mask=mask, scale=scale, config=config,
-        interpret=interpret, bias=bias, attn_mask=attn_mask, bias_grad=bias_grad, **kwargs)
+    Refused: dtypes other than bfloat16 / float16, head dims 129-192 (:func:`unsupported`),
+    ``bias_grad`` (dbias), and bias / mask arrays above head_dim 128 (at 256 the dK/dV
+    kernel's two consumers split one key block, with no room for their rings).
+    """
+    del kv_shape, mask
+    reason = unsupported(q_shape, dtype, has_segments, softcap)
+    if reason is not None:
+        return reason
+    if bias_grad:
+        return "the Mosaic GPU backward does not compute dbias (bias_grad)"
+    if (has_bias or has_mask) and padded_head_dim(q_shape[-1]) > MAX_PER_CONSUMER_HEAD_DIM:
+        return (f"head_dim {q_shape[-1]}: the Mosaic GPU backward reads bias / mask arrays "
+                f"only up to head_dim {MAX_PER_CONSUMER_HEAD_DIM}")
+    return None
 
 
 def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Array,
@@ -170,24 +181,24 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         to choose the backward tiling explicitly.
       interpret: run in Mosaic GPU interpret mode on the CPU.
       bias, attn_mask: None or canonical ``[B', N', T', S']`` (:mod:`pallas_flash.bias`),
-        read by both kernels (see the module docstring); with ``bias_grad`` the Triton
-        backward runs instead and returns dbias (float32, shaped like ``bias``) after dq,
-        dk, dv.
+        read by both kernels (see the module docstring).
+      bias_grad: must be False (dbias is not computed here).
 
-    Calls that :func:`unsupported` refuses go to the Triton backward. Any lengths work:
+    Raises:
+      ValueError: :func:`unsupported_backward` refuses the call (its reason).
+
+    Any lengths work:
     sequences are zero-padded to whole CTAs (padded rows get lse = +inf, so P = 0; padded
     keys are hidden by ``mask.seq_kv``) and the head dim to a multiple of 64.
     """
     del out
     segmented = segment_ids is not None
     dim = padded_head_dim(q.shape[-1])
-    has_logits = bias is not None or attn_mask is not None
-    # dbias, and bias / mask arrays at head_dim 256, are Triton's.
-    triton_only = bias_grad or (has_logits and dim > MAX_PER_CONSUMER_HEAD_DIM)
-    if triton_only or unsupported(q.shape, q.dtype, segmented, softcap) is not None:
-        return _triton_backward(q, k, v, segment_ids, None, lse, d_out, delta, mask=mask,
-                                scale=scale, interpret=interpret, softcap=softcap, bias=bias,
-                                attn_mask=attn_mask, bias_grad=bias_grad)
+    reason = unsupported_backward(q.shape, k.shape, q.dtype, mask, segmented, softcap,
+                                  has_bias=bias is not None, has_mask=attn_mask is not None,
+                                  bias_grad=bias_grad)
+    if reason is not None:
+        raise ValueError(reason)
     if not isinstance(config, MosaicBackwardConfig):
         config = default_backward_config(q.shape, k.shape, q.dtype, mask)
     _, seq_q, heads, head_dim = q.shape
