@@ -14,7 +14,8 @@ names), and hashes it.
 
 Where two modules differ only in the order of independent ops, what runs on the card may
 still be the same: on a GPU machine, ``--sass DIR`` compiles each case instead, with Mosaic
-GPU's SASS dump into ``DIR/<case>/``, and fingerprints the SASS (kernel names blanked).
+GPU's PTX and SASS dumps into ``DIR/<case>/`` (the SASS needs ``nvdisasm`` on the PATH),
+and fingerprints each file (kernel names blanked).
 """
 
 from __future__ import annotations
@@ -113,11 +114,11 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _sass_digests(directory: pathlib.Path) -> list[str]:
-    """The SASS files Mosaic GPU dumped into ``directory``, each with the module's dump
-    name (its file name's prefix, a per-process counter) blanked."""
+def _compiled_digests(directory: pathlib.Path) -> list[str]:
+    """The PTX and SASS files Mosaic GPU dumped into ``directory``, each with the module's
+    dump name (its file name's prefix, a per-process counter) blanked."""
     digests = []
-    for path in sorted(directory.glob("*sass*")):
+    for path in sorted(p for p in directory.iterdir() if "ptx" in p.name or "sass" in p.name):
         basename = path.name.split(".")[0]
         digests.append(_digest(path.read_text().replace(basename, "_")))
     return digests
@@ -125,7 +126,7 @@ def _sass_digests(directory: pathlib.Path) -> list[str]:
 
 def fingerprints(only: str | None = None, sass: str | None = None) -> dict[str, list[str]]:
     """Case name -> SHA-256 of each Mosaic GPU module it lowers to, in lowering order (with
-    ``sass``, a directory: of the SASS each case compiles to, on a GPU machine); ``only``: a
+    ``sass``, a directory: of the PTX and SASS each case compiles to, on a GPU machine); ``only``: a
     regular expression the names must match."""
     fp8.available_implementations = lambda: ("mosaic", "xla")  # lowering needs no GPU
     result = {}
@@ -136,9 +137,10 @@ def fingerprints(only: str | None = None, sass: str | None = None) -> dict[str, 
             directory = pathlib.Path(sass, name)
             directory.mkdir(parents=True, exist_ok=True)
             # Read when each module is lowered (the dump options are set on the module).
-            os.environ.update(MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_TO=str(directory))
+            os.environ.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_SASS="1",
+                              MOSAIC_GPU_DUMP_TO=str(directory))
             jax.jit(fn).trace(*args).lower().compile()
-            result[name] = _sass_digests(directory)
+            result[name] = _compiled_digests(directory)
             print(name, " ".join(result[name]), flush=True)
             continue
         modules, restore = _capture()
