@@ -61,7 +61,8 @@ from pallas_flash.mosaic import (
 )
 
 mosaic_backward = importlib.import_module("pallas_flash.mosaic.backward")
-backward_d256 = importlib.import_module("pallas_flash.mosaic.backward_d256")
+backward_common = importlib.import_module("pallas_flash.mosaic.backward.common")
+dq_modes = importlib.import_module("pallas_flash.mosaic.backward.dq_modes")
 IMPLS = ("mosaic", "mosaic_fused", "triton", "cudnn")
 
 
@@ -90,7 +91,8 @@ def _no_dkdv(st, operands, *_, interpret):
 def _traced_with(name: str):
     """Module attributes that the kernels read at trace time, changed for one spec:
 
-    * ``regs=240x24``: the ``setmaxnreg`` split between consumer and producer warpgroups;
+    * ``regs=240x24``: the ``setmaxnreg`` split between consumer and producer warpgroups
+      (at every head dim; default: ``pallas_flash.mosaic.backward.common._registers``);
     * ``resident=D``: the fused dK/dV kernel keeps K and V in registers up to head_dim D
       (``resident=0``: from SMEM);
     * ``only=dkdv`` / ``only=dq``: the other kernel is replaced by zeros, which times one
@@ -100,16 +102,15 @@ def _traced_with(name: str):
     swaps = []
     if "regs" in spec:
         consumer, producer = map(int, spec["regs"].split("x"))
-        swaps += [(mosaic_backward, "_CONSUMER_REGISTERS", consumer),
-                  (mosaic_backward, "_PRODUCER_REGISTERS", producer)]
+        swaps.append((backward_common, "_registers", lambda head_dim: (consumer, producer)))
     if "resident" in spec:
-        swaps.append((mosaic_backward, "_RESIDENT_MAX_HEAD_DIM", int(spec["resident"])))
+        swaps.append((dq_modes, "_RESIDENT_MAX_HEAD_DIM", int(spec["resident"])))
     if "only" in spec:
         if spec["only"] not in ("dkdv", "dq"):
             raise ValueError(f"only={spec['only']}: choose dkdv or dq")
-        swaps += ([(mosaic_backward, "_call_dq", _no_dq)] if spec["only"] == "dkdv" else
-                  [(mosaic_backward, "_call_dkdv", _no_dkdv),
-                   (backward_d256, "call_dkdv", _no_dkdv)])
+        swaps += ([(mosaic_backward, "call_dq", _no_dq)] if spec["only"] == "dkdv" else
+                  [(mosaic_backward, "call_dkdv", _no_dkdv),
+                   (mosaic_backward, "call_dkdv_d256", _no_dkdv)])
     with contextlib.ExitStack() as stack:
         for module, attr, value in swaps:
             stack.enter_context(mock.patch.object(module, attr, value))

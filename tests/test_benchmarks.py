@@ -296,7 +296,7 @@ def test_suite_main_quick_on_cpu(tmp_path, capsys):
 def test_bwd_probe_times_one_kernel_with_the_other_left_out(only):
     """``mosaic:only=...`` of benchmarks/mosaic_bwd_probe.py: the kernel named runs (and
     matches the oracle), the other's gradients are zeros; the module is restored after."""
-    originals = mosaic_backward._call_dq, mosaic_backward._call_dkdv
+    originals = mosaic_backward.call_dq, mosaic_backward.call_dkdv
     q, k, v, d_out = random_qkv(1, 128, 128, 1, 1, 64, jnp.bfloat16)
     mask = MaskSpec(seq_q=128, seq_kv=128, is_causal=True)
     out, lse, want = attention_float64(q, k, v, scale=0.125, mask=mask,
@@ -314,7 +314,7 @@ def test_bwd_probe_times_one_kernel_with_the_other_left_out(only):
             assert rel_err(got, ref) < 1e-2
         else:
             assert not np.any(np.asarray(got))
-    assert (mosaic_backward._call_dq, mosaic_backward._call_dkdv) == originals
+    assert (mosaic_backward.call_dq, mosaic_backward.call_dkdv) == originals
 
 
 @pytest.mark.parametrize(("name", "head_dim", "causal", "deterministic"), [

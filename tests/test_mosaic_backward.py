@@ -170,16 +170,20 @@ def test_which_calls_take_the_triton_backward(head_dim, bias, bias_grad, takes_t
 
 
 @pytest.mark.parametrize("head_dim", [192, 256])
-def test_bias_above_head_dim_128_takes_triton(head_dim, triton_backward_calls):
-    """Through the backend interface, as the API calls it (the forward's config): a bias
-    at head_dim 256 (which the forward would refuse) goes to Triton too."""
+def test_bias_above_head_dim_128_is_refused(head_dim):
+    """The Mosaic backward has no bias reader above head_dim 128: it says so to the
+    dispatcher (which then takes another backend's backward, see above) and refuses a
+    direct call with the same reason instead of running anything."""
     q, k, v, d_out = random_qkv(1, 64, 64, 1, 1, head_dim, BF16)
     lse = delta = jnp.zeros((1, 1, 64), jnp.float32)
     bias = jnp.zeros((1, 1, 64, 64), jnp.float32)
     mask = MaskSpec(seq_q=64, seq_kv=64)
-    grads = mosaic_backward(q, k, v, None, None, lse, d_out, delta, mask=mask, scale=0.1,
-                            config=MosaicConfig(), interpret=True, bias=bias)
-    assert len(grads) == 3 and triton_backward_calls == [False]
+    reason = mosaic.unsupported_backward(q.shape, k.shape, q.dtype, mask, False,
+                                         has_bias=True)
+    assert reason is not None and "128" in reason
+    with pytest.raises(ValueError, match="128"):
+        mosaic_backward(q, k, v, None, None, lse, d_out, delta, mask=mask, scale=0.1,
+                        config=MosaicConfig(), interpret=True, bias=bias)
 
 
 def test_interpret_no_races():
@@ -440,8 +444,7 @@ def test_smem_accounting_matches_lowering(head_dim, config, segments, monkeypatc
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [
-    (dict(block_q=32), "block_q"), (dict(block_kv=128), "block_kv"),
-    (dict(dq_block_q=128), "dq_block_q"), (dict(dq_block_kv=256), "dq_block_kv"),
+    (dict(block_q=32), "block_q"), (dict(dq_block_kv=256), "dq_block_kv"),
     (dict(num_stages=1), "num_stages"), (dict(num_stages=5), "num_stages"),
 ])
 def test_config_validation_names_the_field(kwargs, field):

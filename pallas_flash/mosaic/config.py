@@ -27,7 +27,7 @@ MAX_HEAD_DIM = 256
 NUM_CONSUMERS = 2
 #: Largest head dim at which a backward consumer warpgroup holds dK and dV of its own 64
 #: keys (``head_dim`` f32 registers per thread); at 256 two consumers split one key block
-#: (:mod:`pallas_flash.mosaic.backward_d256`).
+#: (:mod:`pallas_flash.mosaic.backward.dkdv_d256`).
 MAX_PER_CONSUMER_HEAD_DIM = 128
 #: A TMA copy writes shared memory at 128-byte aligned addresses only (a misaligned one
 #: faults at run time: CUDA_ERROR_MISALIGNED_ADDRESS).
@@ -242,7 +242,7 @@ class MosaicBackwardConfig:
     consumer warpgroup ``block_kv`` of them (dK and dV accumulators: ``block_kv * D / 64``
     f32 registers per thread), and streams ``block_q`` query rows per step. At head_dim
     256 a CTA owns ``block_kv`` keys and its two consumers split them by rows of Sᵀ and
-    columns of dK/dV (:mod:`pallas_flash.mosaic.backward_d256`; deterministic dQ only).
+    columns of dK/dV (:mod:`pallas_flash.mosaic.backward.dkdv_d256`; deterministic dQ only).
     dQ kernel: one CTA owns ``NUM_CONSUMERS * dq_block_q`` query rows and streams
     ``dq_block_kv`` keys per step. Both rings are ``num_stages`` deep.
 

@@ -114,8 +114,7 @@ from pallas_flash.mosaic.config import (
     MAX_HEAD_DIM,
     MAX_PER_CONSUMER_HEAD_DIM,
     NUM_CONSUMERS,
-    MosaicBackwardConfig,
-    default_backward_config,
+    backward_config,
     fit_backward_logit_rings,
     padded_head_dim,
 )
@@ -176,9 +175,9 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
       out: unused (delta already holds rowsum(dO ∘ O)).
       lse, delta: [batch, heads, seq_q] float32; lse in natural log, delta minus the lse
         cotangent (:mod:`pallas_flash.autodiff`).
-      config: the forward's ``MosaicConfig`` (its tiling does not apply here: the backward
-        tiling comes from :func:`default_backward_config`), or a ``MosaicBackwardConfig``
-        to choose the backward tiling explicitly.
+      config: any of :data:`~pallas_flash.mosaic.config.CONFIG_TYPES`: its backward part
+        (a ``MosaicBackwardConfig``, alone or in a ``MosaicCallConfig``), else the tiling
+        of :func:`~pallas_flash.mosaic.config.default_backward_config`.
       interpret: run in Mosaic GPU interpret mode on the CPU.
       bias, attn_mask: None or canonical ``[B', N', T', S']`` (:mod:`pallas_flash.bias`),
         read by both kernels (see the module docstring).
@@ -199,8 +198,7 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
                                   bias_grad=bias_grad)
     if reason is not None:
         raise ValueError(reason)
-    if not isinstance(config, MosaicBackwardConfig):
-        config = default_backward_config(q.shape, k.shape, q.dtype, mask)
+    config = backward_config(config, q.shape, k.shape, q.dtype, mask)
     _, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     itemsize = jnp.dtype(q.dtype).itemsize
