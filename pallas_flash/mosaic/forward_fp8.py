@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_flash.masking import MaskSpec
-from pallas_flash.mosaic.block_walk import visible_tile, walk, walk_overlapped
+from pallas_flash.mosaic.block_walk import walk, walk_overlapped
 from pallas_flash.mosaic.config import (
     MAX_HEAD_DIM,
     SMEM_BUDGET,
@@ -223,9 +223,13 @@ def _kernel(q_ref, k_ref, vt_ref, q_scale_ref, k_scale_ref, v_scale_ref, out_ref
     of ``num_stages``."""
     p_smem, o_smem = p_o_smem
     bq, bkv = st.block_q, st.block_kv
-    _, tile_at = st.tile_grid.tiles()  # one CTA per tile
-    batch, head, q_tile = tile_at(0)
+    # One CTA per tile (the launch of st.tile_grid); its indices in the op order of the
+    # kernel measured on the H200 (TileGrid.tiles emits the same ones in another).
+    batch, head = lax.axis_index("batch"), lax.axis_index("heads")
     kv_head = lax.div(head, st.group)  # GQA: K/V are indexed, never repeated
+    q_tile = lax.axis_index("q_tiles")
+    if st.reverse_q_tiles:
+        q_tile = st.num_q_tiles - 1 - q_tile
     consumers = st.num_consumers
     cta_q0 = q_tile * (consumers * bq)
     cta_first, _, _, cta_last = st.mask.kv_blocks(cta_q0, consumers * bq, bkv)
@@ -288,9 +292,10 @@ def _consumer_warpgroup(wg, st: _Static, q_gmem, out_gmem, lse_gmem, scales, q_t
         """Online softmax of S_j in base 2 (FA3 Alg. 1 lines 9-11); P̃_j = e4m3(P_j·448)
         goes to ``p_out``. Returns the new m and l, and alpha, O's factor to the new m.
         ``k_scale``: s_K,j, loaded before the GEMM so that the GEMM hides the load."""
-        if masked:
-            visible = visible_tile(st.mask, (bq, bkv), q0, j * bkv)
-            scores = jnp.where(visible, scores, -jnp.inf)
+        if masked:  # as the bf16 kernel's boundary mask, in the same op order
+            rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
+            cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
+            scores = jnp.where(st.mask.visible(rows + q0, cols + j * bkv), scores, -jnp.inf)
         # A masked row that has seen no key yet keeps m = -inf, its P and l 0.
         p, m_new, alpha = online_softmax_step(scores, m_i, q_scale_log2 * k_scale,
                                               guard_empty=masked)
@@ -315,7 +320,7 @@ def _consumer_warpgroup(wg, st: _Static, q_gmem, out_gmem, lse_gmem, scales, q_t
     turns.end(st.num_consumers, wg, turn)
 
     # Epilogue: undo P's 448 and the last V scale, normalise; O and LSE leave via TMA.
-    o, lse = normalized(o, m_i, l_i, o_scale=v_scale / P_SCALE)
+    o, lse = normalized(o, m_i, l_i, fp8_scales=(v_scale, P_SCALE))
     lse_tile[...] = lse
     sync(p_done)  # every P tile is read: O may overwrite them
     o_tile[...] = o.astype(OUT_DTYPE)
