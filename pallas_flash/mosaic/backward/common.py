@@ -219,10 +219,9 @@ def walk(st: BackwardStatic, step, skip, cta_range, ranges, carry):
 def _registers(head_dim: int) -> tuple[int, int]:
     """``setmaxnreg`` of the (consumer, producer) warpgroups; 2 x consumer + producer <= 512.
 
-    At head_dim 128 dK and dV alone hold 128 f32 registers per thread, and the dK/dV
-    kernel spills: FA3's split, 240 + 24, ran 0-10 % faster than 232 + 40 on an H200; at
-    head_dim 64 it was 1-7 % slower (2026-11-29, L 4096 / 16384, causal or not,
-    ``benchmarks/mosaic_bwd_probe.py --impls 'mosaic;mosaic:regs=240x24;cudnn'``).
+    Above head_dim 64 dK and dV alone hold up to 128 f32 registers per thread: FA3's
+    split, 240 + 24; at 64 the forward's 232 + 40
+    (measurements: docs/tuning.md#mosaic-backward-registers-and-per-consumer-code).
     """
     if head_dim > 64:
         return 240, 24
@@ -239,11 +238,10 @@ def warp_specialized(st: BackwardStatic, free, num_steps, load, consume, *,
     ``per_consumer_copies``: each consumer runs its own copy of ``consume``, with its
     index ``wg`` a constant, not read at run time. What follows from it (its keys, its
     loop bounds, tile addresses) is then uniform across the warp and stays in uniform
-    registers; with a run-time index a masked walk's loop counters went to vector
-    registers. In the dK/dV kernel at head_dim 128 (causal) that took the spills from 400
-    to 32 bytes per thread (deterministic) and from 740 to 288 (fused dQ), and the
-    backward from 0.96 / 0.98x cuDNN to 1.01 / 1.06x at L 16384 (H200, 2026-11-30). The
-    dQ kernels, and the head-dim-256 dK/dV kernel, spilled more or ran no faster that way.
+    registers; with a run-time index a masked walk's loop counters go to vector
+    registers and spill. The dK/dV kernel up to head_dim 128 takes the copies; the dQ
+    kernel and the head-dim-256 dK/dV kernel do not (they spilled more or ran no faster)
+    (measurements: docs/tuning.md#mosaic-backward-registers-and-per-consumer-code).
     """
     consumer_registers, producer_registers = _registers(st.head_dim)
     wg = lax.axis_index("wg")

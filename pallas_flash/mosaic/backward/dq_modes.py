@@ -113,10 +113,9 @@ class FusedDq:
     @property
     def resident_kv(self) -> bool:
         """At head_dim 64, K and V in registers (16 per thread), so that the Sᵀ and dPᵀ
-        wgmmas read only B from SMEM, which the float32 staging tile also needs. Measured on
-        the H200 (2026-11-30, ``mosaic_bwd_probe.py --head-dims 64``): the fused backward
-        went from 0.87-0.96x cuDNN to 0.97-1.06x; the deterministic one gained at some
-        points and lost at others, and keeps the SMEM tiles."""
+        wgmmas read only B from SMEM, which the float32 staging tile also needs; the
+        deterministic mode keeps the SMEM tiles
+        (measurements: docs/tuning.md#mosaic-backward-registers-and-per-consumer-code)."""
         return self.st.head_dim <= _RESIDENT_MAX_HEAD_DIM
 
     @classmethod
