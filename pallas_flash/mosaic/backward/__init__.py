@@ -202,16 +202,9 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
     _, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     itemsize = jnp.dtype(q.dtype).itemsize
-    # Bias / mask arrays: the dQ kernel reads them as the forward does, the dK/dV kernel
-    # transposed ([B', N', S, T]), so that its tiles are laid out as Sᵀ.
-    bias, attn_mask = fold_mask(bias, attn_mask)
-    logits = [(x, is_mask) for x, is_mask in ((bias, False), (attn_mask, True))
-              if x is not None]
-    dq_logits = [(x, logit_array(x, is_mask=m)) for x, m in logits]
-    dkdv_logits = [(x, logit_array(x, is_mask=m))
-                   for x, m in ((jnp.swapaxes(x, 2, 3), m) for x, m in logits)]
-    rings = {name: tuple(a.ring for _, a in arrays if a.ring is not None)
-             for name, arrays in (("dkdv_rings", dkdv_logits), ("dq_rings", dq_logits))}
+    dq_logits, dkdv_logits, rings = _logit_readers(bias, attn_mask)
+    # A mask array left after folding (one that does not broadcast to the bias's shape).
+    has_mask_array = any(a.is_mask for _, a in dq_logits)
     config = fit_backward_logit_rings(config, dim, itemsize, segments=segmented, **rings)
     config.check_fits(dim, itemsize, segments=segmented, **rings)
     # One padded length serves both kernels: whole dK/dV query blocks and dQ CTAs, whole
@@ -229,7 +222,7 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         mask=mask, scale=scale, num_stages=config.num_stages,
         head_dim=dim, dtype=jnp.dtype(q.dtype), group=heads // kv_heads,
         needs_mask=(not mask.is_dense or seq_kv_pad != seq_kv or segmented
-                    or attn_mask is not None),
+                    or has_mask_array),
         fuse_dq=fuse_dq, dq_partials=fuse_dq and interpret, softcap=softcap,
         segmented=segmented)
     operands = (q_p, k_p, v_p, do_p, lse2, delta)
@@ -246,11 +239,6 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
             arrays = [logit_operand(x, a, seq_kv_pad, seq_q_pad) for x, a in dkdv_logits]
         return (*operands, *extra, *arrays)
 
-    def logit_arrays(arrays):
-        """BackwardStatic's bias / attn_mask fields for one kernel's readers."""
-        by_kind = {a.is_mask: a for _, a in arrays}
-        return dict(bias=by_kind.get(False), attn_mask=by_kind.get(True))
-
     # Up to head_dim 128 a dK/dV CTA holds one key block per consumer; at 256 its two
     # consumers split one block (backward_d256).
     split = dim > MAX_PER_CONSUMER_HEAD_DIM
@@ -260,16 +248,10 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         num_tiles=seq_kv_pad // ((1 if split else NUM_CONSUMERS) * config.block_kv),
         # Split: dV/dK contract over the 32 rows of a consumer's half of the query block.
         swizzle=min(SWIZZLE, config.block_q // NUM_CONSUMERS * itemsize) if split
-        else SWIZZLE, **logit_arrays(dkdv_logits), **common)
+        else SWIZZLE, **_static_fields(dkdv_logits), **common)
     dkdv_operands = with_ids(dkdv_static, walk_kv=False)  # owns key tiles, walks queries
     if fuse_dq:
-        # The reduce-adds' target (interpret mode: a partial sum per consumer and key tile).
-        partials = ((NUM_CONSUMERS * dkdv_static.num_tiles,) if dkdv_static.dq_partials
-                    else ())
-        dq_acc = jax.new_ref(jnp.zeros((*partials, *q_p.shape), jnp.float32))
-        dk, dv = call_dkdv(dkdv_static, dkdv_operands, dq_acc, interpret=interpret)
-        dq = jax.freeze(dq_acc)
-        dq = ((dq.sum(0) if partials else dq) * scale).astype(q.dtype)
+        dq, dk, dv = _fused_dq(dkdv_static, dkdv_operands, interpret=interpret)
     else:
         if split:
             dk, dv = call_dkdv_d256(dkdv_static, dkdv_operands, interpret=interpret)
@@ -279,7 +261,44 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
                             num_q_blocks=seq_q_pad // config.dq_block_q,
                             num_tiles=seq_q_pad // (NUM_CONSUMERS * config.dq_block_q),
                             swizzle=min(SWIZZLE, config.dq_block_kv * itemsize),
-                            **logit_arrays(dq_logits), **common)
+                            **_static_fields(dq_logits), **common)
         dq = call_dq(dq_static, with_ids(dq_static, walk_kv=True), interpret=interpret)
     return (dq[:, :seq_q, :, :head_dim], dk[:, :seq_kv, :, :head_dim],
             dv[:, :seq_kv, :, :head_dim])
+
+
+def _logit_readers(bias, attn_mask):
+    """``(dq_logits, dkdv_logits, rings)``: each kernel's (operand, reader) pairs of the
+    bias / mask arrays and the SMEM rings they need (``dkdv_rings`` / ``dq_rings``).
+
+    The dQ kernel reads them as the forward does, the dK/dV kernel transposed
+    ([B', N', S, T]), so that its tiles are laid out as Sᵀ. A mask that broadcasts to the
+    bias's shape is folded into it first.
+    """
+    bias, attn_mask = fold_mask(bias, attn_mask)
+    logits = [(x, is_mask) for x, is_mask in ((bias, False), (attn_mask, True))
+              if x is not None]
+    dq_logits = [(x, logit_array(x, is_mask=m)) for x, m in logits]
+    dkdv_logits = [(x, logit_array(x, is_mask=m))
+                   for x, m in ((jnp.swapaxes(x, 2, 3), m) for x, m in logits)]
+    rings = {name: tuple(a.ring for _, a in arrays if a.ring is not None)
+             for name, arrays in (("dkdv_rings", dkdv_logits), ("dq_rings", dq_logits))}
+    return dq_logits, dkdv_logits, rings
+
+
+def _static_fields(arrays) -> dict:
+    """BackwardStatic's bias / attn_mask fields for one kernel's readers."""
+    by_kind = {a.is_mask: a for _, a in arrays}
+    return dict(bias=by_kind.get(False), attn_mask=by_kind.get(True))
+
+
+def _fused_dq(st: BackwardStatic, operands, *, interpret: bool):
+    """(dq, dk, dv) padded, from the dK/dV kernel alone: it reduce-adds dS·K into a
+    zeroed float32 dQ (interpret mode: a partial sum per consumer and key tile, summed
+    here); dQ is scaled once at the end, as dK is in the kernel."""
+    q_p = operands[0]
+    partials = (NUM_CONSUMERS * st.num_tiles,) if st.dq_partials else ()
+    dq_acc = jax.new_ref(jnp.zeros((*partials, *q_p.shape), jnp.float32))
+    dk, dv = call_dkdv(st, operands, dq_acc, interpret=interpret)
+    dq = jax.freeze(dq_acc)
+    return ((dq.sum(0) if partials else dq) * st.scale).astype(q_p.dtype), dk, dv
