@@ -13,7 +13,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from support import random_qkv, rel_err
 
-from benchmarks import mosaic_bwd_probe, report, suite
+from benchmarks import lowered_modules, mosaic_bwd_probe, report, suite
 from benchmarks.flops import attention_flops, problem_shape, tflops_per_s
 from benchmarks.implementations import IMPLEMENTATIONS, Implementation, error_summary
 from benchmarks.timing import time_fn
@@ -334,3 +334,21 @@ def test_bwd_probe_times_the_config_the_api_runs(name, head_dim, causal, determi
     config = mosaic_bwd_probe.mosaic_config(name, shape, shape, jnp.bfloat16, mask)
     assert bool(config.deterministic) is deterministic
     assert config.num_stages == (3 if "num_stages" in name else 2)
+
+
+def test_lowered_modules_fingerprints_tell_kernels_apart(tmp_path):
+    """benchmarks/lowered_modules.py: the same kernel lowers to the same fingerprint in
+    another order of cases (dump counters and names are blanked), different kernels to
+    different ones, and ``--compare`` names a case whose module changed."""
+    dense, causal = "fwd-d64-dense-plain", "fwd-d64-causal-plain"
+    available = lowered_modules.fp8.available_implementations
+    got = lowered_modules.fingerprints(only=f"^({dense}|{causal})$")
+    assert set(got) == {dense, causal} and all(len(v) == 1 for v in got.values())
+    assert got[dense] != got[causal]
+    assert lowered_modules.fingerprints(only=f"^{dense}$") == {dense: got[dense]}
+    saved = tmp_path / "before.json"
+    saved.write_text(json.dumps({dense: got[causal]}))
+    assert lowered_modules.main(["--only", f"^{dense}$", "--compare", str(saved)]) == 1
+    saved.write_text(json.dumps({dense: got[dense]}))
+    assert lowered_modules.main(["--only", f"^{dense}$", "--compare", str(saved)]) == 0
+    assert lowered_modules.fp8.available_implementations is available  # restored
