@@ -14,6 +14,7 @@ price is recomputing S and dP next to the dK/dV kernel: seven GEMMs instead of f
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -110,50 +111,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: Backw
         wait_all((q_ready, do_ready, lse_ready, delta_ready), wg)
         lse2 = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-        shape = (bq, bkv)
         owned_parts = owned_logit_parts(st, logit_refs, batch=batch, head=head,
                                          owned=pl.ds(q0, bq))
 
+        c = _Consumer(st, wg, slot, q0, q_tile, do_tile, q_ids, lse2, delta, owned_parts,
+                      a_tile, rings, k_smem, v_smem, kv_ids_smem, k_ready, v_ready, free)
+
         def accumulate(dq_acc):
-            def step(j, carry, *, masked: bool):
-                """Key block j: dQ_i += dS·K_j."""
-                s = slot(j)
-                wait_all((k_ready, v_ready), s)
-                k_tile, v_tile = k_smem.at[s], v_smem.at[s]
-                kv_ids = None
-                if st.segmented:  # read before the slot is freed (the producer refills it)
-                    kv_ids = plgpu.load(kv_ids_smem.at[s],
-                                        layout=plgpu.Layout.WGMMA.reduce(0))
-                bias, mask = logit_tiles(st, owned_parts, rings, s, wg, shape)
-
-                def gemms(s_acc, dp_acc):
-                    plgpu.wgmma(s_acc, q_tile, k_tile.T)
-                    plgpu.wgmma(dp_acc, do_tile, v_tile.T)
-                    # S is ready once at most the dP GEMM is in flight: P overlaps it.
-                    scores = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
-                    visible = None
-                    if masked:
-                        visible = visible_tile(st.mask, shape, q0, j * bkv, q_ids=q_ids,
-                                               kv_ids=kv_ids, mask_tile=mask)
-                    p, slope = probabilities(st, scores, row(lse2, shape), visible, bias)
-                    dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=0)
-                    ds = raw_score_gradient(p * (dp - row(delta, shape)), slope)
-                    plgpu.wgmma(dq_acc, a_operand(ds.astype(st.dtype), a_tile), k_tile)
-                    plgpu.wgmma_wait(0)  # K_j is read: the slot may be refilled
-
-                pl.run_scoped(gemms, plgpu.ACC((bq, bkv), jnp.float32),
-                              plgpu.ACC((bq, bkv), jnp.float32))
-                plgpu.barrier_arrive(free.at[s])
-                return carry
-
-            def skip(j, carry):
-                """A block only the other consumer needs: same barriers, no math."""
-                s = slot(j)
-                wait_all((k_ready, v_ready), s)
-                plgpu.barrier_arrive(free.at[s])
-                return carry
-
-            walk(st, step, skip, (cta_first, cta_last), ranges, 0)
+            walk(st, functools.partial(_step, c, dq_acc), functools.partial(_skip, c),
+                 (cta_first, cta_last), ranges, 0)
             return dq_acc[...]
 
         dq = pl.run_scoped(accumulate, plgpu.ACC((bq, st.head_dim), jnp.float32))
@@ -164,6 +130,71 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: Backw
 
     warp_specialized(st, free, cta_last - cta_first, load, consume,
                       per_consumer_copies=False)
+
+
+class _Consumer(NamedTuple):
+    """What a dQ consumer's steps read: its rows' tiles and values (``q0`` its first row;
+    ``q_ids``, ``lse2``, ``delta`` laid out as the rows of S), the key ring and its
+    barriers, the bias / mask readers' per-row parts and rings."""
+
+    st: BackwardStatic
+    wg: int
+    slot: Any
+    q0: Any
+    q_tile: Any
+    do_tile: Any
+    q_ids: Any
+    lse2: Any
+    delta: Any
+    owned_parts: Any
+    a_tile: Any
+    rings: Any
+    k_smem: Any
+    v_smem: Any
+    kv_ids_smem: Any
+    k_ready: Any
+    v_ready: Any
+    free: Any
+
+
+def _step(c: _Consumer, dq_acc, j, carry, *, masked: bool):
+    """Key block j: dQ_i += dS·K_j."""
+    st = c.st
+    shape = (st.block_q, st.block_kv)
+    s = c.slot(j)
+    wait_all((c.k_ready, c.v_ready), s)
+    k_tile, v_tile = c.k_smem.at[s], c.v_smem.at[s]
+    kv_ids = None
+    if st.segmented:  # read before the slot is freed (the producer refills it)
+        kv_ids = plgpu.load(c.kv_ids_smem.at[s], layout=plgpu.Layout.WGMMA.reduce(0))
+    bias, mask = logit_tiles(st, c.owned_parts, c.rings, s, c.wg, shape)
+
+    def gemms(s_acc, dp_acc):
+        plgpu.wgmma(s_acc, c.q_tile, k_tile.T)
+        plgpu.wgmma(dp_acc, c.do_tile, v_tile.T)
+        # S is ready once at most the dP GEMM is in flight: P overlaps it.
+        scores = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
+        visible = None
+        if masked:
+            visible = visible_tile(st.mask, shape, c.q0, j * st.block_kv, q_ids=c.q_ids,
+                                   kv_ids=kv_ids, mask_tile=mask)
+        p, slope = probabilities(st, scores, row(c.lse2, shape), visible, bias)
+        dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=0)
+        ds = raw_score_gradient(p * (dp - row(c.delta, shape)), slope)
+        plgpu.wgmma(dq_acc, a_operand(ds.astype(st.dtype), c.a_tile), k_tile)
+        plgpu.wgmma_wait(0)  # K_j is read: the slot may be refilled
+
+    pl.run_scoped(gemms, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+    plgpu.barrier_arrive(c.free.at[s])
+    return carry
+
+
+def _skip(c: _Consumer, j, carry):
+    """A block only the other consumer needs: same barriers, no math."""
+    s = c.slot(j)
+    wait_all((c.k_ready, c.v_ready), s)
+    plgpu.barrier_arrive(c.free.at[s])
+    return carry
 
 
 def call_dq(st: BackwardStatic, operands, *, interpret: bool):
