@@ -33,6 +33,7 @@ head dim).
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -119,51 +120,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: Bac
             wait_all((k_ready, v_ready), h)
         shape = (bkv, half_q)  # rows are keys, columns this consumer's queries
 
+        c = _Half(st, wg, slot, shape, k0, kv_ids, k_smem, v_smem, q_smem, do_smem,
+                  stats_smem, pt_smem, dst_smem, q_ids_smem, q_ready, do_ready, stats_ready,
+                  free, exchanged)
+
         def accumulate(dk_acc, dv_acc):
-            def step(i, head_step0, *, masked: bool):
-                """Query block i of one head: this consumer's columns of dV_j += Pᵀ·dO_i
-                and dK_j += dSᵀ·Q_i."""
-                s = slot(head_step0 + i)
-                wait_all((q_ready, do_ready, stats_ready), s)
-                layout = plgpu.Layout.WGMMA.reduce(0)
-                lse2 = plgpu.load(stats_smem.at[s, 0, wg], layout=layout)
-                delta = plgpu.load(stats_smem.at[s, 1, wg], layout=layout)
-                q_ids = None
-                if st.segmented:
-                    q_ids = plgpu.load(q_ids_smem.at[s, wg], layout=layout)
-
-                def own_rows(st_acc, dpt_acc):
-                    """Step 1: Pᵀ and dSᵀ of this consumer's rows of block i."""
-                    for h in halves:  # the contraction over the head dim, half by half
-                        plgpu.wgmma(st_acc, k_smem.at[h], q_smem.at[s, h, wg].T)
-                    for h in halves:
-                        plgpu.wgmma(dpt_acc, v_smem.at[h], do_smem.at[s, h, wg].T)
-                    # Sᵀ is ready once at most the two dPᵀ GEMMs are in flight.
-                    scores_t = plgpu.wgmma_accumulator_load(st_acc, wait_n=len(halves))
-                    visible = None
-                    if masked:
-                        visible = visible_tile(st.mask, shape, i * bq + wg * half_q, k0,
-                                               keys_are_rows=True, q_ids=q_ids, kv_ids=kv_ids)
-                    p_t, slope_t = probabilities(st, scores_t, col(lse2, shape), visible)
-                    dp_t = plgpu.wgmma_accumulator_load(dpt_acc, wait_n=0)
-                    ds_t = raw_score_gradient(p_t * (dp_t - col(delta, shape)), slope_t)
-                    return p_t.astype(st.dtype), ds_t.astype(st.dtype)
-
-                p_t, ds_t = pl.run_scoped(own_rows, plgpu.ACC(shape, jnp.float32),
-                                          plgpu.ACC(shape, jnp.float32))
-                # Step 2: publish this row half; the wgmmas below read both.
-                pt_smem.at[s, wg][...] = p_t
-                dst_smem.at[s, wg][...] = ds_t
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(exchanged.at[s])
-                plgpu.barrier_wait(exchanged.at[s])
-                # Step 3: this consumer's columns of dV and dK, over all rows of block i.
-                for r in halves:
-                    plgpu.wgmma(dv_acc, pt_smem.at[s, r], do_smem.at[s, wg, r])
-                    plgpu.wgmma(dk_acc, dst_smem.at[s, r], q_smem.at[s, wg, r])
-                plgpu.wgmma_wait(0)  # Q_i and dO_i are read: the slot may be refilled
-                plgpu.barrier_arrive(free.at[s])
-                return head_step0
+            step = functools.partial(_step, c, (dk_acc, dv_acc))
 
             def skip(i, head_step0):
                 """Never runs (both consumers walk the same band); the ring's protocol."""
@@ -193,6 +155,82 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: Bac
     warp_specialized(st, free, stream.num_steps(), load, consume,
                       per_consumer_copies=False)
 
+
+
+class _Half(NamedTuple):
+    """What consumer ``wg`` (row half ``wg`` of each query block, column half ``wg`` of
+    dK and dV) reads at each step: its keys' first index and ids, the SMEM tiles and the
+    ring's barriers (as :func:`_dkdv_kernel` describes them)."""
+
+    st: BackwardStatic
+    wg: int
+    slot: Any
+    shape: tuple[int, int]  # of Sᵀ: rows are keys, columns this consumer's queries
+    k0: Any
+    kv_ids: Any
+    k_smem: Any
+    v_smem: Any
+    q_smem: Any
+    do_smem: Any
+    stats_smem: Any
+    pt_smem: Any
+    dst_smem: Any
+    q_ids_smem: Any
+    q_ready: Any
+    do_ready: Any
+    stats_ready: Any
+    free: Any
+    exchanged: Any
+
+
+def _step(c: _Half, accs, i, head_step0, *, masked: bool):
+    """Query block i of one head: this consumer's columns of dV_j += Pᵀ·dO_i and
+    dK_j += dSᵀ·Q_i (FA3's split of a 64-key block between the two consumers)."""
+    st, wg, shape = c.st, c.wg, c.shape
+    dk_acc, dv_acc = accs
+    halves = range(NUM_CONSUMERS)
+    half_q = st.block_q // NUM_CONSUMERS
+    s = c.slot(head_step0 + i)
+    wait_all((c.q_ready, c.do_ready, c.stats_ready), s)
+    layout = plgpu.Layout.WGMMA.reduce(0)
+    lse2 = plgpu.load(c.stats_smem.at[s, 0, wg], layout=layout)
+    delta = plgpu.load(c.stats_smem.at[s, 1, wg], layout=layout)
+    q_ids = None
+    if st.segmented:
+        q_ids = plgpu.load(c.q_ids_smem.at[s, wg], layout=layout)
+
+    def own_rows(st_acc, dpt_acc):
+        """Step 1: Pᵀ and dSᵀ of this consumer's rows of block i."""
+        for h in halves:  # the contraction over the head dim, half by half
+            plgpu.wgmma(st_acc, c.k_smem.at[h], c.q_smem.at[s, h, wg].T)
+        for h in halves:
+            plgpu.wgmma(dpt_acc, c.v_smem.at[h], c.do_smem.at[s, h, wg].T)
+        # Sᵀ is ready once at most the two dPᵀ GEMMs are in flight.
+        scores_t = plgpu.wgmma_accumulator_load(st_acc, wait_n=len(halves))
+        visible = None
+        if masked:
+            visible = visible_tile(st.mask, shape, i * st.block_q + wg * half_q, c.k0,
+                                   keys_are_rows=True, q_ids=q_ids, kv_ids=c.kv_ids)
+        p_t, slope_t = probabilities(st, scores_t, col(lse2, shape), visible)
+        dp_t = plgpu.wgmma_accumulator_load(dpt_acc, wait_n=0)
+        ds_t = raw_score_gradient(p_t * (dp_t - col(delta, shape)), slope_t)
+        return p_t.astype(st.dtype), ds_t.astype(st.dtype)
+
+    p_t, ds_t = pl.run_scoped(own_rows, plgpu.ACC(shape, jnp.float32),
+                              plgpu.ACC(shape, jnp.float32))
+    # Step 2: publish this row half; the wgmmas below read both.
+    c.pt_smem.at[s, wg][...] = p_t
+    c.dst_smem.at[s, wg][...] = ds_t
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(c.exchanged.at[s])
+    plgpu.barrier_wait(c.exchanged.at[s])
+    # Step 3: this consumer's columns of dV and dK, over all rows of block i.
+    for r in halves:
+        plgpu.wgmma(dv_acc, c.pt_smem.at[s, r], c.do_smem.at[s, wg, r])
+        plgpu.wgmma(dk_acc, c.dst_smem.at[s, r], c.q_smem.at[s, wg, r])
+    plgpu.wgmma_wait(0)  # Q_i and dO_i are read: the slot may be refilled
+    plgpu.barrier_arrive(c.free.at[s])
+    return head_step0
 
 
 def call_dkdv_d256(st: BackwardStatic, operands, *, interpret: bool):
