@@ -102,6 +102,8 @@ same code on both paths.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -227,17 +229,8 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         segmented=segmented)
     operands = (q_p, k_p, v_p, do_p, lse2, delta)
     ids = pad_segment_ids(segment_ids, seq_q_pad, seq_kv_pad) if segmented else None
-
-    def with_ids(st: BackwardStatic, *, walk_kv: bool):
-        """The operands, with segment ids the ids and the spans of the kernel's tiles, and
-        the bias / mask operands in the kernel's orientation."""
-        extra = () if ids is None else (
-            *ids, tile_spans(*ids, st.block_q, st.block_kv, walk_kv=walk_kv))
-        if walk_kv:  # the dQ kernel
-            arrays = [logit_operand(x, a, seq_q_pad, seq_kv_pad) for x, a in dq_logits]
-        else:
-            arrays = [logit_operand(x, a, seq_kv_pad, seq_q_pad) for x, a in dkdv_logits]
-        return (*operands, *extra, *arrays)
+    with_ids = functools.partial(_kernel_operands, operands, ids, dq_logits, dkdv_logits,
+                                 (seq_q_pad, seq_kv_pad))
 
     # Up to head_dim 128 a dK/dV CTA holds one key block per consumer; at 256 its two
     # consumers split one block (backward_d256).
@@ -265,6 +258,20 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         dq = call_dq(dq_static, with_ids(dq_static, walk_kv=True), interpret=interpret)
     return (dq[:, :seq_q, :, :head_dim], dk[:, :seq_kv, :, :head_dim],
             dv[:, :seq_kv, :, :head_dim])
+
+
+def _kernel_operands(operands, ids, dq_logits, dkdv_logits, padded_lengths,
+                     st: BackwardStatic, *, walk_kv: bool) -> tuple:
+    """A kernel's operands: ``operands``, then with segment ids the ids and the spans of
+    the kernel's tiles, then the bias / mask operands in the kernel's orientation."""
+    seq_q_pad, seq_kv_pad = padded_lengths
+    extra = () if ids is None else (
+        *ids, tile_spans(*ids, st.block_q, st.block_kv, walk_kv=walk_kv))
+    if walk_kv:  # the dQ kernel
+        arrays = [logit_operand(x, a, seq_q_pad, seq_kv_pad) for x, a in dq_logits]
+    else:
+        arrays = [logit_operand(x, a, seq_kv_pad, seq_q_pad) for x, a in dkdv_logits]
+    return (*operands, *extra, *arrays)
 
 
 def _logit_readers(bias, attn_mask):

@@ -124,24 +124,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: Bac
                   stats_smem, pt_smem, dst_smem, q_ids_smem, q_ready, do_ready, stats_ready,
                   free, exchanged)
 
-        def accumulate(dk_acc, dv_acc):
-            step = functools.partial(_step, c, (dk_acc, dv_acc))
-
-            def skip(i, head_step0):
-                """Never runs (both consumers walk the same band); the ring's protocol."""
-                s = slot(head_step0 + i)
-                wait_all((q_ready, do_ready, stats_ready), s)
-                plgpu.barrier_arrive(free.at[s])
-                return head_step0
-
-            def head(g, carry):  # the GQA group's query heads, summed in dK/dV
-                walk(st, step, skip, (first, last), band, stream.head_step0(g))
-                return carry
-
-            lax.fori_loop(0, st.group, head, 0)
-            return dk_acc[...], dv_acc[...]
-
-        dk, dv = pl.run_scoped(accumulate, plgpu.ACC((bkv, half_d), jnp.float32),
+        dk, dv = pl.run_scoped(functools.partial(_accumulate, c, band, stream),
+                               plgpu.ACC((bkv, half_d), jnp.float32),
                                plgpu.ACC((bkv, half_d), jnp.float32))
         # After the last exchange neither consumer reads K or V again (their GEMMs finished
         # before it): this consumer's halves carry its dK and dV out.
@@ -181,6 +165,27 @@ class _Half(NamedTuple):
     stats_ready: Any
     free: Any
     exchanged: Any
+
+
+def _accumulate(c: _Half, band, stream: QueryStream, dk_acc, dv_acc):
+    """The consumer's walk over ``band`` (:func:`owned_ranges`) for every query head of
+    the GQA group, summed in the accumulators; returns dK_j, dV_j halves float32."""
+    st = c.st
+    step = functools.partial(_step, c, (dk_acc, dv_acc))
+
+    def skip(i, head_step0):
+        """Never runs (both consumers walk the same band); the ring's protocol."""
+        s = c.slot(head_step0 + i)
+        wait_all((c.q_ready, c.do_ready, c.stats_ready), s)
+        plgpu.barrier_arrive(c.free.at[s])
+        return head_step0
+
+    def head(g, carry):
+        walk(st, step, skip, (band[0], band[3]), band, stream.head_step0(g))
+        return carry
+
+    lax.fori_loop(0, st.group, head, 0)
+    return dk_acc[...], dv_acc[...]
 
 
 def _step(c: _Half, accs, i, head_step0, *, masked: bool):
