@@ -300,13 +300,17 @@ def _nnx_attention(attention_fn=None, **kwargs) -> nnx.MultiHeadAttention:
                                   decode=False, rngs=nnx.Rngs(0), **kwargs)
 
 
-def test_nnx_decode_matches_full_causal_forward_at_every_step():
+@pytest.mark.parametrize("key_padding", [False, True])
+def test_nnx_decode_matches_full_causal_forward_at_every_step(key_padding):
     seq = 10
     x = _inputs(seq=seq)
-    want = _nnx_attention()(x, is_causal=True)      # Flax's nnx.dot_product_attention
+    # A key-padding mask [batch, 1, 1, seq] is combined with Flax's cache mask in decode.
+    mask = ((jnp.arange(seq) < jnp.array([seq, 6])[:, None])[:, None, None, :]
+            if key_padding else None)
+    want = _nnx_attention()(x, mask=mask, is_causal=True)   # Flax's nnx.dot_product_attention
     layer = _nnx_attention(make_attention_fn(is_causal=True))
     layer.init_cache(x.shape)
-    step = nnx.jit(lambda layer, token: layer(token, decode=True))
+    step = nnx.jit(lambda layer, token: layer(token, mask=mask, decode=True))
     for t in range(seq):
         np.testing.assert_allclose(step(layer, x[:, t:t + 1])[:, 0], want[:, t],
                                    rtol=1e-5, atol=1e-5, err_msg=f"step {t}")
