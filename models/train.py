@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -100,10 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps between checkpoints (default: same as --eval-every)")
     runs = p.add_mutually_exclusive_group()
     runs.add_argument("--resume", action="store_true",
-                      help="continue from the latest checkpoint in --out (same flags as the "
-                           "interrupted run: the schedule depends on --steps)")
+                      help="continue from the latest checkpoint in --out; a --steps, "
+                           "--warmup-steps or --learning-rate other than the run's is "
+                           "refused (it would change the learning-rate schedule) unless "
+                           "--new-schedule is given")
     runs.add_argument("--overwrite", action="store_true",
                       help="delete the checkpoints already in --out and start afresh")
+    p.add_argument("--new-schedule", action="store_true",
+                   help="with --resume: continue on the schedule of the flags given now "
+                        "(the change is printed) instead of refusing")
     p.add_argument("--out", type=Path, help="output folder (default: runs/<preset>)")
     p.add_argument("--seed", type=int, default=0, help="initialisation and data-order seed")
     p.add_argument("--prompt", default="def ", help="start of the generated sample")
@@ -128,6 +134,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.checkpoint_every = args.eval_every
     if args.out is None:
         args.out = Path("runs") / args.preset
+    if args.new_schedule and not args.resume:
+        raise ValueError("--new-schedule applies to --resume only")
     return args
 
 
@@ -138,11 +146,24 @@ def compute_dtype(name: str) -> Any:
     return jnp.dtype(name)
 
 
+# The flags that define the learning-rate schedule, recorded in <out>/schedule.json.
+SCHEDULE_FLAGS = ("steps", "warmup_steps", "learning_rate")
+
+
+def learning_rate_schedule(steps: int, warmup_steps: int, learning_rate: float
+                           ) -> optax.Schedule:
+    """Linear warm-up to ``learning_rate``, then cosine decay to 10% of it at ``steps``.
+
+    Called with the optimizer's update count: step ``s`` (1-based) uses ``schedule(s - 1)``.
+    """
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=learning_rate, warmup_steps=warmup_steps,
+        decay_steps=max(steps, warmup_steps + 1), end_value=0.1 * learning_rate)
+
+
 def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
-    """Clip, then AdamW with linear warm-up and cosine decay to 10% of the peak."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=args.learning_rate, warmup_steps=args.warmup_steps,
-        decay_steps=max(args.steps, args.warmup_steps + 1), end_value=0.1 * args.learning_rate)
+    """Clip, then AdamW on :func:`learning_rate_schedule`."""
+    schedule = learning_rate_schedule(args.steps, args.warmup_steps, args.learning_rate)
 
     def decay_mask(params):
         # Decay matrices only: shrinking norm scales towards 0 is not regularisation.
@@ -224,6 +245,40 @@ def open_checkpoints(out: Path, resume: bool, overwrite: bool) -> ocp.Checkpoint
     return manager
 
 
+def check_schedule(args: argparse.Namespace, out: Path, checkpoint_step: int | None) -> None:
+    """Record the run's schedule flags in ``<out>/schedule.json``; when resuming from
+    ``checkpoint_step``, refuse different ones (they would bend the learning-rate curve
+    under the steps already taken) unless ``--new-schedule``, and say how it changes."""
+    path = out / "schedule.json"
+    wanted = {name: getattr(args, name) for name in SCHEDULE_FLAGS}
+    if checkpoint_step is not None:
+        if args.steps < checkpoint_step:
+            raise ValueError(f"--steps {args.steps} is before the checkpoint's step "
+                             f"{checkpoint_step}: nothing to resume")
+        if not path.exists():
+            print(f"{path} is missing: the schedule of the resumed run cannot be checked")
+        elif (saved := json.loads(path.read_text())) != wanted:
+            change = describe_schedule_change(saved, wanted, checkpoint_step)
+            if not args.new_schedule:
+                raise ValueError(f"{change}. Resume with the run's flags, or pass "
+                                 "--new-schedule to continue on the new schedule")
+            print(f"new schedule: {change}")
+    path.write_text(json.dumps(wanted))
+
+
+def describe_schedule_change(saved: dict[str, Any], wanted: dict[str, Any],
+                             checkpoint_step: int) -> str:
+    """What resuming at ``checkpoint_step`` with the ``wanted`` schedule flags instead of
+    the ``saved`` ones does to the learning rate."""
+    flags = ", ".join(f"--{name.replace('_', '-')} {saved[name]:g} -> {wanted[name]:g}"
+                      for name in SCHEDULE_FLAGS if saved[name] != wanted[name])
+    old, new = (learning_rate_schedule(**flags_) for flags_ in (saved, wanted))
+    return (f"the run in this folder was trained on another schedule ({flags}): resuming at "
+            f"step {checkpoint_step + 1}, its learning rate would change from "
+            f"{float(old(checkpoint_step)):.3g} to {float(new(checkpoint_step)):.3g}, and "
+            f"the cosine decay end at step {wanted['steps']} (was {saved['steps']})")
+
+
 # (step key, value key) of every series in the history; a resumed run keeps what came
 # before its checkpoint.
 _SERIES = (("step", "loss"), ("val_step", "val_loss"), ("rate_step", "tokens_per_s"))
@@ -255,6 +310,7 @@ def train(args: argparse.Namespace) -> dict[str, list]:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     manager = open_checkpoints(out, args.resume, args.overwrite)
+    check_schedule(args, out, manager.latest_step() if args.resume else None)
     train_rows, val_rows = data.load_corpus(args.seq_len, args.data, args.val_fraction)
     model = Transformer(config, dtype=compute_dtype(args.dtype), rngs=nnx.Rngs(args.seed),
                         **attention_kwargs(args.implementation))
@@ -286,7 +342,7 @@ def train(args: argparse.Namespace) -> dict[str, list]:
     tokens_per_step = args.batch_size * args.seq_len
     pending: list[tuple[int, jax.Array]] = []   # losses not yet fetched (no sync per step)
     bar = tqdm(range(start + 1, args.steps + 1), initial=start, total=args.steps,
-               unit="step", dynamic_ncols=True)
+               unit="step", dynamic_ncols=True, file=sys.stderr)   # results go to stdout
     tick, ticked = time.perf_counter(), start
     for step in bar:
         batch = data.train_batch(train_rows, args.batch_size, args.seed, step)

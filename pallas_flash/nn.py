@@ -3,8 +3,10 @@
 * :class:`FlashSelfAttention` — an NNX self-attention layer: fused or separate Q/K/V
   projections, grouped-query attention, rotary position embeddings, causal / sliding-window
   masks, segment ids for packed sequences, and a KV cache for autoregressive decoding.
-* :func:`make_attention_fn` — a drop-in ``attention_fn`` for
-  ``flax.linen.MultiHeadDotProductAttention``.
+* :func:`make_attention_fn` — a drop-in ``attention_fn`` for ``flax.nnx.MultiHeadAttention``
+  and ``flax.linen.MultiHeadDotProductAttention``, decoding (``decode=True``) included.
+
+Needs flax (``pip install 'pallas-flash[flax]'``); the rest of ``pallas_flash`` does not.
 
 Both only ever call the attention through keyword arguments of
 :func:`pallas_flash.attention`; soft-capping and sinks are passed only when the layer uses
@@ -21,11 +23,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from flax.linen.dtypes import promote_dtype
 from jax import lax
+from jax.experimental import io_callback
+
+try:
+    from flax import nnx
+    from flax.linen.dtypes import promote_dtype
+except ImportError as error:   # the core package needs only jax; the layers need flax
+    raise ImportError(
+        "pallas_flash.nn needs flax (>= 0.12), which the core package does not install: "
+        "pip install 'pallas-flash[flax]'") from error
 
 from pallas_flash.api import Implementation, attention
+from pallas_flash.masking import CausalAlignment
 
 #: ``fn(query, key, value, *, is_causal, local_window_size, q_segment_ids, kv_segment_ids)``
 #: -> ``out`` with :func:`pallas_flash.attention`'s layout and meaning. Swap it to compare
@@ -93,6 +103,40 @@ def masked_attention(query: jax.Array, key: jax.Array, value: jax.Array,
         p = p[..., :-1]
     out = jnp.einsum("bkgts,bskd->btkgd", p, value.astype(jnp.float32))
     return out.reshape(query.shape).astype(query.dtype)
+
+
+def check_cache_room(index: jax.Array | int, new_tokens: int, max_length: int) -> None:
+    """Raise if writing ``new_tokens`` at cache slot ``index`` would run past ``max_length``.
+
+    ``lax.dynamic_update_slice`` clamps its start index, so an overflowing write would
+    silently overwrite the newest cached tokens instead. A concrete ``index`` (eager
+    decoding) raises ``ValueError`` here. Under ``jax.jit`` / ``nnx.jit`` the index is
+    traced: the comparison runs on the device and, only when it fails, calls back to the
+    host (``io_callback``), which raises; the computation then fails with a
+    ``jax.errors.JaxRuntimeError`` carrying this message when its result is read (jit
+    dispatches asynchronously). The passing case costs one scalar comparison, no transfer.
+
+    Args:
+      index: scalar int32, the first free cache slot.
+      new_tokens: tokens about to be written.
+      max_length: cache slots.
+    """
+    def message(at: object) -> str:
+        return (f"decoding {new_tokens} token(s) at cache index {at} runs past the cache's "
+                f"max_length {max_length}: call init_cache with a larger max_length")
+
+    if not isinstance(index, jax.core.Tracer):
+        if int(index) + new_tokens > max_length:
+            raise ValueError(message(int(index)))
+        return
+    if new_tokens > max_length:   # fails at every index: say so while tracing
+        raise ValueError(message("(any)"))
+
+    def fail(at: np.ndarray) -> None:
+        raise ValueError(message(int(at)))
+
+    lax.cond(index + new_tokens > max_length,
+             lambda: io_callback(fail, None, index), lambda: None)
 
 
 class FlashSelfAttention(nnx.Module):
@@ -190,7 +234,8 @@ class FlashSelfAttention(nnx.Module):
     def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> None:
         """Allocate an empty KV cache for decoding up to ``max_length`` tokens.
 
-        ``dtype`` defaults to the computation dtype (float32 if that is unset).
+        ``dtype`` defaults to the computation dtype (float32 if that is unset). A decode
+        call that would run past ``max_length`` raises (see :func:`check_cache_room`).
         """
         if not self.is_causal:
             raise ValueError("decoding with a KV cache needs is_causal=True")
@@ -261,6 +306,7 @@ class FlashSelfAttention(nnx.Module):
     def _attend_to_cache(self, query, key, value) -> jax.Array:
         """Write key/value [B, T, K, D] at the cache index, attend from query [B, T, N, D]."""
         index = self.cache_index[...]
+        check_cache_room(index, query.shape[1], self.cached_key.shape[1])
         start = (0, index, 0, 0)
         cached_key = lax.dynamic_update_slice(self.cached_key[...],
                                               key.astype(self.cached_key.dtype), start)
@@ -295,11 +341,13 @@ class FlashSelfAttention(nnx.Module):
 def make_attention_fn(
     *,
     is_causal: bool = False,
+    causal_alignment: CausalAlignment | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     implementation: Implementation | None = None,
     interpret: bool = False,
 ) -> Callable[..., jax.Array]:
-    """An ``attention_fn`` for ``flax.linen.MultiHeadDotProductAttention``.
+    """An ``attention_fn`` for ``flax.nnx.MultiHeadAttention`` and Linen's
+    ``MultiHeadDotProductAttention``.
 
     Prefer ``is_causal`` / ``local_window_size`` here to a causal ``mask`` array: the kernels
     skip the tiles a causal or window band hides, while a mask array is read tile by tile
@@ -307,16 +355,56 @@ def make_attention_fn(
 
     Example::
 
-        nn.MultiHeadDotProductAttention(num_heads=8,
-                                        attention_fn=make_attention_fn(is_causal=True))
+        nnx.MultiHeadAttention(num_heads=8, in_features=512, decode=False, rngs=rngs,
+                               attention_fn=make_attention_fn(is_causal=True))
 
-    The returned function takes Linen's ``dot_product_attention`` arguments
-    (``query: [..., seq_q, heads, head_dim]``, ``key, value: [..., seq_kv, heads, head_dim]``,
-    ``bias`` / ``mask`` broadcastable to ``[..., heads, seq_q, seq_kv]``, combined with the
-    band chosen here) and raises ``ValueError`` for dropout while training, or ``module``
-    (Linen passes it to sow attention weights, which are never formed). ``precision`` is
-    accepted and ignored: float32 inputs are always computed at full float32 precision.
+    The returned function takes the arguments of ``flax.nnx.dot_product_attention`` and
+    ``flax.linen.dot_product_attention`` (``query: [..., seq_q, heads, head_dim]``,
+    ``key, value: [..., seq_kv, kv_heads, head_dim]``, ``bias`` / ``mask`` broadcastable
+    to ``[..., heads, seq_q, seq_kv]``, combined with the band chosen here). NNX's
+    call-time ``is_causal`` adds a causal band to the one chosen here. It raises
+    ``ValueError`` for dropout while training (``dropout_rate > 0`` and not
+    ``deterministic``), for ``module`` (Flax passes it to sow attention weights, which are
+    never formed) and for ``input_positions`` (rotary embeddings are not applied here).
+    ``precision`` is accepted and ignored: float32 inputs are always computed at full
+    float32 precision.
+
+    Where the queries sit among the keys (which the causal band and window depend on):
+
+    * ``seq_q == seq_kv`` (training, prefill, Linen's cache-initialising call): query ``i``
+      is key ``i``.
+    * one query row against a longer key sequence: a Flax decode step (``decode=True``;
+      Flax decodes one token at a time). The query is the newest token: a causal band
+      hides nothing, and the cache slots not written yet are hidden by the mask Flax
+      passes (``arange(max_length) <= cache_index``), which is that row's causal mask.
+      Flax does not pass the cache index, so a window cannot be placed: that raises.
+    * any other ``seq_q != seq_kv`` with a band (a chunk of queries against a cache, or
+      causal cross-attention): ambiguous, so it raises unless ``causal_alignment`` is
+      given: ``"top_left"`` (query ``i`` is key ``i``: a prefill written at the start of
+      the cache) or ``"bottom_right"`` (the queries are the last ``seq_q`` keys: keys
+      concatenated as ``[past; new]``, or a chunk that fills the cache to its end).
+
+    Flax's own caches (Linen and NNX) write past their end by overwriting the last slot;
+    the index never reaches ``attention_fn``, so that cannot be caught here
+    (:class:`FlashSelfAttention` raises instead).
+
+    Args:
+      is_causal: each query sees only keys at or before its position.
+      causal_alignment: ``None`` (the rules above), ``"top_left"`` or ``"bottom_right"``
+        (as :func:`pallas_flash.attention`).
+      local_window_size: ``w`` or ``(left, right)``, as :func:`pallas_flash.attention`.
+      implementation, interpret: passed to :func:`pallas_flash.attention`.
+
+    Returns:
+      ``attention_fn(query, key, value, bias=None, mask=None, ...) -> [..., seq_q, heads,
+      head_dim]``.
     """
+    if not isinstance(is_causal, bool):
+        raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
+    if causal_alignment not in (None, "top_left", "bottom_right"):
+        raise ValueError("causal_alignment must be None, 'top_left' or 'bottom_right', "
+                         f"got {causal_alignment!r}")
+    causal_default = is_causal   # the call's own is_causal (NNX passes one) shadows it
 
     def attention_fn(
         query: jax.Array,
@@ -331,27 +419,56 @@ def make_attention_fn(
         dtype: Any = None,
         precision: Any = None,
         module: Any = None,
+        is_causal: bool = False,
+        input_positions: jax.Array | None = None,
     ) -> jax.Array:
         del broadcast_dropout, dropout_rng, precision
         if dropout_rate > 0.0 and not deterministic:
-            raise ValueError("pallas_flash attention_fn does not support attention dropout")
+            raise ValueError("pallas_flash attention_fn does not support attention dropout "
+                             "while training (dropout_rate > 0, deterministic=False)")
         if module is not None:
             raise ValueError("pallas_flash attention_fn cannot sow attention weights: "
                              "they are never materialised")
+        if input_positions is not None:
+            raise ValueError("pallas_flash attention_fn does not apply rotary embeddings: "
+                             "input_positions must be None")
+        causal = causal_default or bool(is_causal)
+        alignment = _alignment(query.shape[-3], key.shape[-3], causal, local_window_size,
+                               causal_alignment)
         query, key, value = promote_dtype(query, key, value, dtype=dtype)
-        # Linen allows any number of batch dimensions; the API takes exactly one.
+        # Flax allows any number of batch dimensions; the API takes exactly one.
         batch_shape = query.shape[:-3]
         flat = [x.reshape((int(np.prod(batch_shape)), *x.shape[-3:]))
                 for x in (query, key, value)]
-        if mask is not None:   # Linen's masks are float 0/1 by default (make_attention_mask)
+        if mask is not None:   # Flax's masks are float 0/1 by default (make_attention_mask)
             mask = mask.astype(bool)
         bias, mask = (_flatten_batch(x, batch_shape) for x in (bias, mask))
-        out = attention(*flat, bias, mask, is_causal=is_causal,
+        out = attention(*flat, bias, mask, is_causal=causal, causal_alignment=alignment,
                         local_window_size=local_window_size, implementation=implementation,
                         interpret=interpret)
         return out.reshape(*batch_shape, *out.shape[1:])
 
     return attention_fn
+
+
+def _alignment(seq_q: int, seq_kv: int, causal: bool, window, given: CausalAlignment | None,
+               ) -> CausalAlignment:
+    """The causal alignment of :func:`make_attention_fn` (the rules in its docstring)."""
+    if given is not None or seq_q == seq_kv or not (causal or window is not None):
+        return given or "top_left"
+    if seq_q == 1 and seq_kv > 1:
+        if window is not None:
+            raise ValueError(
+                "local_window_size with one query row against a longer key sequence (a Flax "
+                "decode step): Flax does not pass the query's cache index, so the window "
+                "cannot be placed; decode with pallas_flash.nn.FlashSelfAttention (its cache "
+                "tracks the position), or give causal_alignment if the query is the first "
+                "('top_left') or last ('bottom_right') key")
+        return "bottom_right"   # the newest token: Flax's decode mask hides the empty slots
+    raise ValueError(
+        f"a causal band or window with seq_q={seq_q} != seq_kv={seq_kv} is ambiguous: give "
+        "make_attention_fn causal_alignment='top_left' (query i is key i, e.g. a prefill at "
+        "the start of a cache) or 'bottom_right' (the queries are the last seq_q keys)")
 
 
 def _flatten_batch(x: jax.Array | None, batch_shape: tuple[int, ...]) -> jax.Array | None:

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
 import flax.linen as linen
 import jax
 import jax.numpy as jnp
@@ -10,10 +17,16 @@ import pytest
 from flax import nnx
 
 from pallas_flash.masking import MaskSpec
-from pallas_flash.nn import FlashSelfAttention, make_attention_fn, rotary_embedding
+from pallas_flash.nn import (
+    FlashSelfAttention,
+    check_cache_room,
+    make_attention_fn,
+    rotary_embedding,
+)
 from pallas_flash.reference import standard_attention
 
 D_MODEL, HEADS = 32, 4
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def reference_attention(query, key, value, *, is_causal, local_window_size, q_segment_ids,
@@ -203,3 +216,226 @@ def test_linen_attention_fn_rejects_what_it_cannot_do():
     fn(q, q, q, dropout_rate=0.1, deterministic=True)   # inference: dropout is off
     with pytest.raises(ValueError, match="mask"):
         fn(q, q, q, mask=jnp.ones((1, 1, 5, 4), bool))   # does not broadcast
+    with pytest.raises(ValueError, match="rotary"):
+        fn(q, q, q, input_positions=jnp.zeros((1, 4), jnp.int32))
+    with pytest.raises(ValueError, match="causal_alignment"):
+        make_attention_fn(causal_alignment="center")
+    with pytest.raises(ValueError, match="is_causal"):
+        make_attention_fn(is_causal=1)
+
+
+def _random(shape, seed):
+    return jax.random.normal(jax.random.key(seed), shape)
+
+
+def _linen_param_grads(module, params, x, **call_kwargs):
+    """(out, d sum(out * cotangent) / d (params, x)) of a Linen module."""
+    cotangent = _random(x.shape, 7)
+
+    def loss(params, x):
+        out = module.apply(params, x, **call_kwargs)
+        return jnp.sum(out * cotangent), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        params, x)
+    return out, grads
+
+
+def _assert_trees_close(got, want, tol):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+
+
+def _padding_and_causal_mask(seq, key_lengths, combine):
+    """Keys past each sequence's length hidden, plus causal: every query row keeps key 0,
+    so no row is fully masked (where Flax's and our conventions differ)."""
+    valid = jnp.arange(seq) < jnp.asarray(key_lengths)[:, None]
+    padding = valid[:, None, None, :]
+    causal = jnp.tril(jnp.ones((seq, seq), bool))[None, None]
+    return combine(padding, causal)
+
+
+def test_linen_attention_fn_gradients_match_flax_with_mask_and_inference_dropout():
+    # dropout_rate > 0 with deterministic=True: inference, so no dropout (Flax's own
+    # attention then takes its explicit-weights path; ours runs the kernels).
+    x = _inputs(seq=12)
+    mask = _padding_and_causal_mask(12, [12, 9], linen.combine_masks)
+    mha = functools.partial(linen.MultiHeadDotProductAttention, num_heads=HEADS,
+                            qkv_features=D_MODEL, dropout_rate=0.2)
+    params = mha().init(jax.random.key(0), x, mask=mask, deterministic=True)
+    got = _linen_param_grads(mha(attention_fn=make_attention_fn()), params, x,
+                             mask=mask, deterministic=True)
+    want = _linen_param_grads(mha(), params, x, mask=mask, deterministic=True)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    _assert_trees_close(got[1], want[1], 1e-4)
+
+
+def test_linen_decode_matches_full_causal_forward_at_every_step():
+    # Flax decodes one token at a time: the query is one row against the whole cache,
+    # and Flax's mask hides the slots not written yet.
+    seq = 10
+    x = _inputs(seq=seq)
+    fn = make_attention_fn(is_causal=True)
+    full = linen.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=D_MODEL)
+    decoder = linen.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=D_MODEL,
+                                                 attention_fn=fn, decode=True)
+    params = full.init(jax.random.key(0), x)
+    want = full.apply(params, x, mask=linen.make_causal_mask(x[..., 0]))   # Flax's own
+    cache = decoder.init(jax.random.key(0), x)["cache"]   # sized by x: seq slots
+    step = jax.jit(lambda cache, token: decoder.apply({**params, "cache": cache}, token,
+                                                      mutable=["cache"]))
+    for t in range(seq):
+        out, variables = step(cache, x[:, t:t + 1])
+        cache = variables["cache"]
+        np.testing.assert_allclose(out[:, 0], want[:, t], rtol=1e-5, atol=1e-5,
+                                   err_msg=f"step {t}")
+
+
+def _nnx_attention(attention_fn=None, **kwargs) -> nnx.MultiHeadAttention:
+    """Same seed, so layers differing only in attention_fn share their parameters."""
+    if attention_fn is not None:
+        kwargs["attention_fn"] = attention_fn
+    return nnx.MultiHeadAttention(num_heads=HEADS, in_features=D_MODEL, num_kv_heads=2,
+                                  decode=False, rngs=nnx.Rngs(0), **kwargs)
+
+
+@pytest.mark.parametrize("key_padding", [False, True])
+def test_nnx_decode_matches_full_causal_forward_at_every_step(key_padding):
+    seq = 10
+    x = _inputs(seq=seq)
+    # A key-padding mask [batch, 1, 1, seq] is combined with Flax's cache mask in decode.
+    mask = ((jnp.arange(seq) < jnp.array([seq, 6])[:, None])[:, None, None, :]
+            if key_padding else None)
+    want = _nnx_attention()(x, mask=mask, is_causal=True)   # Flax's nnx.dot_product_attention
+    layer = _nnx_attention(make_attention_fn(is_causal=True))
+    layer.init_cache(x.shape)
+    step = nnx.jit(lambda layer, token: layer(token, mask=mask, decode=True))
+    for t in range(seq):
+        np.testing.assert_allclose(step(layer, x[:, t:t + 1])[:, 0], want[:, t],
+                                   rtol=1e-5, atol=1e-5, err_msg=f"step {t}")
+
+
+def _nnx_grads(layer, x, **call_kwargs):
+    """(out, d sum(out * cotangent) / d (params, x)) of an NNX layer."""
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+    cotangent = _random(x.shape, 7)
+
+    def loss(params, x):
+        out = nnx.merge(graphdef, params, rest)(x, **call_kwargs)
+        return jnp.sum(out * cotangent), out
+
+    (_, out), (d_params, d_x) = jax.jit(
+        jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+    return out, (nnx.to_pure_dict(d_params), d_x)
+
+
+@pytest.mark.parametrize("ours, layer_kwargs, call_kwargs", [
+    # NNX's call-time is_causal reaches our function.
+    ({}, {}, {"is_causal": True}),
+    # The band from make_attention_fn, a padding mask, and inference with dropout set.
+    ({"is_causal": True}, {"dropout_rate": 0.2},
+     {"mask": "padding", "deterministic": True}),
+])
+def test_nnx_attention_fn_matches_flax(ours, layer_kwargs, call_kwargs):
+    x = _inputs(seq=12)
+    if call_kwargs.get("mask") == "padding":
+        padding = (jnp.arange(12) < jnp.array([12, 7])[:, None])[:, None, None, :]
+        call_kwargs = {**call_kwargs, "mask": padding}
+        # Flax's explicit-weights path cannot broadcast is_causal to a broadcast mask:
+        # give it the combined mask.
+        flax_call = {**call_kwargs,
+                     "mask": _padding_and_causal_mask(12, [12, 7], nnx.combine_masks)}
+    else:
+        flax_call = call_kwargs
+    got = _nnx_grads(_nnx_attention(make_attention_fn(**ours), **layer_kwargs), x,
+                     **call_kwargs)
+    want = _nnx_grads(_nnx_attention(**layer_kwargs), x, **flax_call)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    _assert_trees_close(got[1], want[1], 1e-4)
+
+
+def test_dropout_while_training_raises_through_the_flax_layers():
+    x = _inputs(seq=4)
+    layer = _nnx_attention(make_attention_fn(), dropout_rate=0.1)
+    with pytest.raises(ValueError, match="dropout"):
+        layer(x, deterministic=False)
+    mha = linen.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=D_MODEL,
+                                             dropout_rate=0.1, attention_fn=make_attention_fn())
+    params = mha.init(jax.random.key(0), x, deterministic=True)
+    with pytest.raises(ValueError, match="dropout"):
+        mha.apply(params, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
+    with pytest.raises(ValueError, match="sow"):
+        layer(x, sow_weights=True, deterministic=True)
+
+
+def test_attention_fn_placement_of_queries_shorter_than_keys():
+    q = _random((2, 3, HEADS, 8), 1)
+    k, v = _random((2, 8, HEADS, 8), 2), _random((2, 8, HEADS, 8), 3)
+    with pytest.raises(ValueError, match="ambiguous"):
+        make_attention_fn(is_causal=True)(q, k, v)
+    with pytest.raises(ValueError, match="window cannot be placed"):
+        make_attention_fn(is_causal=True, local_window_size=2)(q[:, :1], k, v)
+    # A 3-token prefill written at the start of an 8-slot cache, empty slots masked.
+    written = (jnp.arange(8) < 3)[None, None, None, :]
+    prefill = make_attention_fn(is_causal=True, causal_alignment="top_left")
+    np.testing.assert_allclose(
+        prefill(q, k, v, mask=written),
+        jax.nn.dot_product_attention(q, k[:, :3], v[:, :3], is_causal=True),
+        rtol=1e-5, atol=1e-5)
+    # Keys concatenated as [past; new]: the queries are the last three.
+    chunk = make_attention_fn(is_causal=True, causal_alignment="bottom_right")
+    visible = jnp.arange(8)[None, :] <= jnp.arange(5, 8)[:, None]
+    np.testing.assert_allclose(chunk(q, k, v),
+                               jax.nn.dot_product_attention(q, k, v, mask=visible),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_decoding_past_the_cache_raises():
+    layer = _layer(num_kv_heads=2)
+    x = _inputs(seq=6)
+    layer.init_cache(batch_size=2, max_length=5)
+    layer(x[:, :4], decode=True)
+    with pytest.raises(ValueError, match="cache index 4 runs past the cache's max_length 5"):
+        layer(x[:, 4:6], decode=True)
+    assert int(layer.cache_index[...]) == 4                       # nothing was written
+    with pytest.raises(ValueError, match="larger max_length"):   # never fits
+        nnx.jit(lambda layer, x: layer(x, decode=True))(layer, x)
+    # Under jit the index is traced: the device checks it and the host raises.
+    step = nnx.jit(lambda layer, token: layer(token, decode=True))
+    step(layer, x[:, 4:5]).block_until_ready()                    # slot 4: the last one
+    with pytest.raises(jax.errors.JaxRuntimeError, match="cache index 5 runs past"):
+        step(layer, x[:, 5:6]).block_until_ready()
+
+
+def test_check_cache_room_concrete_bounds():
+    check_cache_room(jnp.array(3, jnp.int32), 2, 5)     # fills the cache exactly
+    with pytest.raises(ValueError, match="cache index 4"):
+        check_cache_room(4, 2, 5)
+
+
+_EXTRAS = ("flax", "optax", "orbax", "matplotlib", "tqdm")
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter at the repository root (this checkout's package)."""
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_core_package_imports_no_extra():
+    done = _run_python(
+        "import sys, pallas_flash, pallas_flash.cli\n"
+        f"loaded = sorted(m for m in sys.modules if m.split('.')[0] in {_EXTRAS!r})\n"
+        "assert not loaded, loaded\n")
+    assert done.returncode == 0, done.stderr
+    core = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert sorted(re.match(r"[\w-]+", d).group() for d in core) == ["jax", "jaxlib", "numpy"]
+
+
+def test_nn_without_flax_says_how_to_install_it():
+    done = _run_python("import sys\nsys.modules['flax'] = None   # as if not installed\n"
+                       "import pallas_flash.nn\n")
+    assert done.returncode != 0
+    assert "pallas_flash.nn needs flax" in done.stderr
+    assert "pip install 'pallas-flash[flax]'" in done.stderr
