@@ -5,9 +5,11 @@ from pallas_flash.api import (
     available_implementations,
     default_implementation,
 )
+from pallas_flash.decode import decode_attention
 from pallas_flash.masking import MaskSpec
+from pallas_flash.paged import paged_attention, write_pages
 from pallas_flash.tuning import autotune
 
 __all__ = ["MaskSpec", "attention", "autotune", "available_implementations",
-           "default_implementation"]
+           "decode_attention", "default_implementation", "paged_attention", "write_pages"]
 __version__ = "0.1.0"

@@ -1,0 +1,329 @@
+"""Attention of a few new tokens to a KV cache, composed from the main forward kernels.
+
+Two ideas, each in one place:
+
+* **GQA head packing** (:func:`_pack_queries`): the ``group = heads // kv_heads`` query
+  heads of one kv head, times the ``seq_q`` new tokens, become the query rows of one plain
+  multi-head call with ``kv_heads`` heads, so a kernel tile reads each K/V byte once for the
+  whole group. Rows are ordered token-major (row ``t · group + g``).
+* **Split-KV** (:func:`_split_forward`, :func:`merge_splits`): the cache is cut into
+  ``num_splits`` chunks along the sequence, the chunks become extra batch entries
+  (``[batch · num_splits, ...]``, a reshape, no copy when the split divides the cache), and
+  the partial ``(out_i, lse_i)`` are merged exactly by their log-sum-exp. A short query on
+  a long cache then keeps every SM busy (:func:`default_num_splits`).
+
+Per-row positions. The cache of row ``b`` holds ``key_value_seq_lengths[b]`` tokens, the
+last ``seq_q`` of which are the queries' own (they were written before the call): query
+``t`` sits at position ``p = length_b - seq_q + t`` (bottom-right alignment, per row), sees
+keys ``<= p`` when causal and ``[p - left, p + right]`` with a window. The kernels' static
+:class:`~pallas_flash.masking.MaskSpec` cannot say this for ragged lengths, so visibility is
+carried by arrays the kernels already take: kv segment ids mark each row's interval of keys
+that any of its queries can see (so tiles outside it are skipped, never read), and, only
+when ``seq_q > 1`` with a causal or window mask (where visibility differs between tokens),
+a boolean mask array ``[batch · num_splits, 1, seq_q · group, chunk]`` gives the exact band
+(it costs ``seq_q · group`` bytes per key, ~1.5 % of the K/V bytes at 16 tokens, group 4,
+8 kv heads, head_dim 128; Mosaic takes mask arrays up to head_dim 192, above it the call
+runs on the next backend).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_flash import dispatch
+from pallas_flash.api import (
+    PADDED_KEY_ID,
+    Implementation,
+    _canonical_window,
+    _check_scale,
+    _check_sinks,
+    _check_soft_cap,
+    _resolve_config,
+)
+from pallas_flash.autodiff import StaticArgs, attention_with_lse
+from pallas_flash.masking import MaskSpec
+from pallas_flash.padding import pad_axis
+from pallas_flash.reference import EMPTY_ROW_LSE
+
+#: Longest query (new tokens per sequence) :func:`decode_attention` takes.
+MAX_DECODE_SEQ_Q = 16
+#: Work units the split heuristic aims at: two per SM of an H200 (132 SMs).
+TARGET_WORK_UNITS = 2 * 132
+#: Shortest chunk the split heuristic makes (shorter ones are dominated by the merge).
+MIN_SPLIT_KEYS = 256
+
+
+def default_num_splits(batch: int, kv_heads: int, seq_kv: int) -> int:
+    """The heuristic number of K/V chunks for a decode call.
+
+    One unit of work is a (sequence, kv head, chunk) triple: the packed query rows of one kv
+    head are one tile. Returns the smallest ``n`` with ``batch · kv_heads · n >=``
+    :data:`TARGET_WORK_UNITS`, at most ``seq_kv //`` :data:`MIN_SPLIT_KEYS`, then lowered to
+    a divisor of ``seq_kv`` (so that the split is a reshape, not a padded copy); at least 1.
+    E.g. 32 × 8192 with 8 kv heads: 2; 8 × 32768: 4; 1 × 131072: 32.
+    """
+    wanted = math.ceil(TARGET_WORK_UNITS / (batch * kv_heads))
+    n = max(1, min(wanted, seq_kv // MIN_SPLIT_KEYS))
+    while seq_kv % n:
+        n -= 1
+    return n
+
+
+def decode_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    scale: float | None = None,
+    is_causal: bool = True,
+    local_window_size: int | tuple[int, int] | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
+    num_splits: int | None = None,
+    return_residual: bool = False,
+    implementation: Implementation | None = None,
+    interpret: bool = False,
+    config: Any = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Attention of ``seq_q <= 16`` new tokens per sequence to a KV cache.
+
+    Alignment is bottom-right *per row*: the cache of sequence ``b`` holds
+    ``key_value_seq_lengths[b]`` tokens (default: all ``seq_kv``), the last ``seq_q`` of
+    which are the new tokens themselves, so query ``t`` is at position
+    ``key_value_seq_lengths[b] - seq_q + t``. Keys at or past the length are hidden.
+
+    Args:
+      query: ``[batch, seq_q, heads, head_dim]``, ``seq_q <= 16``.
+      key: ``[batch, seq_kv, kv_heads, head_dim]``, ``heads`` a multiple of ``kv_heads``.
+      value: ``[batch, seq_kv, kv_heads, head_dim]``.
+      scale: logit scale; default ``1 / sqrt(head_dim)``.
+      is_causal: a query hides the keys after its own position (for ``seq_q == 1`` the
+        length alone does that).
+      local_window_size: ``w`` or ``(left, right)``: query at ``p`` sees keys in
+        ``[p - left, p + right]``.
+      key_value_seq_lengths: ``[batch]`` integer tokens in each row's cache, in
+        ``[0, seq_kv]``; chunks past a row's length are hidden (and their tiles skipped by
+        the Pallas kernels).
+      logits_soft_cap: ``c > 0``: logits become ``c · tanh(logits / c)``.
+      sinks: ``[heads]`` logits joining each row's softmax denominator once (not once per
+        split).
+      num_splits: K/V chunks along the sequence (None: :func:`default_num_splits`). One
+        that does not divide ``seq_kv`` pads the cache to a multiple (a copy).
+      return_residual: also return ``lse: [batch, seq_q, heads]`` float32.
+      implementation, interpret, config: as :func:`pallas_flash.attention`; ``config``
+        configures the per-chunk forward (packed shapes ``[batch · num_splits,
+        seq_q · group, kv_heads, head_dim]`` against chunks ``[batch · num_splits,
+        seq_kv / num_splits, kv_heads, head_dim]``).
+
+    Returns:
+      ``out: [batch, seq_q, heads, head_dim]`` in the input dtype, or ``(out, lse)``; rows
+      that see no key (and no sink) output 0 with lse ``-1e30``. Differentiable in query,
+      key, value and sinks.
+    """
+    dispatch.check_arrays(query, key, value)
+    batch, seq_q, heads, head_dim = query.shape
+    seq_kv, kv_heads = key.shape[1], key.shape[2]
+    if seq_q > MAX_DECODE_SEQ_Q:
+        raise ValueError(
+            f"query seq_q must be at most {MAX_DECODE_SEQ_Q} for decode_attention, got "
+            f"{seq_q}; use pallas_flash.attention for longer queries")
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    _check_scale(scale)
+    for name, flag in (("is_causal", is_causal), ("interpret", interpret),
+                       ("return_residual", return_residual)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool, got {flag!r}")
+    window = _canonical_window(local_window_size)
+    softcap = _check_soft_cap(logits_soft_cap)
+    sinks = _check_sinks(sinks, heads)
+    lengths = _check_lengths(key_value_seq_lengths, batch, seq_kv)
+    if num_splits is None:
+        num_splits = default_num_splits(batch, kv_heads, seq_kv)
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+
+    rows = CacheVisibility(seq_q=seq_q, group=heads // kv_heads, is_causal=is_causal, window=window)
+    out, lse = _split_forward(_pack_queries(query, kv_heads), key, value, lengths, rows,
+                              num_splits=num_splits, scale=float(scale), softcap=softcap,
+                              implementation=implementation, interpret=interpret,
+                              config=config)
+    out, lse = _unpack(out, lse, heads)  # [B, T, H, D], [B, H, T]
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks)
+    if return_residual:
+        return out, jnp.transpose(lse, (0, 2, 1))
+    return out
+
+
+def _check_lengths(lengths, batch: int, seq_kv: int):
+    """``key_value_seq_lengths`` as int32 ``[batch]`` (None: every key), range-checked when
+    concrete."""
+    if lengths is None:
+        return None
+    if getattr(lengths, "shape", None) != (batch,):
+        raise ValueError(f"key_value_seq_lengths must have shape [batch] = {(batch,)}, "
+                         f"got {getattr(lengths, 'shape', None)}")
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(
+            f"key_value_seq_lengths must have an integer dtype, got {lengths.dtype}")
+    if not isinstance(lengths, jax.core.Tracer):
+        low, high = int(jnp.min(lengths)), int(jnp.max(lengths))
+        if low < 0 or high > seq_kv:
+            raise ValueError(f"key_value_seq_lengths must lie in [0, {seq_kv}] (the cache "
+                             f"length), got values in [{low}, {high}]")
+    return lengths.astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheVisibility:
+    """Which cached keys each query token sees, with per-row bottom-right alignment.
+
+    Token ``t`` of row ``b`` is at ``p = lengths[b] - seq_q + t``; packed query rows
+    ``t · group + g`` (``g < group``) share token ``t``'s keys.
+    """
+
+    seq_q: int
+    group: int
+    is_causal: bool
+    window: tuple[int, int] | None
+
+    @property
+    def needs_mask_array(self) -> bool:
+        """Whether tokens of one row see different keys (else segment ids say it all)."""
+        return self.seq_q > 1 and (self.is_causal or self.window is not None)
+
+    def first_visible(self, lengths: jax.Array) -> jax.Array:
+        """``[B]``: the first key any token of the row can see (the window's left edge)."""
+        if self.window is None:
+            return jnp.zeros_like(lengths)
+        return jnp.maximum(lengths - self.seq_q - self.window[0], 0)
+
+    def token_visible(self, lengths: jax.Array, positions: jax.Array) -> jax.Array:
+        """``[B, T, P]``: token ``t`` of row ``b`` sees the key at ``positions[p]``."""
+        query_pos = (lengths[:, None] - self.seq_q + jnp.arange(self.seq_q))[:, :, None]
+        keys = positions[None, None, :]
+        visible = (keys < lengths[:, None, None]) & (keys >= 0)
+        if self.is_causal:
+            visible &= keys <= query_pos
+        if self.window is not None:
+            visible &= (keys >= query_pos - self.window[0]) & (keys <= query_pos + self.window[1])
+        return visible
+
+
+def _pack_queries(query: jax.Array, kv_heads: int) -> jax.Array:
+    """``[B, T, K·G, D]`` -> ``[B, T·G, K, D]``, row ``t·G + g`` = head ``k·G + g`` of token
+    ``t`` (query head ``h`` uses kv head ``h // G``, as ``jnp.repeat`` of the kv heads)."""
+    batch, seq_q, heads, head_dim = query.shape
+    group = heads // kv_heads
+    grouped = query.reshape(batch, seq_q, kv_heads, group, head_dim)
+    return jnp.swapaxes(grouped, 2, 3).reshape(batch, seq_q * group, kv_heads, head_dim)
+
+
+def _unpack(out: jax.Array, lse: jax.Array, heads: int) -> tuple[jax.Array, jax.Array]:
+    """The inverse of :func:`_pack_queries` on ``out [B, T·G, K, D]`` and
+    ``lse [B, K, T·G]``: returns ``out [B, T, H, D]`` and ``lse [B, H, T]``."""
+    batch, rows, kv_heads, head_dim = out.shape
+    group = heads // kv_heads
+    seq_q = rows // group
+    out = jnp.swapaxes(out.reshape(batch, seq_q, group, kv_heads, head_dim), 2, 3)
+    lse = jnp.swapaxes(lse.reshape(batch, kv_heads, seq_q, group), 2, 3)
+    return out.reshape(batch, seq_q, heads, head_dim), lse.reshape(batch, heads, seq_q)
+
+
+def _split_forward(packed_q, key, value, lengths, rows: CacheVisibility, *, num_splits: int,
+                   scale: float, softcap, implementation, interpret: bool, config):
+    """Packed queries ``[B, R, K, D]`` against ``num_splits`` chunks of the cache, merged.
+
+    Returns ``out [B, R, K, D]`` and ``lse [B, K, R]`` float32 of the whole cache.
+    """
+    batch, seq_kv = key.shape[0], key.shape[1]
+    chunk = -(-seq_kv // num_splits)
+    padded_kv = chunk * num_splits
+    full = jnp.full((batch,), seq_kv, jnp.int32)
+    # Segment ids are needed whenever some key is hidden from a whole row (length, padding,
+    # a window's left edge); without any, the chunks run unmasked.
+    needs_ids = lengths is not None or padded_kv != seq_kv or rows.window is not None
+    lengths = full if lengths is None else lengths
+
+    def split(x):  # [B, S, ...] -> [B·n, S/n, ...] (padded when n does not divide S)
+        x = pad_axis(x, 1, padded_kv)
+        return x.reshape(batch * num_splits, chunk, *x.shape[2:])
+
+    k_chunks, v_chunks = split(key), split(value)
+    q_chunks = jnp.repeat(packed_q, num_splits, axis=0)  # [B·n, R, K, D], small
+    positions = jnp.arange(padded_kv, dtype=jnp.int32)
+    segment_ids = attn_mask = None
+    if needs_ids:
+        seen = (positions[None, :] < lengths[:, None]) & (
+            positions[None, :] >= rows.first_visible(lengths)[:, None])
+        kv_ids = jnp.where(seen, 0, PADDED_KEY_ID).astype(jnp.int32)
+        q_ids = jnp.zeros(q_chunks.shape[:2], jnp.int32)
+        segment_ids = (q_ids, kv_ids.reshape(batch * num_splits, chunk))
+    if rows.needs_mask_array:
+        visible = rows.token_visible(lengths, positions)  # [B, T, S']
+        visible = jnp.repeat(visible, rows.group, axis=1)  # [B, T·G, S']
+        visible = visible.reshape(batch, -1, num_splits, chunk)
+        attn_mask = jnp.swapaxes(visible, 1, 2).reshape(batch * num_splits, 1, -1, chunk)
+
+    spec = MaskSpec(seq_q=q_chunks.shape[1], seq_kv=chunk)
+    features = dispatch.Features(has_segments=segment_ids is not None, softcap=softcap,
+                                 has_mask=attn_mask is not None)
+    if implementation is None:
+        implementation = dispatch.choose(q_chunks.shape, k_chunks.shape, q_chunks.dtype, spec,
+                                         features, interpret=interpret)
+    reason = dispatch.unsupported(implementation, q_chunks.shape, k_chunks.shape,
+                                  q_chunks.dtype, spec, features)
+    if reason is not None:
+        raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
+    config = _resolve_config(config, implementation, q_chunks, k_chunks, v_chunks, spec,
+                             interpret)
+    static = StaticArgs(kernels=dispatch.backend(implementation).KERNELS, mask=spec,
+                        scale=scale, config=config, interpret=interpret, softcap=softcap)
+    out, lse = attention_with_lse(q_chunks, k_chunks, v_chunks, segment_ids, None, None,
+                                  attn_mask, static)
+    out = out.reshape(batch, num_splits, *out.shape[1:])
+    lse = lse.reshape(batch, num_splits, *lse.shape[1:])
+    return merge_splits(out, lse)
+
+
+def merge_splits(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Exact merge of partial attentions over disjoint key chunks.
+
+    Args:
+      out: ``[B, n, R, K, D]``, each chunk's softmax-normalised output.
+      lse: ``[B, n, K, R]`` float32, each chunk's log-denominator; a chunk in which a row
+        sees no key has lse ``-1e30`` (or ``-inf``) and out 0.
+
+    Returns:
+      ``out [B, R, K, D]`` (dtype of ``out``) ``= Σ_i exp(lse_i - lse) · out_i`` and
+      ``lse [B, K, R] = logsumexp_i lse_i``; rows empty in every chunk give out 0 and lse
+      ``-1e30`` (no NaN, also in the gradients).
+    """
+    lse = jnp.maximum(lse.astype(jnp.float32), EMPTY_ROW_LSE)  # -inf -> a finite floor
+    top = jnp.max(lse, axis=1, keepdims=True)
+    weights = jnp.exp(lse - top)  # [B, n, K, R]; the largest is 1, so the sum is >= 1
+    total = jnp.sum(weights, axis=1)
+    empty = top[:, 0] <= EMPTY_ROW_LSE / 2
+    merged_lse = jnp.where(empty, EMPTY_ROW_LSE, top[:, 0] + jnp.log(total))
+    shares = jnp.transpose(weights / total[:, None], (0, 1, 3, 2))[..., None]  # [B,n,R,K,1]
+    merged = jnp.sum(shares * out.astype(jnp.float32), axis=1)
+    return merged.astype(out.dtype), merged_lse
+
+
+def add_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array
+              ) -> tuple[jax.Array, jax.Array]:
+    """Joins one sink logit per head to the softmax denominator.
+
+    ``out [B, T, H, D]``, ``lse [B, H, T]`` float32 of the keys alone, ``sinks [H]`` ->
+    the same with ``lse = logaddexp(lse, sink)`` and ``out`` scaled by the keys' share
+    ``exp(lse_keys - lse)``.
+    """
+    full_lse = jnp.logaddexp(lse, sinks.astype(jnp.float32)[None, :, None])
+    share = jnp.exp(lse - full_lse)
+    return (out * jnp.swapaxes(share, 1, 2)[..., None]).astype(out.dtype), full_lse

@@ -1,0 +1,341 @@
+"""Decode (a few new tokens against a KV cache), contiguous and paged, vs the float64 oracle.
+
+The oracle runs each sequence on its own cache cut to its length, with bottom-right causal
+alignment (:class:`MaskSpec` ``causal_alignment="bottom_right"``): the semantics that
+:func:`pallas_flash.decode_attention` implements with per-row lengths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from support import BACKENDS, F32, assert_matches, fresh_key, random_qkv, rel_err
+
+import pallas_flash as pf
+from pallas_flash.decode import default_num_splits, merge_splits
+from pallas_flash.masking import MaskSpec
+from pallas_flash.paged import gather_pages
+from pallas_flash.reference import EMPTY_ROW_LSE, attention_float64
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    batch: int = 3
+    seq_q: int = 1
+    seq_kv: int = 48
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    is_causal: bool = True
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    sinks: bool = False
+
+    def __str__(self) -> str:
+        parts = [f"t{self.seq_q}", f"h{self.heads}k{self.kv_heads}"]
+        if not self.is_causal:
+            parts.append("noncausal")
+        if self.window:
+            parts.append(f"w{self.window[0]}-{self.window[1]}")
+        if self.softcap:
+            parts.append("cap")
+        if self.sinks:
+            parts.append("sinks")
+        return "-".join(parts)
+
+
+def _lengths(case: Case) -> np.ndarray:
+    """Ragged lengths in [1, seq_kv]: the full cache, one shorter than seq_q, one between."""
+    rng = np.random.default_rng(int(jax.random.randint(fresh_key(), (), 0, 2**30)))
+    lengths = np.concatenate([[case.seq_kv, 2], rng.integers(1, case.seq_kv + 1, case.batch)])
+    return lengths[:case.batch].astype(np.int32)
+
+
+def _sinks(case: Case):
+    return jax.random.normal(fresh_key(), (case.heads,), jnp.float32) if case.sinks else None
+
+
+def _oracle(case: Case, q, k, v, lengths, sinks, d_out=None):
+    """Per sequence, the float64 oracle on the cache cut to its length; (out, lse [B, N, T])
+    and, with ``d_out``, (dq, dk, dv, [d_sinks]) with zero key gradients past the length."""
+    outs, lses, grads = [], [], []
+    for b, length in enumerate(np.asarray(lengths)):
+        spec = MaskSpec(seq_q=case.seq_q, seq_kv=int(length), is_causal=case.is_causal,
+                        causal_alignment="bottom_right", window=case.window)
+        rows = slice(b, b + 1)
+        result = attention_float64(
+            q[rows], k[rows, :length], v[rows, :length], mask=spec, softcap=case.softcap,
+            sinks=sinks, d_out=None if d_out is None else d_out[rows])
+        outs.append(result[0])
+        lses.append(result[1])
+        if d_out is not None:
+            pad = [(0, 0), (0, case.seq_kv - length), (0, 0), (0, 0)]
+            dq, dk, dv, *d_sinks = result[2]
+            grads.append((dq, np.pad(dk, pad), np.pad(dv, pad), *d_sinks))
+    out, lse = np.concatenate(outs), np.concatenate(lses)
+    if d_out is None:
+        return out, lse
+    merged = [np.concatenate([g[i] for g in grads]) for i in range(3)]
+    if sinks is not None:
+        merged.append(sum(g[3] for g in grads))
+    return out, lse, tuple(merged)
+
+
+def _jitted(fn, **static):
+    """``fn`` jitted with the keywords ``static`` fixed (eager dispatch is ~5x slower)."""
+    return jax.jit(functools.partial(fn, **static))
+
+
+CASES = [
+    Case(),
+    Case(seq_q=4, heads=8, kv_heads=2, sinks=True),
+    Case(seq_q=4, heads=4, kv_heads=1, window=(6, 0), softcap=2.0),  # MQA
+    Case(seq_q=1, heads=6, kv_heads=3, window=(5, 5), is_causal=False, softcap=3.0,
+         sinks=True),
+    Case(seq_q=3, is_causal=False, heads=2, kv_heads=2, window=(4, 1)),  # MHA
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_decode_matches_oracle_for_every_split(case):
+    """xla backend, float32; num_splits 1, 5 (not a divisor of 48: the cache is padded) and
+    12 (chunks of 4 keys: most of them past the short rows' lengths)."""
+    q, k, v, _ = random_qkv(case.batch, case.seq_q, case.seq_kv, case.heads, case.kv_heads,
+                            case.head_dim)
+    lengths, sinks = _lengths(case), _sinks(case)
+    ref_out, ref_lse = _oracle(case, q, k, v, lengths, sinks)
+    for num_splits in (1, 5, 12):
+        decode = _jitted(pf.decode_attention, is_causal=case.is_causal,
+                         local_window_size=case.window, logits_soft_cap=case.softcap,
+                         num_splits=num_splits, return_residual=True, implementation="xla")
+        out, lse = decode(q, k, v, key_value_seq_lengths=jnp.asarray(lengths), sinks=sinks)
+        assert_matches(out, lse, (), ref_out, ref_lse, (), F32, names=())
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=str)
+def test_decode_triton_interpret(case):
+    """The Triton kernels (interpret mode) under the packing and the split; the second
+    case carries a mask array (seq_q > 1 with a window)."""
+    q, k, v, _ = random_qkv(case.batch, case.seq_q, case.seq_kv, case.heads, case.kv_heads,
+                            case.head_dim)
+    lengths, sinks = _lengths(case), _sinks(case)
+    ref_out, ref_lse = _oracle(case, q, k, v, lengths, sinks)
+    out, lse = pf.decode_attention(
+        q, k, v, is_causal=case.is_causal, local_window_size=case.window,
+        key_value_seq_lengths=jnp.asarray(lengths), logits_soft_cap=case.softcap,
+        sinks=sinks, num_splits=2, return_residual=True,
+        **BACKENDS["triton"].kwargs(case.head_dim))
+    assert_matches(out, lse, (), ref_out, ref_lse, (), F32, names=())
+
+
+def test_decode_gradients_match_oracle():
+    """Gradients of q, k, v and sinks through the packing, three splits and the merge."""
+    case = Case(seq_q=4, heads=4, kv_heads=2, window=(9, 0), sinks=True)
+    q, k, v, d_out = random_qkv(case.batch, case.seq_q, case.seq_kv, case.heads,
+                                case.kv_heads, case.head_dim)
+    lengths, sinks = _lengths(case), _sinks(case)
+
+    def f(q, k, v, sinks):
+        return pf.decode_attention(q, k, v, local_window_size=case.window,
+                                   key_value_seq_lengths=jnp.asarray(lengths), sinks=sinks,
+                                   num_splits=3, implementation="xla")
+
+    out, vjp = jax.vjp(jax.jit(f), q, k, v, sinks)
+    grads = vjp(d_out)
+    ref_out, _, ref_grads = _oracle(case, q, k, v, lengths, sinks, d_out)
+    assert rel_err(out, ref_out) < 1e-5
+    for name, got, want in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads, strict=True):
+        assert rel_err(got, want) < 2e-5, (name, rel_err(got, want))
+
+
+def test_decode_mosaic_interpret_one_small_case():
+    case = Case(batch=2, seq_q=2, seq_kv=128, heads=4, kv_heads=2, head_dim=64)
+    q, k, v, _ = random_qkv(case.batch, case.seq_q, case.seq_kv, case.heads, case.kv_heads,
+                            case.head_dim, jnp.bfloat16)
+    lengths = np.array([128, 70], np.int32)
+    ref_out, ref_lse = _oracle(case, q, k, v, lengths, None)
+    out, lse = pf.decode_attention(
+        q, k, v, key_value_seq_lengths=jnp.asarray(lengths), num_splits=2,
+        return_residual=True, **BACKENDS["mosaic"].kwargs(case.head_dim))
+    assert_matches(out, lse, (), ref_out, ref_lse, (), jnp.bfloat16, names=())
+
+
+def test_rows_without_any_key_give_zero_and_the_empty_lse():
+    q, k, v, _ = random_qkv(2, 1, 32, 4, 2, 16)
+    decode = _jitted(pf.decode_attention, num_splits=4, return_residual=True,
+                     implementation="xla")
+    out, lse = decode(q, k, v, key_value_seq_lengths=jnp.array([0, 0]))
+    assert np.all(np.asarray(out) == 0)
+    assert np.all(np.asarray(lse) == np.float32(EMPTY_ROW_LSE))
+
+
+def test_merge_splits_takes_minus_inf_chunks_without_nan():
+    out = jax.random.normal(fresh_key(), (1, 3, 2, 1, 4), jnp.float32)
+    lse = jnp.array([[[[0.5, -jnp.inf]], [[-jnp.inf, -jnp.inf]], [[1.5, -jnp.inf]]]])
+    out = out.at[:, 1].set(0).at[:, :, 1].set(0)  # empty chunks hold out 0
+    merged, merged_lse = merge_splits(out, lse)
+    expected_lse = np.logaddexp(0.5, 1.5)
+    assert np.allclose(merged_lse[0, 0, 0], expected_lse, rtol=1e-6)
+    assert merged_lse[0, 0, 1] == np.float32(EMPTY_ROW_LSE)
+    expected = (np.exp(0.5 - expected_lse) * out[0, 0, 0] + np.exp(1.5 - expected_lse)
+                * out[0, 2, 0])
+    assert np.allclose(merged[0, 0], expected, rtol=1e-6, atol=1e-7)
+    assert np.all(np.asarray(merged[0, 1]) == 0)
+
+
+@pytest.mark.parametrize(("batch", "kv_heads", "seq_kv", "expected"), [
+    (32, 8, 8192, 2),      # 256 units: 2 reach 264
+    (8, 8, 32768, 4),      # 5 wanted, 4 the largest divisor below
+    (1, 8, 131072, 32),    # 33 wanted, 32 divides
+    (1, 1, 300, 1),        # a chunk of at least 256 keys
+    (64, 8, 4096, 1),      # enough units already
+])
+def test_default_num_splits(batch, kv_heads, seq_kv, expected):
+    assert default_num_splits(batch, kv_heads, seq_kv) == expected
+
+
+# --- paged ----------------------------------------------------------------------------
+
+
+def _scattered_pool(k, v, page_size: int, extra_pages: int = 3):
+    """Contiguous k, v [B, S, K, D] -> pools with the pages in random order (plus unused
+    pages of noise) and the page table that addresses them."""
+    batch, seq_kv = k.shape[:2]
+    per_seq = seq_kv // page_size
+    num_pages = batch * per_seq + extra_pages
+    order = np.asarray(jax.random.permutation(fresh_key(), num_pages))[:batch * per_seq]
+    table = order.reshape(batch, per_seq).astype(np.int32)
+    noise = jax.random.normal(fresh_key(), (num_pages, page_size, *k.shape[2:]), k.dtype)
+    pages = k.reshape(batch * per_seq, page_size, *k.shape[2:])
+    key_pages = noise.at[order].set(pages)
+    value_pages = noise.at[order].set(v.reshape(pages.shape))
+    return key_pages, value_pages, jnp.asarray(table)
+
+
+@pytest.mark.parametrize("seq_q", [1, 4, 20])
+def test_paged_matches_oracle(seq_q):
+    """Pages scattered at random; seq_q 20 takes the chunked-prefill path."""
+    case = Case(seq_q=seq_q, seq_kv=64, heads=4, kv_heads=2, window=(30, 0) if seq_q == 4
+                else None, sinks=seq_q == 1)
+    q, k, v, _ = random_qkv(case.batch, case.seq_q, case.seq_kv, case.heads, case.kv_heads,
+                            case.head_dim)
+    key_pages, value_pages, table = _scattered_pool(k, v, page_size=8)
+    lengths, sinks = _lengths(case), _sinks(case)
+    ref_out, ref_lse = _oracle(case, q, k, v, lengths, sinks)
+    paged = _jitted(pf.paged_attention, local_window_size=case.window, return_residual=True,
+                    implementation="xla")
+    out, lse = paged(q, key_pages, value_pages, table, jnp.asarray(lengths), sinks=sinks)
+    assert_matches(out, lse, (), ref_out, ref_lse, (), F32, names=())
+
+
+def test_out_of_range_page_ids_are_clamped_on_read():
+    pages = jax.random.normal(fresh_key(), (5, 8, 1, 4), jnp.float32)
+    table = jnp.array([[7, -3, 2]], jnp.int32)
+    gathered = np.asarray(gather_pages(pages, table))
+    expected = np.concatenate([pages[4], pages[0], pages[2]])[None]
+    assert np.array_equal(gathered, expected)
+
+
+def test_write_pages_round_trip():
+    """Prefill 13 tokens, then decode 1 and 3 more through jit with donated pools; the
+    gathered cache holds every token at its position, and other pages are untouched."""
+    batch, kv_heads, head_dim, page_size = 2, 2, 4, 8
+    num_pages = 9
+    key_pages = jnp.zeros((num_pages, page_size, kv_heads, head_dim), jnp.float32)
+    value_pages = jnp.full_like(key_pages, -1.0)
+    table = jnp.array([[3, 0, 7], [5, 1, 2]], jnp.int32)
+    write = jax.jit(pf.write_pages, donate_argnums=(0, 1))
+    lengths = jnp.zeros((batch,), jnp.int32)
+    written_k, written_v = [], []
+    for count in (13, 1, 3):
+        new_k = jax.random.normal(fresh_key(), (batch, count, kv_heads, head_dim))
+        new_v = jax.random.normal(fresh_key(), (batch, count, kv_heads, head_dim))
+        key_pages, value_pages = write(key_pages, value_pages, table, lengths, new_k, new_v)
+        lengths = lengths + count
+        written_k.append(new_k)
+        written_v.append(new_v)
+    total = int(lengths[0])
+    for pages, written in ((key_pages, written_k), (value_pages, written_v)):
+        cache = np.asarray(gather_pages(pages, table))
+        assert np.array_equal(cache[:, :total], np.concatenate(written, axis=1))
+    assert np.all(np.asarray(key_pages[jnp.array([4, 6, 8])]) == 0)
+    assert np.all(np.asarray(value_pages[jnp.array([4, 6, 8])]) == -1)
+
+
+def test_write_through_an_out_of_range_page_id_is_dropped():
+    key_pages = jnp.zeros((2, 8, 1, 4), jnp.float32)
+    table = jnp.array([[9, 1]], jnp.int32)
+    new = jnp.ones((1, 10, 1, 4), jnp.float32)  # 8 slots of page 9 (dropped), 2 of page 1
+    key_pages, _ = pf.write_pages(key_pages, key_pages, table, jnp.array([0]), new, new)
+    assert np.all(np.asarray(key_pages[0]) == 0)
+    assert np.all(np.asarray(key_pages[1, :2]) == 1) and np.all(np.asarray(key_pages[1, 2:]) == 0)
+
+
+def _paged_args(**overrides):
+    args = dict(query=jnp.ones((2, 1, 4, 8)), key_pages=jnp.ones((6, 8, 2, 8)),
+                value_pages=jnp.ones((6, 8, 2, 8)), page_table=jnp.zeros((2, 3), jnp.int32),
+                cache_lengths=jnp.array([5, 24]))
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    (dict(key_pages=jnp.ones((6, 8, 2))), "key_pages must have rank 4"),
+    (dict(value_pages=jnp.ones((6, 8, 2, 8), jnp.int32)), "value_pages dtype"),
+    (dict(value_pages=jnp.ones((6, 8, 1, 8))), "same shape"),
+    (dict(key_pages=jnp.ones((6, 12, 2, 8)), value_pages=jnp.ones((6, 12, 2, 8))),
+     "page_size"),
+    (dict(page_table=jnp.zeros((2, 3), jnp.int16)), "page_table must be an int32"),
+    (dict(page_table=jnp.zeros((6,), jnp.int32)), "page_table must be an int32"),
+    (dict(cache_lengths=jnp.array([5.0, 24.0])), "cache_lengths must be an integer"),
+    (dict(cache_lengths=jnp.array([5, 24, 1])), "cache_lengths must be an integer"),
+    (dict(cache_lengths=jnp.array([5, 25])), "cache_lengths must lie in"),
+    (dict(cache_lengths=jnp.array([-1, 2])), "cache_lengths must lie in"),
+    (dict(query=jnp.ones((3, 1, 4, 8))), "query must have rank 4"),
+    (dict(query=jnp.ones((2, 1, 3, 8))), "multiple of key/value"),
+])
+def test_paged_attention_rejects_bad_input(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        pf.paged_attention(**_paged_args(**overrides))
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    (dict(new_key=jnp.ones((2, 1, 2, 4))), "new_key must have shape"),
+    (dict(new_value=jnp.ones((2, 1, 2, 8), jnp.bfloat16)), "new_value dtype"),
+    (dict(new_value=jnp.ones((2, 2, 2, 8))), "same shape"),
+    (dict(cache_lengths=jnp.array([5, 24])), r"cache_lengths \+ seq_new must lie in"),
+])
+def test_write_pages_rejects_bad_input(overrides, match):
+    args = _paged_args()
+    del args["query"]
+    args.update(new_key=jnp.ones((2, 1, 2, 8)), new_value=jnp.ones((2, 1, 2, 8)),
+                cache_lengths=jnp.array([5, 23]))
+    args.update(overrides)
+    with pytest.raises(ValueError, match=match):
+        pf.write_pages(**args)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(query=jnp.ones((2, 17, 4, 8))), "seq_q must be at most 16"),
+    (dict(num_splits=0), "num_splits"),
+    (dict(num_splits=2.0), "num_splits"),
+    (dict(key_value_seq_lengths=jnp.array([1, 33])), "key_value_seq_lengths must lie in"),
+    (dict(key_value_seq_lengths=jnp.array([1])), "key_value_seq_lengths must have shape"),
+    (dict(key_value_seq_lengths=jnp.array([1.0, 2.0])), "integer dtype"),
+    (dict(is_causal=1), "is_causal must be a bool"),
+    (dict(sinks=jnp.ones((3,))), "sinks must have shape"),
+    (dict(logits_soft_cap=-1.0), "logits_soft_cap"),
+    (dict(local_window_size=-2), "local_window_size"),
+    (dict(key=jnp.ones((2, 32, 3, 8)), value=jnp.ones((2, 32, 3, 8))), "multiple of key/value"),
+])
+def test_decode_attention_rejects_bad_input(kwargs, match):
+    args = dict(query=jnp.ones((2, 1, 4, 8)), key=jnp.ones((2, 32, 2, 8)),
+                value=jnp.ones((2, 32, 2, 8)), implementation="xla")
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        pf.decode_attention(**args)
