@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_flash import dispatch
 from pallas_flash.api import (
@@ -173,7 +174,8 @@ def _check_lengths(lengths, batch: int, seq_kv: int):
         raise ValueError(
             f"key_value_seq_lengths must have an integer dtype, got {lengths.dtype}")
     if not isinstance(lengths, jax.core.Tracer):
-        low, high = int(jnp.min(lengths)), int(jnp.max(lengths))
+        concrete = np.asarray(lengths)  # numpy: jnp ops would trace under an outer jit
+        low, high = int(concrete.min()), int(concrete.max())
         if low < 0 or high > seq_kv:
             raise ValueError(f"key_value_seq_lengths must lie in [0, {seq_kv}] (the cache "
                              f"length), got values in [{low}, {high}]")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_flash import dispatch
 from pallas_flash.api import Implementation, _canonical_window, attention
@@ -178,7 +179,8 @@ def _check_capacity(lengths, capacity: int, name: str) -> None:
     """When ``lengths`` is concrete: every value in ``[0, capacity]``."""
     if isinstance(lengths, jax.core.Tracer):
         return
-    low, high = int(jnp.min(lengths)), int(jnp.max(lengths))
+    concrete = np.asarray(lengths)  # numpy: jnp ops would trace under an outer jit
+    low, high = int(concrete.min()), int(concrete.max())
     if low < 0 or high > capacity:
         raise ValueError(f"{name} must lie in [0, {capacity}] (max_pages_per_seq · page_size, "
                          f"what the page_table addresses), got values in [{low}, {high}]")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -103,13 +104,14 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_decode_matches_oracle_for_every_split(case):
-    """xla backend, float32; num_splits 1, 5 (not a divisor of 48: the cache is padded) and
-    12 (chunks of 4 keys: most of them past the short rows' lengths)."""
+    """xla backend, float32; num_splits 5 (not a divisor of 48: the cache is padded) and 12
+    (chunks of 4 keys: most of them past the short rows' lengths). One split (the heuristic
+    at these sizes) runs in the paged tests."""
     q, k, v, _ = random_qkv(case.batch, case.seq_q, case.seq_kv, case.heads, case.kv_heads,
                             case.head_dim)
     lengths, sinks = _lengths(case), _sinks(case)
     ref_out, ref_lse = _oracle(case, q, k, v, lengths, sinks)
-    for num_splits in (1, 5, 12):
+    for num_splits in (5, 12):
         decode = _jitted(pf.decode_attention, is_causal=case.is_causal,
                          local_window_size=case.window, logits_soft_cap=case.softcap,
                          num_splits=num_splits, return_residual=True, implementation="xla")
@@ -117,10 +119,10 @@ def test_decode_matches_oracle_for_every_split(case):
         assert_matches(out, lse, (), ref_out, ref_lse, (), F32, names=())
 
 
-@pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=str)
-def test_decode_triton_interpret(case):
-    """The Triton kernels (interpret mode) under the packing and the split; the second
-    case carries a mask array (seq_q > 1 with a window)."""
+def test_decode_triton_interpret():
+    """The Triton kernels (interpret mode) under the packing, the split and a mask array
+    (seq_q > 1 with a window), MQA."""
+    case = CASES[2]
     q, k, v, _ = random_qkv(case.batch, case.seq_q, case.seq_kv, case.heads, case.kv_heads,
                             case.head_dim)
     lengths, sinks = _lengths(case), _sinks(case)
@@ -339,3 +341,32 @@ def test_decode_attention_rejects_bad_input(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         pf.decode_attention(**args)
+
+
+# --- benchmarks/decode.py -----------------------------------------------------------------
+
+
+def test_decode_benchmark_runs_on_tiny_shapes(tmp_path):
+    from benchmarks import decode as bench
+
+    assert bench.main(["--points", "2x128@16", "--impls", "pallas_flash,paged64,xla,fa3",
+                       "--implementation", "xla", "--heads", "4", "--kv-heads", "2",
+                       "--dtype", "float32", "--rounds", "2", "--iters", "2", "--ragged",
+                       "--out", str(tmp_path)]) == 0
+    (json_path,) = tmp_path.glob("decode-ragged-*.json")
+    rows = {r["impl"]: r for r in json.loads(json_path.read_text())["rows"]}
+    for name in ("pallas_flash", "paged64", "xla"):
+        assert rows[name]["gbps"] > 0 and len(rows[name]["round_ms"]) == 2
+        assert rows[name]["max_abs_diff"] < 1e-5, name
+    assert "head_dim 128 only" in rows["fa3"]["error"]
+    assert json_path.with_suffix(".md").exists()
+
+
+def test_decode_benchmark_bandwidth_and_points():
+    from benchmarks import decode as bench
+
+    # 2 · 1000 tokens · 8 heads · 128 · 2 bytes in 1 ms = 4.096 GB/s.
+    assert bench.kv_gbps(1000, 8, 128, 2, 1.0) == pytest.approx(4.096)
+    assert bench.parse_point("32x8192@128") == (32, 8192, 128)
+    with pytest.raises(ValueError, match="32x8192@128"):
+        bench.parse_point("32x8192")
