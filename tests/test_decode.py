@@ -50,9 +50,14 @@ class Case:
         return "-".join(parts)
 
 
+def _rng() -> np.random.Generator:
+    """A NumPy generator seeded from a fresh key (new draws in every test)."""
+    return np.random.default_rng(np.asarray(fresh_key()))
+
+
 def _lengths(case: Case) -> np.ndarray:
     """Ragged lengths in [1, seq_kv]: the full cache, one shorter than seq_q, one between."""
-    rng = np.random.default_rng(int(jax.random.randint(fresh_key(), (), 0, 2**30)))
+    rng = _rng()
     lengths = np.concatenate([[case.seq_kv, 2], rng.integers(1, case.seq_kv + 1, case.batch)])
     return lengths[:case.batch].astype(np.int32)
 
@@ -156,10 +161,11 @@ def test_decode_gradients_match_oracle():
 
 
 def test_decode_mosaic_interpret_one_small_case():
-    case = Case(batch=2, seq_q=2, seq_kv=128, heads=4, kv_heads=2, head_dim=64)
+    """Two 64-key chunks, the second partly past the length; seq_q 2 adds a mask array."""
+    case = Case(batch=1, seq_q=2, seq_kv=128, heads=4, kv_heads=2, head_dim=64)
     q, k, v, _ = random_qkv(case.batch, case.seq_q, case.seq_kv, case.heads, case.kv_heads,
                             case.head_dim, jnp.bfloat16)
-    lengths = np.array([128, 70], np.int32)
+    lengths = np.array([70], np.int32)
     ref_out, ref_lse = _oracle(case, q, k, v, lengths, None)
     out, lse = pf.decode_attention(
         q, k, v, key_value_seq_lengths=jnp.asarray(lengths), num_splits=2,
@@ -206,17 +212,19 @@ def test_default_num_splits(batch, kv_heads, seq_kv, expected):
 
 def _scattered_pool(k, v, page_size: int, extra_pages: int = 3):
     """Contiguous k, v [B, S, K, D] -> pools with the pages in random order (plus unused
-    pages of noise) and the page table that addresses them."""
+    pages of noise) and the page table that addresses them (built in NumPy: cheap)."""
+    k, v = np.asarray(k), np.asarray(v)
     batch, seq_kv = k.shape[:2]
     per_seq = seq_kv // page_size
     num_pages = batch * per_seq + extra_pages
-    order = np.asarray(jax.random.permutation(fresh_key(), num_pages))[:batch * per_seq]
-    table = order.reshape(batch, per_seq).astype(np.int32)
-    noise = jax.random.normal(fresh_key(), (num_pages, page_size, *k.shape[2:]), k.dtype)
-    pages = k.reshape(batch * per_seq, page_size, *k.shape[2:])
-    key_pages = noise.at[order].set(pages)
-    value_pages = noise.at[order].set(v.reshape(pages.shape))
-    return key_pages, value_pages, jnp.asarray(table)
+    rng = _rng()
+    order = rng.permutation(num_pages)[:batch * per_seq]
+    pools = []
+    for x in (k, v):
+        pool = rng.standard_normal((num_pages, page_size, *k.shape[2:])).astype(k.dtype)
+        pool[order] = x.reshape(batch * per_seq, page_size, *k.shape[2:])
+        pools.append(jnp.asarray(pool))
+    return pools[0], pools[1], jnp.asarray(order.reshape(batch, per_seq).astype(np.int32))
 
 
 @pytest.mark.parametrize("seq_q", [1, 4, 20])
