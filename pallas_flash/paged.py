@@ -60,8 +60,13 @@ def paged_attention(
       page_table: ``[batch, max_pages_per_seq]`` int32 page ids.
       cache_lengths: ``[batch]`` integer tokens cached per sequence, at most
         ``max_pages_per_seq · page_size`` (checked when concrete).
-      scale, local_window_size, logits_soft_cap, sinks, return_residual, implementation,
-        interpret: as :func:`pallas_flash.attention`.
+      scale: logit scale; default ``1 / sqrt(head_dim)``.
+      local_window_size: ``w`` or ``(left, right)`` around each query's position.
+      logits_soft_cap: ``c > 0``: logits become ``c · tanh(logits / c)``.
+      sinks: ``[heads]`` logits joining each row's softmax denominator.
+      return_residual: also return the lse.
+      implementation: the per-chunk forward's backend, as :func:`pallas_flash.attention`.
+      interpret: run Pallas kernels in interpret mode (CPU testing).
 
     Returns:
       ``out: [batch, seq_q, heads, head_dim]``, or ``(out, lse [batch, seq_q, heads])``.
