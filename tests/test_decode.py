@@ -36,6 +36,7 @@ class Case:
     window: tuple[int, int] | None = None
     softcap: float | None = None
     sinks: bool = False
+    splits: tuple[int, ...] = (5,)  # for test_decode_matches_oracle_for_every_split
 
     def __str__(self) -> str:
         parts = [f"t{self.seq_q}", f"h{self.heads}k{self.kv_heads}"]
@@ -99,7 +100,7 @@ def _jitted(fn, **static):
 
 CASES = [
     Case(),
-    Case(seq_q=4, heads=8, kv_heads=2, sinks=True),
+    Case(seq_q=4, heads=8, kv_heads=2, sinks=True, splits=(5, 12)),
     Case(seq_q=4, heads=4, kv_heads=1, window=(6, 0), softcap=2.0),  # MQA
     Case(seq_q=1, heads=6, kv_heads=3, window=(5, 5), is_causal=False, softcap=3.0,
          sinks=True),
@@ -109,14 +110,14 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_decode_matches_oracle_for_every_split(case):
-    """xla backend, float32; num_splits 5 (not a divisor of 48: the cache is padded) and 12
-    (chunks of 4 keys: most of them past the short rows' lengths). One split (the heuristic
-    at these sizes) runs in the paged tests."""
+    """xla backend, float32. num_splits 5 does not divide 48 (the cache is padded to chunks
+    of 10 keys) and leaves 4 chunks wholly past the row of length 2; 12 gives chunks of 4
+    keys, a reshape. One split (the heuristic at these sizes) runs in the paged tests."""
     q, k, v, _ = random_qkv(case.batch, case.seq_q, case.seq_kv, case.heads, case.kv_heads,
                             case.head_dim)
     lengths, sinks = _lengths(case), _sinks(case)
     ref_out, ref_lse = _oracle(case, q, k, v, lengths, sinks)
-    for num_splits in (5, 12):
+    for num_splits in case.splits:
         decode = _jitted(pf.decode_attention, is_causal=case.is_causal,
                          local_window_size=case.window, logits_soft_cap=case.softcap,
                          num_splits=num_splits, return_residual=True, implementation="xla")
