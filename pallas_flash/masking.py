@@ -48,7 +48,9 @@ class MaskSpec:
       causal_alignment: ``"top_left"`` (query ``i`` sees keys ``<= i``) or
         ``"bottom_right"`` (query ``i`` sees keys ``<= i + seq_kv - seq_q``).
       window: ``(left, right)``: query ``i`` sees keys in ``[i - left, i + right]`` (after
-        alignment), or ``None`` for no window.
+        alignment), or ``None`` for no window. Each side is clamped to the sequences (a
+        side of ``2**31 - 1`` or ``10**12`` means unbounded), and a window that hides
+        nothing becomes ``None``: the attribute holds the clamped window.
     """
 
     seq_q: int
@@ -223,11 +225,11 @@ def zero_unseen_rows(q, k, v, spec: MaskSpec, segment_ids=None, attn_mask=None):
     # Query i sees keys [i + lo, i + hi], key j is seen by queries [j - hi, j - lo].
     q_range, k_range = (queries + lo, queries + hi), (keys - hi, keys - lo)
     if segment_ids is None:
-        if attn_mask is None and _band_meets(*q_range, spec.seq_kv).all() \
-                and _band_meets(*k_range, spec.seq_q).all():
-            return q, k, v
-        q_seen = jnp.asarray(_band_meets(*q_range, spec.seq_kv)).reshape(1, -1, 1)
-        k_seen = jnp.asarray(_band_meets(*k_range, spec.seq_q)).reshape(1, -1, 1)
+        q_band, k_band = _band_meets(*q_range, spec.seq_kv), _band_meets(*k_range, spec.seq_q)
+        if attn_mask is None and q_band.all() and k_band.all():
+            return q, k, v  # nothing can be hidden: no pass at all
+        q_seen = jnp.asarray(q_band).reshape(1, -1, 1)                      # [1, T, 1]
+        k_seen = jnp.asarray(k_band).reshape(1, -1, 1)                      # [1, S, 1]
     else:
         q_ids, kv_ids = segment_ids
         q_seen = _meets_in_range(q_ids, kv_ids, *q_range)[:, :, None]     # [B, T, 1]
