@@ -166,8 +166,7 @@ def test_segment_tiles_outside_the_span_are_never_read(backend):
     the kernels directly (tests/test_hidden_positions.py for Triton, tests/test_mosaic.py
     and tests/test_mosaic_backward.py for Mosaic). With 64-row tiles, a Mosaic CTA where
     one consumer meets no key tile while the other does; the keys without queries fill a
-    whole CTA of the Mosaic dK/dV kernel (2 x 64 keys), whose fused dQ made dq NaN before
-    the API zeroed them."""
+    whole CTA of the Mosaic dK/dV kernel (2 x 64 keys: the fused dQ skips per CTA)."""
     seq = 256
     q, k, v, d_out = random_qkv(1, seq, seq, 2, 1, 64, backend.dtype)
     q_ids = _doc_ids(1, seq, [64, 128])                     # 0 | 1 (no keys) | 2, 2

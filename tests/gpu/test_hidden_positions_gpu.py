@@ -44,10 +44,11 @@ def test_nan_in_unused_rows_leaves_no_trace(implementation, head_dim):
         (dict(key_value_seq_lengths=jnp.array([600, 1024]),
               query_seq_lengths=jnp.array([1024, 700]), is_causal=True),
          [(0, slice(600, None))], [(1, slice(700, None))]),
-        # Query document 1 has no key; key document 3 (two 128-key CTAs) has no query.
-        (dict(q_segment_ids=_doc_ids([256, 512], 1024),
-              kv_segment_ids=_doc_ids([256, 512], 1024).at[:, 256:512].set(3)),
-         [(slice(None), slice(256, 512))], [(slice(None), slice(256, 512))]),
+        # Key document 3 (keys 300..399, inside 128-key CTAs whose other keys are used:
+        # the fused dQ cannot skip them) has no query; query document 5 has no key.
+        (dict(q_segment_ids=_doc_ids([256, 512], 1024).at[:, 900:].set(5),
+              kv_segment_ids=_doc_ids([256, 512], 1024).at[:, 300:400].set(3)),
+         [(slice(None), slice(300, 400))], [(slice(None), slice(900, None))]),
     ]
     for kwargs, keys, rows in cases:
         runs = []
