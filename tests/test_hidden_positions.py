@@ -15,8 +15,6 @@ The oracle's visibility is built here in NumPy (int64) from the arguments, not b
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,27 +67,16 @@ def _doc_ids(*docs) -> jax.Array:
                                  for row in docs]), jnp.int32)
 
 
-class Hidden(NamedTuple):
-    name: str
-    seq_q: int
-    seq_kv: int
-    kwargs: dict
-
-
-HIDDEN = [
-    # A KV cache filled up to 20 in sequence 0; queries past 30 of sequence 1 are padding.
-    # (Documents where a key document has no query: tests/test_attention.py.)
-    Hidden("lengths", 40, 48, dict(key_value_seq_lengths=jnp.array([20, 48]),
-                                   query_seq_lengths=jnp.array([40, 30]))),
-    # Causal, seq_kv > seq_q: keys past the last query are seen by nobody. Window 3 and
-    # documents: keys 5..9 of document 1 lie after every query of document 1 (0..4), and
-    # queries 5..9 of document 2 lie more than 3 after its first key: only the two
-    # criteria together hide them.
-    Hidden("band_and_segments", 32, 48, dict(
-        is_causal=True, local_window_size=(3, 0),
-        q_segment_ids=_doc_ids([(1, 5), (2, 27)], [(1, 5), (2, 27)]),
-        kv_segment_ids=_doc_ids([(1, 10), (2, 38)], [(1, 10), (2, 38)]))),
-]
+# Causal, seq_kv > seq_q: keys past the last query are seen by nobody. A KV cache filled up
+# to 20 in sequence 0; queries past 28 of sequence 1 are padding. Window 3 and documents:
+# keys 5..9 of document 1 lie after every query of document 1 (0..4), and queries 5..9 of
+# document 2 lie more than 3 after its first key: only the two criteria together hide
+# them. (Documents without queries / keys: tests/test_attention.py.)
+SEQ_Q, SEQ_KV = 32, 48
+HIDING = dict(is_causal=True, local_window_size=(3, 0),
+              q_segment_ids=_doc_ids([(1, 5), (2, 27)], [(1, 5), (2, 27)]),
+              kv_segment_ids=_doc_ids([(1, 10), (2, 38)], [(1, 10), (2, 38)]),
+              key_value_seq_lengths=jnp.array([20, 48]), query_seq_lengths=jnp.array([32, 28]))
 
 
 def _with_nan_where_unused(q, k, v, visible):
@@ -110,14 +97,14 @@ def _cases(cases, case_id, mosaic_cases: int):
     return [p for p in params if p.id not in mosaic_ids]
 
 
-@pytest.mark.parametrize(("backend", "case"), _cases(HIDDEN, lambda c: c.name, 1))
-def test_nan_in_unused_rows_leaves_no_trace(backend, case):
+@pytest.mark.parametrize("backend", backends())
+def test_nan_in_unused_rows_leaves_no_trace(backend):
     """Out, lse and gradients are the oracle's on finite inputs; the unused rows'
     gradients are exactly 0 (and the outputs of queries that see no key)."""
-    q, k, v, d_out = random_qkv(BATCH, case.seq_q, case.seq_kv, 2, 1, 32, backend.dtype)
-    visible = _visible(case.seq_q, case.seq_kv, **case.kwargs)
+    q, k, v, d_out = random_qkv(BATCH, SEQ_Q, SEQ_KV, 2, 1, 32, backend.dtype)
+    visible = _visible(SEQ_Q, SEQ_KV, **HIDING)
     q_nan, k_nan, v_nan, unseen_keys, unseeing = _with_nan_where_unused(q, k, v, visible)
-    out, lse, grads = run_attention(backend, q_nan, k_nan, v_nan, d_out, **case.kwargs)
+    out, lse, grads = run_attention(backend, q_nan, k_nan, v_nan, d_out, **HIDING)
     ref_out, ref_lse, ref_grads = attention_float64(q, k, v, attn_mask=visible, d_out=d_out)
     assert_matches(out, lse, grads, ref_out, ref_lse, ref_grads, backend.dtype)
     for g in grads[1:]:
@@ -126,41 +113,42 @@ def test_nan_in_unused_rows_leaves_no_trace(backend, case):
         assert np.all(np.asarray(x)[np.broadcast_to(unseeing, x.shape[:3])] == 0)
 
 
-@pytest.mark.parametrize("backend", backends(bias=True))
+# The rows are zeroed before any backend runs, the same code for all: Mosaic (slow to
+# interpret) runs the case above and the segment case of tests/test_attention.py.
+@pytest.mark.parametrize("backend", [b for b in backends(bias=True) if b.id != "mosaic"])
 def test_nan_in_rows_the_mask_hides_leaves_no_trace(backend):
     """A mask column False for every query (of the heads sharing the KV head) and a mask
     row False for every key: NaN in those K/V / Q rows reaches neither out nor dq, dk, dv,
-    dbias. A padding-style ``[B, 1, 1, S]`` mask, and a full-size one."""
+    dbias."""
     seq = 40
     q, k, v, d_out = random_qkv(BATCH, seq, seq, 2, 1, 32, backend.dtype)
     bias = 2 * jax.random.normal(fresh_key(), (BATCH, 2, seq, seq), F32)
-    padding = np.arange(seq)[None, None, None, :] < np.array([25, 40])[:, None, None, None]
-    full = np.array(jax.random.bernoulli(fresh_key(), 0.7, (BATCH, 2, seq, seq)))
-    full[1, :, :, 30:33] = False     # keys 30..32 of sequence 1: no query of either head
-    full[0, 1, 5:8] = False          # queries 5..7 of sequence 0, head 1: no key
-    for mask in (padding, full):
-        visible = np.broadcast_to(mask, (BATCH, 2, seq, seq))
-        q_nan, k_nan, v_nan, unseen_keys, unseeing = _with_nan_where_unused(q, k, v, visible)
+    # Shared by the heads ([B, 1, T, S]): a broadcast dim in the KV-head grouping.
+    mask = np.array(jax.random.bernoulli(fresh_key(), 0.7, (BATCH, 1, seq, seq)))
+    mask[0, :, :, 25:] = False       # keys 25.. of sequence 0: padding
+    mask[1, :, :, 30:33] = False     # keys 30..32 of sequence 1: no query
+    mask[0, :, 5:8] = False          # queries 5..7 of sequence 0: no key
+    visible = np.broadcast_to(mask, (BATCH, 2, seq, seq))
+    q_nan, k_nan, v_nan, unseen_keys, unseeing = _with_nan_where_unused(q, k, v, visible)
 
-        def f(q, k, v, bias, mask=mask):
-            return backend.attention(q, k, v, bias, jnp.asarray(mask), return_residual=True)
+    def f(q, k, v, bias):
+        return backend.attention(q, k, v, bias, jnp.asarray(mask), return_residual=True)
 
-        (out, lse), vjp = jax.vjp(f, q_nan, k_nan, v_nan, bias)
-        grads = vjp((d_out, jnp.zeros_like(lse)))
-        ref_out, ref_lse, ref_grads = attention_float64(q, k, v, bias=bias, attn_mask=mask,
-                                                        d_out=d_out)
-        assert_matches(out, lse, grads, ref_out, ref_lse, ref_grads, backend.dtype,
-                       names=("dq", "dk", "dv", "dbias"))
-        for g in grads[1:3]:
-            assert np.all(np.asarray(g)[unseen_keys] == 0)
-        assert np.all(np.asarray(grads[0])[unseeing] == 0)
+    (out, lse), vjp = jax.vjp(f, q_nan, k_nan, v_nan, bias)
+    grads = vjp((d_out, jnp.zeros_like(lse)))
+    ref_out, ref_lse, ref_grads = attention_float64(q, k, v, bias=bias, attn_mask=mask,
+                                                    d_out=d_out)
+    assert_matches(out, lse, grads, ref_out, ref_lse, ref_grads, backend.dtype,
+                   names=("dq", "dk", "dv", "dbias"))
+    for g in grads[1:3]:
+        assert np.all(np.asarray(g)[unseen_keys] == 0)
+    assert np.all(np.asarray(grads[0])[unseeing] == 0)
 
 
 # Windows that spell "unbounded" on one side or both, with the band they must give.
 WIDE_WINDOWS = [
     (10**12, True, "top_left"),
     ((2**31 - 1, 3), False, "bottom_right"),
-    ((4, 2**31 - 1), True, "bottom_right"),
 ]
 
 
