@@ -12,7 +12,7 @@ from pallas_flash import bias as bias_lib
 from pallas_flash import dispatch
 from pallas_flash.autodiff import StaticArgs, attention_with_lse
 from pallas_flash.dispatch import available_implementations, default_implementation
-from pallas_flash.masking import CausalAlignment, MaskSpec
+from pallas_flash.masking import CausalAlignment, MaskSpec, zero_unseen_rows
 from pallas_flash.tuning import config_for_attention
 
 Implementation = Literal["mosaic", "triton", "xla"]
@@ -134,6 +134,7 @@ def attention(
     sinks = _check_sinks(sinks, query.shape[2])
     logits_shape = (batch, query.shape[2], seq_q, seq_kv)
     bias, mask = _check_bias(bias, logits_shape), _check_mask(mask, logits_shape)
+    query, key, value = zero_unseen_rows(query, key, value, spec, segment_ids, mask)
     features = dispatch.Features(has_segments=segment_ids is not None, softcap=softcap,
                                  has_bias=bias is not None, has_mask=mask is not None)
 

@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_flash.bias import grouped
+
 CausalAlignment = Literal["top_left", "bottom_right"]
 
 # A band limit that no index difference reaches: stands for "unbounded".
@@ -46,7 +48,9 @@ class MaskSpec:
       causal_alignment: ``"top_left"`` (query ``i`` sees keys ``<= i``) or
         ``"bottom_right"`` (query ``i`` sees keys ``<= i + seq_kv - seq_q``).
       window: ``(left, right)``: query ``i`` sees keys in ``[i - left, i + right]`` (after
-        alignment), or ``None`` for no window.
+        alignment), or ``None`` for no window. Each side is clamped to the sequences (a
+        side of ``2**31 - 1`` or ``10**12`` means unbounded), and a window that hides
+        nothing becomes ``None``: the attribute holds the clamped window.
     """
 
     seq_q: int
@@ -66,6 +70,23 @@ class MaskSpec:
             )
         if self.window is not None and (len(self.window) != 2 or min(self.window) < 0):
             raise ValueError(f"window must be (left, right) with both >= 0, got {self.window!r}")
+        # Kernels compute i - left and i + right in int32: a window of 2**31 - 1 ("unbounded")
+        # or 10**12 would overflow. Clamped here, once, every backend sees small values.
+        object.__setattr__(self, "window", self._clamped_window())
+
+    def _clamped_window(self) -> tuple[int, int] | None:
+        """The window with each side clamped to the widest one that still hides something;
+        None when it hides nothing (a window as long as the sequences is no window)."""
+        if self.window is None:
+            return None
+        # k - q spans [-(seq_q - 1), seq_kv - 1]: a side reaching past that end is unbounded.
+        widest_left = self.offset + self.seq_q - 1
+        widest_right = self.seq_kv - 1 - self.offset
+        left, right = min(self.window[0], widest_left), min(self.window[1], widest_right)
+        # Under causal masking the right side never widens the band past the diagonal.
+        if left == widest_left and (right == widest_right or self.is_causal):
+            return None
+        return int(left), int(right)
 
     @property
     def offset(self) -> int:
@@ -167,6 +188,100 @@ class MaskSpec:
 def segments_visible(q_segment_ids, kv_segment_ids):
     """Packed sequences: ``[..., Tq]`` and ``[..., Tk]`` ids -> ``[..., Tq, Tk]`` equality."""
     return q_segment_ids[..., :, None] == kv_segment_ids[..., None, :]
+
+
+def zero_unseen_rows(q, k, v, spec: MaskSpec, segment_ids=None, attn_mask=None):
+    """``(q, k, v)`` with the rows that no visible pair uses set to zero.
+
+    A key hidden from every query (past ``key_value_seq_lengths``, a segment id no query
+    of its band has, outside every query's causal / window band, or a column the mask
+    hides from every query of its KV head's group) may hold anything, NaN included (a
+    stale KV-cache region): its logits are hidden by a select, but ``P·V`` and ``dSᵀ·Q``
+    are matmuls, where ``0 · NaN`` is NaN. Likewise a query that sees no key (past
+    ``query_seq_lengths``, ...) enters ``dK = dSᵀ·Q``. Selecting those rows to zero once,
+    before any backend runs, keeps them out of every output and gradient on every path;
+    the select's own gradient makes their dq / dk / dv exactly 0. An elementwise pass over
+    the inputs, O(L·D) (the kernels' work is O(L²·D)), and none at all for a call where
+    nothing can be hidden (no segment ids, lengths or mask, and a band that leaves no row
+    empty). A key some query sees is used as given: NaN in it is that query's NaN, and it
+    may also reach queries that do not see it (those sharing its tile in a matmul).
+
+    The band and the segment ids are checked together exactly (a key whose document's
+    queries all lie outside its window counts as unseen); the mask array is checked on its
+    own (a key is zeroed when its mask column is False for every query, not when the mask
+    and the other criteria together hide it).
+
+    Args:
+      q: ``[B, T, N, D]``; k, v: ``[B, S, K, D]``.
+      spec: the call's band (``spec.seq_q == T``, ``spec.seq_kv == S``).
+      segment_ids: None or ``(q_ids [B, T], kv_ids [B, S])`` int32, padding folded in.
+      attn_mask: None or a canonical boolean ``[B', N', T', S']`` (pallas_flash.bias).
+
+    Returns:
+      ``(q, k, v)`` of the same shapes and dtypes.
+    """
+    lo, hi = spec.band
+    queries, keys = np.arange(spec.seq_q), np.arange(spec.seq_kv)
+    # Query i sees keys [i + lo, i + hi], key j is seen by queries [j - hi, j - lo].
+    q_range, k_range = (queries + lo, queries + hi), (keys - hi, keys - lo)
+    if segment_ids is None:
+        q_band, k_band = _band_meets(*q_range, spec.seq_kv), _band_meets(*k_range, spec.seq_q)
+        if attn_mask is None and q_band.all() and k_band.all():
+            return q, k, v  # nothing can be hidden: no pass at all
+        q_seen = jnp.asarray(q_band).reshape(1, -1, 1)                      # [1, T, 1]
+        k_seen = jnp.asarray(k_band).reshape(1, -1, 1)                      # [1, S, 1]
+    else:
+        q_ids, kv_ids = segment_ids
+        q_seen = _meets_in_range(q_ids, kv_ids, *q_range)[:, :, None]     # [B, T, 1]
+        k_seen = _meets_in_range(kv_ids, q_ids, *k_range)[:, :, None]     # [B, S, 1]
+    if attn_mask is not None:
+        q_seen = q_seen & jnp.transpose(jnp.any(attn_mask, axis=3), (0, 2, 1))  # [B', T, N']
+        by_kv_head = grouped(attn_mask, k.shape[2])                           # [B', K', G', T', S']
+        k_seen = k_seen & jnp.transpose(jnp.any(by_kv_head, axis=(2, 3)), (0, 2, 1))
+    q = jnp.where(q_seen[..., None], q, jnp.zeros((), q.dtype))
+    k_seen = k_seen[..., None]
+    return (q, jnp.where(k_seen, k, jnp.zeros((), k.dtype)),
+            jnp.where(k_seen, v, jnp.zeros((), v.dtype)))
+
+
+def _band_meets(start: np.ndarray, stop: np.ndarray, length: int) -> np.ndarray:
+    """Whether ``[start, stop]`` (per row) meets ``[0, length)``."""
+    return np.maximum(start, 0) <= np.minimum(stop, length - 1)
+
+
+def _meets_in_range(ids: jax.Array, other_ids: jax.Array, start: np.ndarray,
+                    stop: np.ndarray) -> jax.Array:
+    """Whether each position ``p`` of ``ids [B, n]`` has an equal id in ``other_ids [B, m]``
+    at some position of ``[start[p], stop[p]]``: ``[B, n]`` bool.
+
+    ``other_ids``' positions sorted by (id, position) are a lexicographically ascending
+    list, so the first entry ``>= (ids[p], start[p])`` answers it: a vectorised binary
+    search, O((n + m) log m) instead of the O(n·m) comparison.
+    """
+    m = other_ids.shape[1]
+    order = jnp.argsort(other_ids, axis=1, stable=True).astype(jnp.int32)  # ties by position
+    sorted_ids = jnp.take_along_axis(other_ids, order, axis=1)
+    start = jnp.asarray(np.clip(start, 0, m), jnp.int32)[None, :]
+    stop = jnp.asarray(np.clip(stop, -1, m), jnp.int32)[None, :]
+
+    def entry(index):
+        at = jnp.minimum(index, m - 1)
+        return (jnp.take_along_axis(sorted_ids, at, axis=1),
+                jnp.take_along_axis(order, at, axis=1))
+
+    def halve(_, bounds):  # lower bound: the first entry not before (ids, start)
+        low, high = bounds
+        mid = (low + high) // 2
+        mid_id, mid_position = entry(mid)
+        before = (mid_id < ids) | ((mid_id == ids) & (mid_position < start))
+        searching = low < high
+        return (jnp.where(searching & before, mid + 1, low),
+                jnp.where(searching & ~before, mid, high))
+
+    bounds = (jnp.zeros(ids.shape, jnp.int32), jnp.full(ids.shape, m, jnp.int32))
+    first, _ = lax.fori_loop(0, m.bit_length(), halve, bounds)
+    found_id, found_position = entry(first)
+    return (first < m) & (found_id == ids) & (found_position <= stop)
 
 
 def _array_module(index):

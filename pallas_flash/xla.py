@@ -23,8 +23,6 @@ from pallas_flash.masking import MaskSpec, segments_visible
 from pallas_flash.padding import pad_axis
 from pallas_flash.reference import EMPTY_ROW_LSE
 
-_MASKED = -1e30
-
 
 @dataclasses.dataclass(frozen=True)
 class XlaConfig:
@@ -78,7 +76,10 @@ def _scores(q_g, k_j, scale, softcap, mask: MaskSpec, k_start, block_kv, segment
         visible = visible & segments_visible(*segments)[:, None, None]
     if mask_j is not None:
         visible = visible & mask_j
-    return jnp.where(visible, s, _MASKED), visible, slope
+    # Hidden pairs are -inf, below any finite logit: a row whose biased logits are all
+    # <= -1e30 still gets its softmax (as jax.nn), and only a row with no visible key is
+    # empty (l = 0). A select, not an add: NaN logits of hidden pairs never get through.
+    return jnp.where(visible, s, -jnp.inf), visible, slope
 
 
 def _padded_keys(x, num_chunks: int, block: int):
@@ -129,8 +130,11 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaCo
                                 _chunk(bias, index, block, kv_heads),
                                 _chunk(attn_mask, index, block, kv_heads))
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m - m_new)
+        # A row that has seen only hidden keys keeps m = -inf and subtracts 0 instead, so
+        # that its p and alpha are 0, not NaN.
+        m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.where(visible, jnp.exp(s - m_sub[..., None]), 0.0)
+        alpha = jnp.exp(m - m_sub)
         l = alpha * l + jnp.sum(p, axis=-1)
         pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v_j.dtype), v_j,
                         preferred_element_type=jnp.float32, precision=_precision(v_j.dtype))
@@ -138,7 +142,7 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaCo
 
     init = (
         jnp.zeros((batch, kv_heads, group, seq_q, head_dim), jnp.float32),
-        jnp.full((batch, kv_heads, group, seq_q), _MASKED, jnp.float32),
+        jnp.full((batch, kv_heads, group, seq_q), -jnp.inf, jnp.float32),
         jnp.zeros((batch, kv_heads, group, seq_q), jnp.float32),
     )
     indices = jnp.arange(k_chunks.shape[0])

@@ -57,8 +57,6 @@ class Backend:
       bias_max_head_dim: bias / mask arrays are taken up to this head dim.
       native_bias_grad: dbias comes from its own backward (else the API's call takes the
         Triton backward for it, on this backend's forward residuals).
-      skips_segment_tiles: K/V (Q) tiles whose segment ids meet no query (key) are never
-        read, so NaN there leaves no trace.
       make_config: ``head_dim -> config`` for ``config=`` (None: the backend's default).
     """
 
@@ -67,7 +65,6 @@ class Backend:
     dtypes: tuple[jnp.dtype, ...]
     bias_max_head_dim: int = 256
     native_bias_grad: bool = True
-    skips_segment_tiles: bool = False
     make_config: Callable[[int], Any] | None = None
 
     @property
@@ -79,14 +76,12 @@ class Backend:
         """The dtype of the tests that run one dtype per backend."""
         return self.dtypes[0]
 
-    def supports(self, *, dtype=None, head_dim: int | None = None, bias: bool = False,
-                 segment_tiles: bool = False) -> bool:
+    def supports(self, *, dtype=None, head_dim: int | None = None, bias: bool = False
+                 ) -> bool:
         """Whether this backend runs a call with these properties (None: any)."""
         if dtype is not None and jnp.dtype(dtype) not in self.dtypes:
             return False
-        if bias and head_dim is not None and head_dim > self.bias_max_head_dim:
-            return False
-        return not (segment_tiles and not self.skips_segment_tiles)
+        return not (bias and head_dim is not None and head_dim > self.bias_max_head_dim)
 
     def kwargs(self, head_dim: int) -> dict:
         """``pallas_flash.attention`` keywords that select this backend."""
@@ -109,14 +104,13 @@ BACKENDS = {
     "xla": Backend("xla", interpret=False, dtypes=(F32, BF16, F16)),
     # The Pallas Triton kernels in Pallas's interpret mode.
     "triton": Backend("triton", interpret=True, dtypes=(F32, BF16, F16),
-                      skips_segment_tiles=True, make_config=_triton_config),
+                      make_config=_triton_config),
     # The Mosaic GPU kernels in Mosaic GPU interpret mode (plgpu.InterpretGPUParams): the
     # same barriers, pipelines and masking as on a Hopper GPU, but slow, so its cases are
     # small. 16-bit inputs only; bias / mask arrays up to head_dim 192; dbias from the
     # Triton backward (pallas_flash.mosaic.backward).
     "mosaic": Backend("mosaic", interpret=True, dtypes=(BF16, F16), bias_max_head_dim=192,
-                      native_bias_grad=False, skips_segment_tiles=True,
-                      make_config=_mosaic_config),
+                      native_bias_grad=False, make_config=_mosaic_config),
 }
 
 # Backends that run float32 (tests/test_reference.py's seed check, ...).

@@ -65,3 +65,29 @@ def test_q_blocks_match_brute_force(mask, block_q, block_kv):
 def test_visible_fraction_causal_is_about_half():
     assert MaskSpec(1000, 1000, is_causal=True).visible_fraction() == 1000 * 1001 / 2 / 1e6
     assert MaskSpec(10, 10).visible_fraction() == 1.0
+
+
+# Window sides from tight to far past any sequence (2**31 - 1: a common "unbounded").
+window_sides = st.one_of(st.integers(0, 100), st.sampled_from([2**31 - 1, 10**12, 2**62]))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seq_q=st.integers(1, 60), seq_kv=st.integers(1, 60), is_causal=st.booleans(),
+       alignment=st.sampled_from(["top_left", "bottom_right"]),
+       window=st.tuples(window_sides, window_sides))
+def test_window_is_clamped_to_the_sequences(seq_q, seq_kv, is_causal, alignment, window):
+    """Any window, however wide, gives the band it spells (brute force in int64 here),
+    with small sides every kernel can add in int32; one that hides nothing is no window."""
+    spec = MaskSpec(seq_q, seq_kv, is_causal, alignment, window)
+    diff = np.arange(seq_kv, dtype=np.int64)[None, :] - np.arange(seq_q, dtype=np.int64)[:, None]
+    offset = seq_kv - seq_q if alignment == "bottom_right" else 0
+    want = (diff >= offset - window[0]) & (diff <= offset + window[1])
+    if is_causal:
+        want &= diff <= offset
+    assert np.array_equal(np.asarray(spec.block_visible(0, seq_q, 0, seq_kv)), want)
+    if spec.window is None:
+        assert spec.band == MaskSpec(seq_q, seq_kv, is_causal, alignment).band
+    else:
+        assert max(spec.window) < seq_q + seq_kv
+        assert not np.array_equal(want, np.asarray(
+            MaskSpec(seq_q, seq_kv, is_causal, alignment).block_visible(0, seq_q, 0, seq_kv)))

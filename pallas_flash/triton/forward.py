@@ -31,10 +31,6 @@ from pallas_flash.triton.tiles import (
     walk_tiles,
 )
 
-# Initial running max: finite, so exp2(m_old - m_new) is 0 rather than NaN when a row has
-# seen only hidden keys so far (hidden logits are -inf).
-_M_INIT = -1e30
-
 
 def dot_precision(dtype):
     """float32 inputs get IEEE products (Triton would use TF32); 16-bit inputs the default."""
@@ -73,9 +69,18 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, bias_ref, mask_ref, o_ref, ls
                                    read_tile(mask_ref, cols=cols))
             s = jnp.where(visible, s, -jnp.inf)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-        p = jnp.exp2(s - m_new[:, None])
+        # The running max starts at -inf, below any finite logit: a row whose biased logits
+        # are all <= -1e30 still gets its softmax (as jax.nn), and only a row with no
+        # visible key ends empty (l = 0). A row that has seen only -inf so far (hidden keys,
+        # a -inf bias) subtracts 0 instead, so that its p and alpha are 0, not NaN; without
+        # a mask or a bias every logit is finite and the guard is not needed.
+        if masked or bias_ref is not None:
+            m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        else:
+            m_sub = m_new
+        p = jnp.exp2(s - m_sub[:, None])
         # Rescale the running statistics to the new max (FA2: only the correction factor).
-        alpha = jnp.exp2(m_i - m_new)
+        alpha = jnp.exp2(m_i - m_sub)
         l_i = alpha * l_i + jnp.sum(p, axis=1)
         v = v_ref[pl.ds(k_start, block_kv), :]
         acc = alpha[:, None] * acc + plgpu.dot(p.astype(v.dtype), v, precision=precision)
@@ -83,7 +88,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, bias_ref, mask_ref, o_ref, ls
 
     head_dim = q_ref.shape[-1]
     carry = (jnp.zeros((block_q, head_dim), jnp.float32),
-             jnp.full((block_q,), _M_INIT, jnp.float32),
+             jnp.full((block_q,), -jnp.inf, jnp.float32),
              jnp.zeros((block_q,), jnp.float32))
     acc, m_i, l_i = walk_tiles(kv_step, mask.kv_blocks(q_start, block_q, block_kv), carry,
                                span_ref=span_ref, own_tile=q_block,
