@@ -15,9 +15,10 @@ not, in each of the three ways an array can be sharded:
   batch and head axes of the query's sharding;
 * **under** ``jax.jit`` **with automatic axes** (Shardy propagation, the default of
   ``jax.sharding.Mesh``): the kernels run in a ``jax.experimental.custom_partitioning``
-  whose Shardy rule names the batch and (KV-head, group) factors as shardable and the
-  sequence and head_dim factors as needing replication; its ``partition`` callback keeps
-  the batch and head sharding of the query and runs the kernels on the local shapes.
+  whose Shardy rule names the batch and head factors as shardable and the sequence and
+  head_dim factors as needing replication; its ``partition`` callback keeps the batch and
+  head sharding of the query (K / V heads split as its heads) and runs the kernels on the
+  local shapes.
 
 Batch and heads shard; the sequence and head_dim do not: an input split along them is
 gathered first (correct, but every device then holds the whole sequence). A head shard must
@@ -67,7 +68,6 @@ class _Call:
     backward: bool
     static: object  # pallas_flash.autodiff.StaticArgs
     bias_grad: bool
-    group: int  # query heads per KV head
     operand_roles: tuple
     result_roles: tuple
 
@@ -91,7 +91,6 @@ def forward(static, q, k, v, segment_ids, bias, attn_mask) -> tuple[jax.Array, j
     operands = (q, k, v, segment_ids, bias, attn_mask)
     seg_roles = None if segment_ids is None else ((_BATCH, _Q_SEQ), (_BATCH, _KV_SEQ))
     call = _Call(backward=False, static=static, bias_grad=False,
-                 group=q.shape[2] // k.shape[2],
                  operand_roles=(_QUERY_LIKE, _KEY_LIKE, _KEY_LIKE, seg_roles,
                                 _logit_roles(bias), _logit_roles(attn_mask)),
                  result_roles=(_QUERY_LIKE, _ROW_STATS))
@@ -108,7 +107,6 @@ def backward(static, q, k, v, segment_ids, out, lse, d_out, delta, bias, attn_ma
     if bias_grad:
         results += (_logit_roles(bias),)
     call = _Call(backward=True, static=static, bias_grad=bias_grad,
-                 group=q.shape[2] // k.shape[2],
                  operand_roles=(_QUERY_LIKE, _KEY_LIKE, _KEY_LIKE, seg_roles,
                                 _logit_roles(bias), _logit_roles(attn_mask), _QUERY_LIKE,
                                 _ROW_STATS, _QUERY_LIKE, _ROW_STATS),
@@ -134,7 +132,7 @@ def _sharded(call: _Call, operands):
                 "implementation='triton' with interpret=True cannot run inside "
                 "jax.shard_map(check_vma=True): Pallas's interpreter re-binds the kernels' "
                 "loop carries, traced invariant, to varying blocks; pass check_vma=False "
-                "(the compiled kernels on a GPU take check_vma=True)")
+                "(compiled kernels do not go through this interpreter)")
         return call.run(_vary_together(operands))  # inside shard_map: already local
     if kernels == "xla" or mesh.empty or mesh.size == 1 or context.manual_axes:
         # Plain XLA, which the partitioner splits by itself; one device; or inside
@@ -255,13 +253,18 @@ def _explicit(call: _Call, operands, mesh):
 
 # --- automatic axes: custom_partitioning with a Shardy rule -------------------------------
 
-_FACTOR = {_BATCH: "b", _Q_SEQ: "t", _KV_SEQ: "s", _KV_HEADS: "k", _DIM: "d"}
+_FACTOR = {_BATCH: "b", _Q_SEQ: "t", _KV_SEQ: "s", _HEADS: "h", _KV_HEADS: "k", _DIM: "d"}
 
 
 def _sharding_rule(call: _Call, mesh, operand_types, result_types):
-    """The Shardy rule: ``b`` and ``k`` (KV heads) pass through, query heads are the
-    compound ``(k g)`` (so a head shard holds whole groups), the sequences and head_dim
-    need replication, a broadcast dim is a factor of its own."""
+    """The Shardy rule: batch ``b``, query heads ``h`` and KV heads ``k`` pass through, the
+    sequences and head_dim need replication, a broadcast dim is a factor of its own.
+
+    Query and KV heads are separate factors: as the compound ``(k g)`` (group ``g``), Shardy
+    would split a mesh axis larger than ``kv_heads`` into sub-axes over ``k`` and ``g``,
+    which custom_partitioning cannot hand to ``partition`` as a PartitionSpec. ``partition``
+    ties them: K / V heads split as the query's.
+    """
     del mesh, operand_types, result_types
     units = iter(f"u{i}" for i in range(64))
     unit_factors = []
@@ -269,9 +272,7 @@ def _sharding_rule(call: _Call, mesh, operand_types, result_types):
     def mapping(roles):
         factors = []
         for role in roles:
-            if role == _HEADS:
-                factors.append("(k g)" if call.group > 1 else "k")
-            elif role == _UNIT:
+            if role == _UNIT:
                 unit_factors.append(next(units))
                 factors.append(unit_factors[-1])
             else:
@@ -288,8 +289,6 @@ def _sharding_rule(call: _Call, mesh, operand_types, result_types):
     replicated = {"t", "s", "d", *unit_factors}
     options = dict(need_replication_factors=tuple(
         f for f in appearance if f in replicated))
-    if call.group > 1:
-        options["g"] = call.group
     return rule, options
 
 

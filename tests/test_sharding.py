@@ -201,19 +201,47 @@ def test_mosaic_interpret_refuses_several_devices(axis_type):
         jax.jit(local).lower(*sharded)
 
 
-@pytest.mark.parametrize("backend", SHARDED_BACKENDS, ids=str)
-def test_sequence_sharded_inputs_are_gathered(backend):
-    """A split the kernels cannot keep (sequence, head_dim) is gathered first: correct
-    results (gradients too), at the cost of collectives."""
-    case = CASES[1]
+SEQUENCE_SPEC = P("data", "model", None, None)
+GATHERED_PARAMS = [
+    pytest.param(BACKENDS["xla"], 4, SEQUENCE_SPEC, SEQUENCE_SPEC, id="xla-sequence"),
+    pytest.param(BACKENDS["triton"], 4, SEQUENCE_SPEC, SEQUENCE_SPEC, id="triton-sequence"),
+    # 8 query heads over 4 head shards, 2 KV heads (replicated): a shard would split a KV
+    # head's group.
+    pytest.param(BACKENDS["triton"], 2, QKV_SPEC, P("data", None, None, None),
+                 id="triton-split-groups"),
+]
+
+
+@pytest.mark.parametrize(("backend", "kv_heads", "q_spec", "kv_spec"), GATHERED_PARAMS)
+def test_splits_the_kernels_cannot_keep_are_gathered(backend, kv_heads, q_spec, kv_spec):
+    """A split the kernels cannot keep (the sequence, head_dim, a GQA group) is gathered
+    first: correct results, gradients too, at the cost of collectives."""
+    case = Case("causal", 8, kv_heads, causal=True)
     mesh = mesh_of(AxisType.Auto)
     q, k, v, d_out = random_qkv(BATCH, SEQ, SEQ, case.heads, case.kv_heads, HEAD_DIM,
                                 backend.dtype)
-    seq_sharding = NamedSharding(mesh, P("data", "model", None, None))
-    sharded = [jax.device_put(x, seq_sharding) for x in (q, k, v, d_out)]
+    q_sharding, kv_sharding = NamedSharding(mesh, q_spec), NamedSharding(mesh, kv_spec)
+    sharded = [jax.device_put(x, s) for x, s in ((q, q_sharding), (k, kv_sharding),
+                                                 (v, kv_sharding), (d_out, q_sharding))]
     out, lse, dq, dk, dv = jax.jit(forward_and_vjp(backend, case, None))(*sharded)
     ref_out, ref_lse, ref_grads = oracle(case, q, k, v, d_out, None)
     assert_matches(out, lse, (dq, dk, dv), ref_out, ref_lse, ref_grads, backend.dtype)
+
+
+def test_vmap_of_sharded_arrays():
+    """custom_partitioning has no vmap rule: under vmap the vmapped kernels run (as without
+    sharding), and the results are right."""
+    triton = BACKENDS["triton"]
+    mesh = mesh_of(AxisType.Auto)
+    q, k, v, d_out = random_qkv(2 * BATCH, SEQ, SEQ, 4, 4, HEAD_DIM)
+    stacked = [x.reshape(2, BATCH, *x.shape[1:]) for x in (q, k, v, d_out)]
+    sharding = NamedSharding(mesh, P(None, "data", None, "model", None))
+    sharded = [jax.device_put(x, sharding) for x in stacked]
+    case = CASES[1]
+    out, lse, dq, dk, dv = jax.jit(jax.vmap(forward_and_vjp(triton, case, None)))(*sharded)
+    ref_out, ref_lse, ref_grads = oracle(case, q, k, v, d_out, None)
+    merged = [x.reshape(2 * BATCH, *x.shape[2:]) for x in (out, lse, dq, dk, dv)]
+    assert_matches(*merged[:2], merged[2:], ref_out, ref_lse, ref_grads, triton.dtype)
 
 
 def test_bias_mask_sinks_follow_the_shards():
