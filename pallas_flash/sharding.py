@@ -25,22 +25,28 @@ gathered first (correct, but every device then holds the whole sequence). A head
 hold whole GQA groups (``kv_heads`` divisible by the number of head shards); otherwise the
 heads are gathered too. Segment ids follow the batch, bias / mask arrays follow batch and
 heads on their full dims and are replicated on their broadcast (size-1) dims. The gradient
-of a bias broadcast over a sharded dim is a sum over shards: its one all-reduce is the only
-collective of the backward. The XLA backend is plain XLA, which the partitioner already
-splits by itself, so under ``jit`` its calls are left to it.
+of a bias broadcast over a sharded dim is a sum over shards: its all-reduce is the one
+collective the kernels' backward needs (the sinks' gradient, summed by XLA outside the
+kernels, is another when the batch is split). The XLA backend is plain XLA, which the
+partitioner already splits by itself, so under ``jit`` its calls are left to it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
+from typing import TYPE_CHECKING
 
 import jax
 from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+if TYPE_CHECKING:  # autodiff imports this module
+    from pallas_flash.autodiff import StaticArgs
 
 # Dimension roles of the kernels' operands and results. A role's mesh axes: batch -> the
 # query's batch axes, heads / kv_heads -> its head axes, the others none. ``_UNIT``: a
@@ -66,7 +72,7 @@ class _Call:
     optional operand is absent)."""
 
     backward: bool
-    static: object  # pallas_flash.autodiff.StaticArgs
+    static: StaticArgs
     bias_grad: bool
     operand_roles: tuple
     result_roles: tuple
@@ -115,6 +121,7 @@ def backward(static, q, k, v, segment_ids, out, lse, d_out, delta, bias, attn_ma
 
 
 def _sharded(call: _Call, operands):
+    """``call`` on ``operands`` in the way their sharding asks for (the module docstring)."""
     kernels, interpret = call.static.kernels.name, call.static.interpret
     context = jax.sharding.get_abstract_mesh()
     mesh = context if context.manual_axes else jax.typeof(operands[0]).sharding.mesh
@@ -159,8 +166,8 @@ def varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
     missing = jax.typeof(like).manual_axis_type.varying - jax.typeof(x).manual_axis_type.varying
     if not missing:
         return x
-    ordered = tuple(a for a in jax.sharding.get_abstract_mesh().axis_names if a in missing)
-    return jax.lax.pcast(x, ordered, to="varying")
+    mesh_order = jax.sharding.get_abstract_mesh().axis_names
+    return jax.lax.pcast(x, tuple(a for a in mesh_order if a in missing), to="varying")
 
 
 def _vary_together(operands):
@@ -168,11 +175,15 @@ def _vary_together(operands):
     ``check_vma=True`` needs of a kernel's operands, whose outputs vary as the query)."""
     varying = frozenset().union(
         *(jax.typeof(x).manual_axis_type.varying for x in jax.tree.leaves(operands)))
-    missing = lambda x: varying - jax.typeof(x).manual_axis_type.varying  # noqa: E731
     mesh_order = jax.sharding.get_abstract_mesh().axis_names
-    return jax.tree.map(
-        lambda x: jax.lax.pcast(x, tuple(a for a in mesh_order if a in missing(x)),
-                                to="varying") if missing(x) else x, operands)
+
+    def vary(x):
+        missing = varying - jax.typeof(x).manual_axis_type.varying
+        if not missing:
+            return x
+        return jax.lax.pcast(x, tuple(a for a in mesh_order if a in missing), to="varying")
+
+    return jax.tree.map(vary, operands)
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -237,9 +248,8 @@ def _explicit(call: _Call, operands, mesh):
     in_specs = _specs(call.operand_roles, batch_axes, head_axes)
     out_specs = _specs(call.result_roles, batch_axes, head_axes)
     operands = jax.tree.map(
-        lambda x, spec: x if spec is None else jax.sharding.reshard(x, NamedSharding(mesh, spec)),
-        operands,
-        in_specs, is_leaf=lambda x: x is None)
+        lambda x, spec: None if x is None else jax.sharding.reshard(x, NamedSharding(mesh, spec)),
+        operands, in_specs, is_leaf=lambda x: x is None)
     manual = frozenset(batch_axes + head_axes)
     if not manual:
         return call.run(operands)
@@ -266,7 +276,7 @@ def _sharding_rule(call: _Call, mesh, operand_types, result_types):
     ties them: K / V heads split as the query's.
     """
     del mesh, operand_types, result_types
-    units = iter(f"u{i}" for i in range(64))
+    units = (f"u{i}" for i in itertools.count())
     unit_factors = []
 
     def mapping(roles):
