@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from pallas_flash import dispatch
+from pallas_flash import dispatch, sharding
 from pallas_flash.masking import MaskSpec
 
 # forward(q, k, v, segment_ids, *, mask, scale, config, interpret, [softcap, bias, attn_mask])
@@ -107,8 +107,8 @@ def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, si
 
 
 def _forward(q, k, v, segment_ids, sinks, bias, attn_mask, static: StaticArgs):
-    out, lse = static.kernels.forward(q, k, v, segment_ids,
-                                      **static.kernel_kwargs(bias, attn_mask))
+    # Each device runs the kernels on its shard of a sharded call (pallas_flash.sharding).
+    out, lse = sharding.forward(static, q, k, v, segment_ids, bias, attn_mask)
     if sinks is None:
         return out, lse
     full_lse = jnp.logaddexp(lse, sinks.astype(jnp.float32)[None, :, None])
@@ -160,11 +160,9 @@ def _bwd_rule(static: StaticArgs, residuals, cotangents):
     features = dispatch.Features(has_segments=segment_ids is not None, softcap=static.softcap,
                                  has_bias=bias is not None, has_mask=attn_mask is not None)
     static = _backward_static(static, q, k, features, bias_grad)
-    kwargs = static.kernel_kwargs(bias, attn_mask)
-    if bias_grad:
-        kwargs["bias_grad"] = True
-    dq, dk, dv, *d_bias = static.kernels.backward(
-        q, k, v, segment_ids, out, lse, d_out.astype(q.dtype), delta, **kwargs)
+    dq, dk, dv, *d_bias = sharding.backward(
+        static, q, k, v, segment_ids, out, lse, d_out.astype(q.dtype), delta, bias, attn_mask,
+        bias_grad)
     d_bias = d_bias[0].astype(bias.dtype) if bias_grad else None
     d_sinks = None
     if sinks is not None:

@@ -22,6 +22,7 @@ from pallas_flash.bias import grouped, sum_to_shape
 from pallas_flash.masking import MaskSpec, segments_visible
 from pallas_flash.padding import pad_axis
 from pallas_flash.reference import EMPTY_ROW_LSE
+from pallas_flash.sharding import varying_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,11 +141,12 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaCo
                         preferred_element_type=jnp.float32, precision=_precision(v_j.dtype))
         return (alpha[..., None] * o + pv, m_new, l), None
 
-    init = (
+    # Inside shard_map the carry varies as q does; its initial value must too.
+    init = tuple(varying_like(x, q) for x in (
         jnp.zeros((batch, kv_heads, group, seq_q, head_dim), jnp.float32),
         jnp.full((batch, kv_heads, group, seq_q), -jnp.inf, jnp.float32),
         jnp.zeros((batch, kv_heads, group, seq_q), jnp.float32),
-    )
+    ))
     indices = jnp.arange(k_chunks.shape[0])
     (o, m, l), _ = lax.scan(step, init, (indices, k_chunks, v_chunks, kv_seg_chunks))
     empty = l == 0
@@ -202,7 +204,7 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
         return dq, (dk_j * scale, dv_j, d_bias_j)
 
     indices = jnp.arange(num_chunks)
-    dq0 = jnp.zeros((batch, seq_q, kv_heads, group, head_dim), jnp.float32)
+    dq0 = varying_like(jnp.zeros((batch, seq_q, kv_heads, group, head_dim), jnp.float32), q)
     dq, (dk, dv, d_bias) = lax.scan(step, dq0, (indices, k_chunks, v_chunks, kv_seg_chunks))
 
     def unchunk(x):  # [S/block, B, block, K, D] -> [B, S, K, D]

@@ -9,3 +9,10 @@ import os
 # count, so on a 2-core machine two waiting warpgroups can starve the third (a hang, seen
 # here). More pool threads than cores fixes it; set before the CPU client is created.
 os.environ.setdefault("PJRT_NPROC", "8")
+
+# Eight CPU devices, for the sharding tests (tests/test_sharding.py): XLA reads the flag when
+# the CPU client is created, so it is set here, before any test initialises jax. Unsharded
+# computations still run on the first device only.
+_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}=8".strip()

@@ -124,6 +124,7 @@ from pallas_flash.mosaic.tiles import (
 )
 from pallas_flash.padding import round_up
 from pallas_flash.segments import cut_to_span, pad_segment_ids, tile_spans
+from pallas_flash.sharding import kernel_output
 
 # With a bias or mask array up to head_dim 192: at 256 the Q/O tiles and a 64-key K/V ring
 # already take 192 KiB, and a float32 bias tile ring (64 KiB) no longer fits in 227 KiB.
@@ -781,8 +782,8 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
     call = plgpu.kernel(
         functools.partial(_kernel, st=st),
         out_type=(
-            jax.ShapeDtypeStruct((batch, seq_q_pad, heads, dim), q.dtype),
-            jax.ShapeDtypeStruct((batch, heads, seq_q_pad), jnp.float32),
+            kernel_output((batch, seq_q_pad, heads, dim), q.dtype, q),
+            kernel_output((batch, heads, seq_q_pad), jnp.float32, q),
         ),
         scratch_types=_scratch(st, config, [a for _, a in logit_arrays]),
         grid=grid,

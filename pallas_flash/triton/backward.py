@@ -41,6 +41,7 @@ from pallas_flash.bias import sum_to_shape
 from pallas_flash.logits import LOG2_E, log2_logits, raw_score_gradient
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import next_power_of_2, pad_axis, round_up
+from pallas_flash.sharding import kernel_output
 from pallas_flash.triton.config import TritonConfig
 from pallas_flash.triton.forward import dot_precision
 from pallas_flash.triton.tiles import (
@@ -262,13 +263,13 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
         *(spec for _, spec in columns),
     ]
     out_specs = [pl.BlockSpec((None, block_kv, None, padded_d), kv_tile)] * 2
-    out_shape = [jax.ShapeDtypeStruct(k_p.shape, k.dtype)] * 2
+    out_shape = [kernel_output(k_p.shape, k.dtype, q)] * 2
     d_bias_init = d_bias_spec = d_bias_shape = None
     aliases = {}
     if bias_grad:
         partial_shape, d_bias_spec = _d_bias_partial(bias.shape, batch, kv_heads, group,
                                                      padded_q, padded_kv, block_kv)
-        d_bias_shape = jax.ShapeDtypeStruct(partial_shape, jnp.float32)
+        d_bias_shape = kernel_output(partial_shape, jnp.float32, q)
         if partial_shape[3] > 1:  # tiles no program visits must read 0
             d_bias_init = jnp.zeros(partial_shape, jnp.float32)
             aliases = {len(jax.tree.leaves(inputs)): 2}
@@ -312,7 +313,7 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
             *(spec for _, spec in rows),
         ],
         out_specs=pl.BlockSpec((None, block_q, None, padded_d), q_tile),
-        out_shape=jax.ShapeDtypeStruct(q_p.shape, q.dtype),
+        out_shape=kernel_output(q_p.shape, q.dtype, q),
         compiler_params=params,
         interpret=interpret,
         name="pallas_flash_backward_dq",

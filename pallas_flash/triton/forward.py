@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -22,6 +21,7 @@ from pallas_flash.logits import LOG2_E, log2_logits
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import next_power_of_2, pad_axis, round_up
 from pallas_flash.reference import EMPTY_ROW_LSE
+from pallas_flash.sharding import kernel_output
 from pallas_flash.triton.config import TritonConfig, fit_row_operands
 from pallas_flash.triton.tiles import (
     read_tile,
@@ -161,8 +161,8 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: Trito
         in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, block_q, None, padded_d), q_tile),
                    pl.BlockSpec((None, None, block_q), lse_tile)],
-        out_shape=[jax.ShapeDtypeStruct((batch, padded_q, heads, padded_d), q.dtype),
-                   jax.ShapeDtypeStruct((batch, heads, padded_q), jnp.float32)],
+        out_shape=[kernel_output((batch, padded_q, heads, padded_d), q.dtype, q),
+                   kernel_output((batch, heads, padded_q), jnp.float32, q)],
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                              num_stages=config.num_stages),
         interpret=interpret,

@@ -54,6 +54,7 @@ from pallas_flash.mosaic.block_walk import visible_tile
 from pallas_flash.mosaic.config import NUM_CONSUMERS
 from pallas_flash.mosaic.pipeline import ring_slot
 from pallas_flash.mosaic.tiles import a_operand, col
+from pallas_flash.sharding import kernel_output
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +290,7 @@ def call_dkdv(st: BackwardStatic, operands, dq_acc, *, interpret: bool):
     scratch.update(dq_scratch(st))
     return plgpu.kernel(
         functools.partial(_dkdv_kernel, st=st),
-        out_type=(jax.ShapeDtypeStruct(k_p.shape, q_p.dtype),) * 2,
+        out_type=(kernel_output(k_p.shape, q_p.dtype, q_p),) * 2,
         scratch_types=scratch,
         grid=(kv_heads, st.num_tiles, batch),
         grid_names=("heads", "kv_tiles", "batch"),

@@ -35,7 +35,6 @@ from __future__ import annotations
 import functools
 from typing import Any, NamedTuple
 
-import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
@@ -56,6 +55,7 @@ from pallas_flash.mosaic.backward.common import (
 from pallas_flash.mosaic.block_walk import visible_tile
 from pallas_flash.mosaic.config import NUM_CONSUMERS
 from pallas_flash.mosaic.tiles import col
+from pallas_flash.sharding import kernel_output
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: BackwardStatic,
@@ -267,7 +267,7 @@ def call_dkdv_d256(st: BackwardStatic, operands, *, interpret: bool):
         scratch["q_ids_smem"] = plgpu.SMEM((stages, NUM_CONSUMERS, half_q), jnp.int32)
     return plgpu.kernel(
         functools.partial(_dkdv_kernel, st=st),
-        out_type=(jax.ShapeDtypeStruct(k_p.shape, q_p.dtype),) * 2,
+        out_type=(kernel_output(k_p.shape, q_p.dtype, q_p),) * 2,
         scratch_types=scratch,
         grid=(kv_heads, st.num_tiles, batch),
         grid_names=("heads", "kv_tiles", "batch"),

@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 from typing import Any, NamedTuple
 
-import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
@@ -42,6 +41,7 @@ from pallas_flash.mosaic.backward.common import (
 from pallas_flash.mosaic.block_walk import visible_tile
 from pallas_flash.mosaic.config import NUM_CONSUMERS
 from pallas_flash.mosaic.tiles import a_operand, row
+from pallas_flash.sharding import kernel_output
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: BackwardStatic,
@@ -224,7 +224,7 @@ def call_dq(st: BackwardStatic, operands, *, interpret: bool):
         scratch["a_smem"] = smem_tiles(st, NUM_CONSUMERS, bq, bkv)
     return plgpu.kernel(
         functools.partial(_dq_kernel, st=st),
-        out_type=jax.ShapeDtypeStruct(q_p.shape, q_p.dtype),
+        out_type=kernel_output(q_p.shape, q_p.dtype, q_p),
         scratch_types=scratch,
         grid=(heads, st.num_tiles, batch),
         grid_names=("heads", "q_tiles", "batch"),
