@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax._src.interpreters import ad, batching
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from pallas_flash import dispatch
@@ -106,12 +107,59 @@ def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, si
     return _forward(q, k, v, segment_ids, sinks, bias, attn_mask, static)
 
 
+def _run_pass(pass_name: str, static: StaticArgs, bias_grad: bool, args: tuple,
+              logit_arrays: dict):
+    """``static.kernels.<pass_name>(*args, ...)``: its forward or backward, with the bias /
+    mask arrays of ``logit_arrays`` (``bias``, ``attn_mask``; None when unset)."""
+    kwargs = static.kernel_kwargs(**logit_arrays)
+    if bias_grad:
+        kwargs["bias_grad"] = True
+    return getattr(static.kernels, pass_name)(*args, **kwargs)
+
+
+def _kernel_pass(pass_name: str, static: StaticArgs, bias_grad: bool, args: tuple,
+                 logit_arrays: dict):
+    """:func:`_run_pass`, differentiable on every backend.
+
+    The kernels' inputs in the forward and backward rules are differentiated only under
+    second-order AD (``jax.hessian``, ``jax.jvp`` or ``jax.grad`` of ``jax.grad``). The XLA
+    path is plain JAX; a Pallas kernel (Triton, Mosaic) has no forward-mode or linearize
+    rule, so such a pass runs on the XLA path, which computes the same function. (A
+    ``custom_jvp`` around the kernel would not do: the Mosaic backward's ``jax.new_ref``
+    accumulator cannot be discharged through ``custom_jvp_call`` under ``jax.jit``.)
+    """
+    if static.kernels.name != "xla" and _differentiated((args, logit_arrays)):
+        xla = dispatch.backend("xla")
+        q, k = args[:2]
+        static = dataclasses.replace(static, kernels=xla.KERNELS, config=xla.default_config(
+            q.shape, k.shape, q.dtype, static.mask))
+    return _run_pass(pass_name, static, bias_grad, args, logit_arrays)
+
+
+def _differentiated(tree) -> bool:
+    """Whether a forward-mode or linearize transformation (JVP / linearize tracers, also
+    under vmap's batch tracers) holds any leaf of ``tree``.
+
+    JAX has no public test for this; it reads the tracer classes of jax._src (pinned to
+    jax 0.11). A tracer it does not see through makes it answer False: the kernel then
+    runs, as without this check.
+    """
+    pending = jax.tree.leaves(tree)
+    while pending:
+        leaf = pending.pop()
+        if isinstance(leaf, (ad.JVPTracer, ad.LinearizeTracer)):
+            return True
+        if isinstance(leaf, batching.BatchTracer):
+            pending.append(leaf.val)
+    return False
+
+
 def _forward(q, k, v, segment_ids, sinks, bias, attn_mask, static: StaticArgs):
-    out, lse = static.kernels.forward(q, k, v, segment_ids,
-                                      **static.kernel_kwargs(bias, attn_mask))
+    out, lse = _kernel_pass("forward", static, False, (q, k, v, segment_ids),
+                            dict(bias=bias, attn_mask=attn_mask))
     if sinks is None:
         return out, lse
-    full_lse = jnp.logaddexp(lse, sinks.astype(jnp.float32)[None, :, None])
+    full_lse = jnp.logaddexp(lse, sinks.astype(lse.dtype)[None, :, None])
     rescale = jnp.exp(lse - full_lse)  # [B, N, T]: share of the mass that is not the sink
     out = (out * jnp.transpose(rescale, (0, 2, 1))[..., None]).astype(out.dtype)
     return out, full_lse
@@ -151,25 +199,23 @@ def _bwd_rule(static: StaticArgs, residuals, cotangents):
     q, k, v, segment_ids, sinks, bias, attn_mask, out, lse, bias_grad = residuals
     d_out, d_lse = cotangents
     d_out = _dense(d_out, out)
-    # delta_i = sum_d dO_id · O_id (FlashAttention-2, Alg. 2 line 4), in float32.
-    delta = jnp.einsum(
-        "btnd,btnd->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32)
-    )
+    # delta_i = sum_d dO_id · O_id (FlashAttention-2, Alg. 2 line 4), in lse's float32
+    # (float64 for float64 inputs).
+    delta = jnp.einsum("btnd,btnd->bnt", out.astype(lse.dtype), d_out.astype(lse.dtype))
     if not isinstance(d_lse, SymbolicZero):
-        delta = delta - d_lse.astype(jnp.float32)
+        delta = delta - d_lse.astype(lse.dtype)
     features = dispatch.Features(has_segments=segment_ids is not None, softcap=static.softcap,
                                  has_bias=bias is not None, has_mask=attn_mask is not None)
     static = _backward_static(static, q, k, features, bias_grad)
-    kwargs = static.kernel_kwargs(bias, attn_mask)
-    if bias_grad:
-        kwargs["bias_grad"] = True
-    dq, dk, dv, *d_bias = static.kernels.backward(
-        q, k, v, segment_ids, out, lse, d_out.astype(q.dtype), delta, **kwargs)
+    dq, dk, dv, *d_bias = _kernel_pass(
+        "backward", static, bias_grad,
+        (q, k, v, segment_ids, out, lse, d_out.astype(q.dtype), delta),
+        dict(bias=bias, attn_mask=attn_mask))
     d_bias = d_bias[0].astype(bias.dtype) if bias_grad else None
     d_sinks = None
     if sinks is not None:
         # A sink is one more logit with a zero value: dS_sink = P_sink · (0 - delta).
-        p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+        p_sink = jnp.exp(sinks.astype(lse.dtype)[None, :, None] - lse)
         d_sinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
     # Segment ids are integers and the mask is boolean: no cotangent.
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, d_sinks,
