@@ -14,6 +14,12 @@ The backward need not run on the forward's backend: :func:`pallas_flash.dispatch
 choose_backward` picks it in the backward rule, where ``bias_grad`` is known, and a backend
 other than the forward's runs with its default config.
 
+Second-order AD (``jax.hessian``, ``jax.jvp`` / ``jax.grad`` of ``jax.grad``) differentiates
+the forward and backward rules themselves. The Pallas kernels have no forward-mode rule, so
+a pass whose inputs are being differentiated runs on the XLA path (plain JAX, the same
+function): :func:`_kernel_pass`. First-order forward mode of the custom VJP itself is
+refused by JAX (``jax.jvp`` of a ``custom_vjp`` function).
+
 The cotangent of lse folds into delta: ``∂lse_i/∂s_ij = P_ij``, so
 ``dS = P ∘ (dP - delta) + P ∘ dlse = P ∘ (dP - (delta - dlse))``. Every backend gets
 gradients through ``lse`` for free by receiving ``delta - dlse``.
