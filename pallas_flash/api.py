@@ -7,15 +7,18 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from pallas_flash import bias as bias_lib
 from pallas_flash import dispatch
 from pallas_flash.autodiff import StaticArgs, attention_with_lse
 from pallas_flash.dispatch import available_implementations, default_implementation
 from pallas_flash.masking import CausalAlignment, MaskSpec, zero_unseen_rows
+from pallas_flash.reference import EMPTY_ROW_LSE
 from pallas_flash.tuning import config_for_attention
 
-Implementation = Literal["mosaic", "triton", "xla"]
+Implementation = Literal["mosaic", "triton", "xla", "cudnn"]
 
 # The public names of the package's entry point, some defined by the dispatcher.
 __all__ = ["PADDED_KEY_ID", "PADDED_QUERY_ID", "Implementation", "attention",
@@ -40,19 +43,26 @@ def attention(
     logits_soft_cap: float | None = None,
     sinks: jax.Array | None = None,
     return_residual: bool = False,
+    return_lse: bool = False,
     implementation: Implementation | None = None,
     interpret: bool = False,
     config: Any = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Exact softmax attention, computed tile by tile without materialising the scores.
 
-    Same layout and meaning as ``jax.nn.dot_product_attention``.
+    Same layout, arguments and results as ``jax.nn.dot_product_attention``: a call written
+    for it runs unchanged (the differences are listed in ``docs/api.md``).
 
     Args:
-      query: ``[batch, seq_q, heads, head_dim]``.
-      key: ``[batch, seq_kv, kv_heads, head_dim]``; ``heads`` must be a multiple of
-        ``kv_heads`` (grouped-query / multi-query attention; K and V are never repeated).
-      value: ``[batch, seq_kv, kv_heads, head_dim]``.
+      query: ``[batch, seq_q, heads, head_dim]``, or ``[seq_q, heads, head_dim]`` (one
+        sequence, as ``jax.nn``: the output then has no batch dim either). bfloat16,
+        float16, float32, or float64 (under ``jax_enable_x64``; XLA path only, computed
+        in float64).
+      key: ``[batch, seq_kv, kv_heads, head_dim]`` (or without ``batch``); ``heads`` must
+        be a multiple of ``kv_heads`` (grouped-query / multi-query attention; K and V are
+        never repeated). A sequence of length 0 (``seq_q`` or ``seq_kv``) gives zeros,
+        as ``jax.nn``.
+      value: shaped like ``key``.
       bias: floating array broadcastable to ``[batch, heads, seq_q, seq_kv]`` (rank <= 4,
         leading dims added as in ``jax.nn``), added to the scaled logits (after the
         soft-cap, if any); differentiable. Broadcast (size-1) dims are never expanded in
@@ -63,8 +73,9 @@ def attention(
         hides the pair. Combined (and) with ``is_causal``, the window, segment ids and
         lengths. Unlike ``jax.nn`` (which spreads a fully masked row evenly over every key),
         a row with no visible key outputs 0.
-      scale: logit scale; default ``1 / sqrt(head_dim)``.
-      is_causal: hide keys after the query position.
+      scale: logit scale, a concrete positive number (Python, NumPy or a 0-d JAX array;
+        not a traced value); default ``1 / sqrt(head_dim)``.
+      is_causal: hide keys after the query position (a Python or NumPy bool).
       causal_alignment: ``"top_left"`` (default, as ``jax.nn``: query ``i`` sees keys
         ``<= i``) or ``"bottom_right"`` (query ``i`` sees keys ``<= i + seq_kv - seq_q``,
         so the last query sees every key, as when queries extend a KV cache).
@@ -72,23 +83,35 @@ def attention(
         ``[i - left, i + right]`` (after alignment), as ``jax.nn``.
       q_segment_ids: ``[batch, seq_q]`` integer ids of packed documents; a query sees only
         keys with the same id (combined with the causal/window mask). Give both or neither;
-        ``kv_segment_ids`` defaults to ``q_segment_ids`` when ``seq_q == seq_kv``.
+        ``kv_segment_ids`` defaults to ``q_segment_ids`` when ``seq_q == seq_kv``. For a
+        query without batch dim, ``[seq_q]`` also works (as under ``jax.vmap``).
       kv_segment_ids: ``[batch, seq_kv]`` integer ids. The two values ``-2**31`` and
         ``-2**31 + 1`` are reserved (they mark padding, below).
-      query_seq_lengths: ``[batch]`` number of real queries per sequence (as ``jax.nn``);
-        rows past it output 0.
-      key_value_seq_lengths: ``[batch]`` number of real keys per sequence; later keys are
-        hidden (and their tiles skipped).
+      query_seq_lengths: ``[batch]`` integers (an array, NumPy array or list) giving the
+        number of real queries per sequence (as ``jax.nn``); rows past it output 0. For
+        a query without batch dim, ``[1]`` (as ``jax.nn``) or a scalar.
+      key_value_seq_lengths: ``[batch]`` number of real keys per sequence, as
+        ``query_seq_lengths``; later keys are hidden (and their tiles skipped).
       logits_soft_cap: ``c > 0``: logits become ``c · tanh(logits / c)`` before the softmax
         (Gemma-2 style soft-capping), with its gradient.
       sinks: ``[heads]`` learnable logits, one per query head, that join every row's softmax
         denominator without contributing a value (attention sinks); differentiable.
-      return_residual: also return ``lse: [batch, seq_q, heads]`` (float32, natural log of
-        the softmax denominator; gradients flow through it). Rows that see no key have
-        output 0 and lse ``-1e30``.
+      return_residual: also return the residual of ``jax.nn.dot_product_attention``:
+        ``[batch, seq_q, heads]`` in the input dtype, the natural log of each row's softmax
+        denominator, with ``jax.lax.stop_gradient`` applied (no gradient flows through it,
+        as in ``jax.nn``). Rows that see no key have output 0 and residual ``-1e30``
+        (``jax.nn``: a large negative number).
+      return_lse: also return ``lse: [batch, seq_q, heads]`` (float32, or float64 for
+        float64 inputs; natural log of the softmax denominator) that is differentiable:
+        gradients flow through it into ``query``, ``key``, ``bias`` and ``sinks``. Rows
+        that see no key have output 0 and lse ``-1e30``. Not together with
+        ``return_residual``.
       implementation: the forward's backend: ``"mosaic"`` (Hopper), ``"triton"`` (any GPU,
         or CPU with ``interpret=True``) or ``"xla"``; ``None`` picks the fastest available
-        that supports the call. The backward runs on the same backend when it can; when it
+        that supports the call. ``"cudnn"`` hands the call to
+        ``jax.nn.dot_product_attention(..., implementation="cudnn")`` unchanged (it raises
+        what ``jax.nn`` raises, e.g. off an NVIDIA GPU); arguments ``jax.nn`` lacks then
+        raise ``ValueError``. The backward runs on the same backend when it can; when it
         cannot (the Mosaic backward takes no float32 input, for instance), it runs on the
         first other one that can, fastest first: ``"triton"``, then ``"xla"``
         (:func:`pallas_flash.dispatch.choose_backward`). Every backward reads the same
@@ -109,31 +132,65 @@ def attention(
         backend has nothing to tune and uses its heuristic.
 
     Returns:
-      ``out: [batch, seq_q, heads, head_dim]`` in the input dtype, or ``(out, lse)``.
+      ``out``, shaped like ``query``, in the input dtype; with ``return_residual`` or
+      ``return_lse`` the pair ``(out, residual or lse)``, the second shaped like
+      ``query`` without its last dim.
     """
+    if implementation == "cudnn":
+        return _through_cudnn(
+            query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+            local_window_size=local_window_size, return_residual=return_residual,
+            ours=dict(causal_alignment=causal_alignment != "top_left",
+                      q_segment_ids=q_segment_ids is not None,
+                      kv_segment_ids=kv_segment_ids is not None,
+                      logits_soft_cap=logits_soft_cap is not None, sinks=sinks is not None,
+                      return_lse=return_lse is not False, interpret=interpret is not False,
+                      config=config is not None))
+    if implementation is not None:
+        dispatch.backend(implementation)  # a bad name raises before anything else
+    query, key, value = (_as_array(x) for x in (query, key, value))
+    output_shape = getattr(query, "shape", None)
+    unbatched = getattr(query, "ndim", None) == 3
+    query, key, value = (_batched(x) for x in (query, key, value))
     dispatch.check_arrays(query, key, value)
     batch, seq_q, _, head_dim = query.shape
     seq_kv = key.shape[1]
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    _check_scale(scale)
-    if not isinstance(interpret, bool):
-        raise ValueError(f"interpret must be a bool, got {interpret!r}")
+    scale = _canonical_scale(scale, head_dim)
+    for name, flag in (("interpret", interpret), ("return_residual", return_residual),
+                       ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool, got {flag!r}")
+    if return_residual and return_lse:
+        raise ValueError("return_residual and return_lse cannot both be True: "
+                         "return_lse=True returns the differentiable float32 lse")
     window = _canonical_window(local_window_size)
-    if not isinstance(is_causal, bool):
-        raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
+    is_causal = _canonical_bool(is_causal, "is_causal")
     if causal_alignment not in ("top_left", "bottom_right"):
         raise ValueError(
             f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
-    spec = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, is_causal=is_causal,
-                    causal_alignment=causal_alignment, window=window)
+    if unbatched:
+        q_segment_ids, kv_segment_ids = (
+            _unbatched_ids(ids) for ids in (q_segment_ids, kv_segment_ids))
+        query_seq_lengths, key_value_seq_lengths = (
+            _unbatched_lengths(n) for n in (query_seq_lengths, key_value_seq_lengths))
     segment_ids = _canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv)
-    segment_ids = _fold_lengths(segment_ids, query_seq_lengths, key_value_seq_lengths,
-                                batch, seq_q, seq_kv)
+    segment_ids = _fold_lengths(segment_ids, _as_array(query_seq_lengths),
+                                _as_array(key_value_seq_lengths), batch, seq_q, seq_kv)
     softcap = _check_soft_cap(logits_soft_cap)
     sinks = _check_sinks(sinks, query.shape[2])
     logits_shape = (batch, query.shape[2], seq_q, seq_kv)
-    bias, mask = _check_bias(bias, logits_shape), _check_mask(mask, logits_shape)
+    bias = _check_bias(_as_array(bias), logits_shape)
+    mask = _check_mask(_as_array(mask), logits_shape)
+    outputs = dict(return_residual=return_residual, return_lse=return_lse,
+                   output_shape=output_shape)
+    if min(batch, seq_q, seq_kv) == 0:
+        # jax.nn's answer for empty sequences: rows that see no key output 0.
+        lse = jnp.full((batch, query.shape[2], seq_q), EMPTY_ROW_LSE,
+                       jnp.promote_types(query.dtype, jnp.float32))
+        return _outputs(jnp.zeros(query.shape, query.dtype), lse, **outputs)
+    spec = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, is_causal=is_causal,
+                    causal_alignment=causal_alignment, window=window)
     query, key, value = zero_unseen_rows(query, key, value, spec, segment_ids, mask)
     features = dispatch.Features(has_segments=segment_ids is not None, softcap=softcap,
                                  has_bias=bias is not None, has_mask=mask is not None)
@@ -147,12 +204,67 @@ def attention(
     if reason is not None:
         raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
     config = _resolve_config(config, implementation, query, key, value, spec, interpret)
-    static = StaticArgs(kernels=backend.KERNELS, mask=spec, scale=float(scale),
+    static = StaticArgs(kernels=backend.KERNELS, mask=spec, scale=scale,
                         config=config, interpret=interpret, softcap=softcap)
     out, lse = attention_with_lse(query, key, value, segment_ids, sinks, bias, mask, static)
-    if return_residual:
-        return out, jnp.transpose(lse, (0, 2, 1))
-    return out
+    return _outputs(out, lse, **outputs)
+
+
+def _outputs(out, lse, *, return_residual: bool, return_lse: bool, output_shape):
+    """``attention``'s result from ``out [B, T, N, D]`` and ``lse [B, N, T]``, shaped as
+    the caller's query (no batch dim for a rank-3 query)."""
+    out = out.reshape(output_shape)
+    if not (return_residual or return_lse):
+        return out
+    lse = jnp.transpose(lse, (0, 2, 1)).reshape(output_shape[:-1])
+    if return_lse:
+        return out, lse
+    # jax.nn's residual: in the input dtype, and no gradient flows through it.
+    return out, lax.stop_gradient(lse.astype(out.dtype))
+
+
+def _through_cudnn(query, key, value, bias, mask, *, ours: dict[str, bool], **kwargs):
+    """``implementation="cudnn"``: the call as ``jax.nn.dot_product_attention`` takes it.
+
+    ``ours``: for each argument ``jax.nn`` lacks, whether the call set it.
+    """
+    given = [name for name, is_set in ours.items() if is_set]
+    if given:
+        raise ValueError(
+            f"implementation='cudnn' runs jax.nn.dot_product_attention, which has no "
+            f"{', '.join(given)}: leave them at their defaults or pick another "
+            "implementation")
+    return jax.nn.dot_product_attention(query, key, value, bias, mask,
+                                        implementation="cudnn", **kwargs)
+
+
+def _as_array(x):
+    """NumPy arrays, NumPy scalars and lists as JAX arrays (as ``jax.nn`` takes them); JAX
+    arrays, None and anything else (which the checks then reject) unchanged."""
+    if isinstance(x, (np.ndarray, np.generic, list, tuple)):
+        return jnp.asarray(x)
+    return x
+
+
+def _batched(x):
+    """A rank-3 ``[seq, heads, head_dim]`` input as one sequence of a batch (as
+    ``jax.nn``); other ranks unchanged (the checks reject them)."""
+    return x[None] if getattr(x, "ndim", None) == 3 else x
+
+
+def _unbatched_ids(ids):
+    """Segment ids of a query without batch dim: ``[seq]`` as ``[1, seq]``."""
+    ids = _as_array(ids)
+    return ids[None] if getattr(ids, "ndim", None) == 1 else ids
+
+
+def _unbatched_lengths(lengths):
+    """Lengths of a query without batch dim: a scalar (as ``jax.vmap`` hands it) as
+    ``[1]``."""
+    lengths = _as_array(lengths)
+    if isinstance(lengths, int) and not isinstance(lengths, bool):
+        lengths = jnp.asarray(lengths)
+    return lengths[None] if getattr(lengths, "ndim", None) == 0 else lengths
 
 
 def _resolve_config(config, implementation: str, query, key, value, spec: MaskSpec,
@@ -265,11 +377,30 @@ def _check_mask(mask, logits_shape):
     return bias_lib.canonical(mask, "mask", logits_shape)
 
 
-def _check_scale(scale) -> None:
+def _canonical_scale(scale, head_dim: int) -> float:
+    """``scale`` as a Python float (default ``1 / sqrt(head_dim)``)."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, jax.core.Tracer):
-        raise ValueError("scale must be a Python float, not a traced value")
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError("scale must be a concrete number, not a traced value "
+                         "(to scale by a traced value, multiply query by it)")
+    if isinstance(scale, (jax.Array, np.ndarray, np.generic)) and np.ndim(scale) == 0 \
+            and jnp.issubdtype(scale.dtype, np.number):
+        scale = scale.item()
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+            and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    return float(scale)
+
+
+def _canonical_bool(flag, name: str) -> bool:
+    """A Python bool from a Python / NumPy bool or a concrete 0-d boolean JAX array."""
+    if isinstance(flag, (jax.Array, np.ndarray)) and not isinstance(flag, jax.core.Tracer) \
+            and flag.shape == () and flag.dtype == jnp.bool_:
+        flag = flag.item()
+    if not isinstance(flag, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a bool, got {flag!r}")
+    return bool(flag)
 
 
 def _canonical_window(window) -> tuple[int, int] | None:

@@ -14,6 +14,12 @@ The backward need not run on the forward's backend: :func:`pallas_flash.dispatch
 choose_backward` picks it in the backward rule, where ``bias_grad`` is known, and a backend
 other than the forward's runs with its default config.
 
+Second-order AD (``jax.hessian``, ``jax.jvp`` / ``jax.grad`` of ``jax.grad``) differentiates
+the forward and backward rules themselves. The Pallas kernels have no forward-mode rule, so
+a pass whose inputs are being differentiated runs on the XLA path (plain JAX, the same
+function): :func:`_kernel_pass`. First-order forward mode of the custom VJP itself is
+refused by JAX (``jax.jvp`` of a ``custom_vjp`` function).
+
 The cotangent of lse folds into delta: ``∂lse_i/∂s_ij = P_ij``, so
 ``dS = P ∘ (dP - delta) + P ∘ dlse = P ∘ (dP - (delta - dlse))``. Every backend gets
 gradients through ``lse`` for free by receiving ``delta - dlse``.
@@ -28,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax._src.interpreters import ad, batching
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from pallas_flash import dispatch, sharding
@@ -106,12 +113,50 @@ def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, si
     return _forward(q, k, v, segment_ids, sinks, bias, attn_mask, static)
 
 
+def _pass_static(static: StaticArgs, operands) -> StaticArgs:
+    """``static`` for one kernel pass (forward or backward) over ``operands``: the same,
+    or the XLA path's when the pass itself is differentiated.
+
+    The kernels' inputs in the forward and backward rules are differentiated only under
+    second-order AD (``jax.hessian``, ``jax.jvp`` or ``jax.grad`` of ``jax.grad``). The XLA
+    path is plain JAX; a Pallas kernel (Triton, Mosaic) has no forward-mode or linearize
+    rule, so such a pass runs on the XLA path, which computes the same function. (A
+    ``custom_jvp`` around the kernel would not do: the Mosaic backward's ``jax.new_ref``
+    accumulator cannot be discharged through ``custom_jvp_call`` under ``jax.jit``.)
+    """
+    if static.kernels.name == "xla" or not _differentiated(operands):
+        return static
+    xla = dispatch.backend("xla")
+    q, k = operands[:2]
+    return dataclasses.replace(static, kernels=xla.KERNELS, config=xla.default_config(
+        q.shape, k.shape, q.dtype, static.mask))
+
+
+def _differentiated(tree) -> bool:
+    """Whether a forward-mode or linearize transformation (JVP / linearize tracers, also
+    under vmap's batch tracers) holds any leaf of ``tree``.
+
+    JAX has no public test for this; it reads the tracer classes of jax._src (pinned to
+    jax 0.11). A tracer it does not see through makes it answer False: the kernel then
+    runs, as without this check.
+    """
+    pending = jax.tree.leaves(tree)
+    while pending:
+        leaf = pending.pop()
+        if isinstance(leaf, (ad.JVPTracer, ad.LinearizeTracer)):
+            return True
+        if isinstance(leaf, batching.BatchTracer):
+            pending.append(leaf.val)
+    return False
+
+
 def _forward(q, k, v, segment_ids, sinks, bias, attn_mask, static: StaticArgs):
+    static = _pass_static(static, (q, k, v, segment_ids, bias, attn_mask))
     # Each device runs the kernels on its shard of a sharded call (pallas_flash.sharding).
     out, lse = sharding.forward(static, q, k, v, segment_ids, bias, attn_mask)
     if sinks is None:
         return out, lse
-    full_lse = jnp.logaddexp(lse, sinks.astype(jnp.float32)[None, :, None])
+    full_lse = jnp.logaddexp(lse, sinks.astype(lse.dtype)[None, :, None])
     rescale = jnp.exp(lse - full_lse)  # [B, N, T]: share of the mass that is not the sink
     out = (out * jnp.transpose(rescale, (0, 2, 1))[..., None]).astype(out.dtype)
     return out, full_lse
@@ -151,15 +196,16 @@ def _bwd_rule(static: StaticArgs, residuals, cotangents):
     q, k, v, segment_ids, sinks, bias, attn_mask, out, lse, bias_grad = residuals
     d_out, d_lse = cotangents
     d_out = _dense(d_out, out)
-    # delta_i = sum_d dO_id · O_id (FlashAttention-2, Alg. 2 line 4), in float32.
-    delta = jnp.einsum(
-        "btnd,btnd->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32)
-    )
+    # delta_i = sum_d dO_id · O_id (FlashAttention-2, Alg. 2 line 4), in lse's float32
+    # (float64 for float64 inputs).
+    delta = jnp.einsum("btnd,btnd->bnt", out.astype(lse.dtype), d_out.astype(lse.dtype))
     if not isinstance(d_lse, SymbolicZero):
-        delta = delta - d_lse.astype(jnp.float32)
+        delta = delta - d_lse.astype(lse.dtype)
     features = dispatch.Features(has_segments=segment_ids is not None, softcap=static.softcap,
                                  has_bias=bias is not None, has_mask=attn_mask is not None)
     static = _backward_static(static, q, k, features, bias_grad)
+    static = _pass_static(
+        static, (q, k, v, segment_ids, out, lse, d_out, delta, bias, attn_mask))
     dq, dk, dv, *d_bias = sharding.backward(
         static, q, k, v, segment_ids, out, lse, d_out.astype(q.dtype), delta, bias, attn_mask,
         bias_grad)
@@ -167,7 +213,7 @@ def _bwd_rule(static: StaticArgs, residuals, cotangents):
     d_sinks = None
     if sinks is not None:
         # A sink is one more logit with a zero value: dS_sink = P_sink · (0 - delta).
-        p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+        p_sink = jnp.exp(sinks.astype(lse.dtype)[None, :, None] - lse)
         d_sinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
     # Segment ids are integers and the mask is boolean: no cotangent.
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, d_sinks,

@@ -25,6 +25,7 @@ from types import ModuleType
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_flash.masking import MaskSpec
 
@@ -35,6 +36,9 @@ BACKEND_MODULES = {
 }
 #: Input dtypes every backend accepts (some through another backend's kernels).
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+#: float64 inputs (under jax_enable_x64) run only on the XLA path, computed in float64.
+FLOAT64 = np.dtype(np.float64)
+FLOAT64_IMPLEMENTATIONS = ("xla",)
 MAX_HEAD_DIM = 256
 
 
@@ -95,6 +99,8 @@ def unsupported(name: str, q_shape, kv_shape, dtype, mask: MaskSpec,
                 features: Features) -> str | None:
     """Why backend ``name``'s forward cannot run this call, or None."""
     _check_features(features)
+    if jnp.dtype(dtype) == FLOAT64 and name not in FLOAT64_IMPLEMENTATIONS:
+        return f"float64 inputs run only on implementation={FLOAT64_IMPLEMENTATIONS[0]!r}"
     return backend(name).unsupported(q_shape, kv_shape, dtype, mask,
                                      **dataclasses.asdict(features))
 
@@ -146,17 +152,19 @@ def choose_backward(forward: str, q_shape, kv_shape, dtype, mask: MaskSpec,
 
 def check_arrays(query, key, value) -> None:
     """Raises ValueError, naming the argument, unless ``query``, ``key`` and ``value`` are
-    the attention inputs every backend accepts: rank 4 ``[batch, seq, heads, head_dim]``, one
-    dtype of ``DTYPES``, matching batch and head_dim (at most ``MAX_HEAD_DIM``), query heads a
-    multiple of key/value heads, nothing empty."""
+    the attention inputs the API accepts: rank 4 ``[batch, seq, heads, head_dim]``, one
+    dtype of ``DTYPES`` or float64, matching batch and head_dim (at most ``MAX_HEAD_DIM``),
+    query heads a multiple of key/value heads, at least one head (batch and sequences may
+    be empty)."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         if getattr(x, "ndim", None) != 4:
             raise ValueError(
-                f"{name} must have rank 4 [batch, seq, heads, head_dim], "
-                f"got shape {getattr(x, 'shape', None)}")
-        if jnp.dtype(x.dtype) not in DTYPES:
+                f"{name} must have rank 4 [batch, seq, heads, head_dim] (or 3, without "
+                f"batch), got shape {getattr(x, 'shape', None)}")
+        if jnp.dtype(x.dtype) not in (*DTYPES, FLOAT64):
             raise ValueError(
-                f"{name} dtype must be one of bfloat16, float16, float32, got {x.dtype}")
+                f"{name} dtype must be one of bfloat16, float16, float32, float64, "
+                f"got {x.dtype}")
     if not query.dtype == key.dtype == value.dtype:
         raise ValueError(
             "query, key and value must share one dtype, got "
@@ -172,8 +180,9 @@ def check_arrays(query, key, value) -> None:
             f"key head_dim {key.shape[3]} does not match query head_dim {query.shape[3]}")
     if not 1 <= query.shape[3] <= MAX_HEAD_DIM:
         raise ValueError(f"query head_dim must be in [1, {MAX_HEAD_DIM}], got {query.shape[3]}")
-    if min(query.shape[:3]) < 1 or min(key.shape[:3]) < 1:
-        raise ValueError(f"query and key must not be empty, got {query.shape} and {key.shape}")
+    if query.shape[2] < 1 or key.shape[2] < 1:
+        raise ValueError(
+            f"query and key must have at least one head, got {query.shape} and {key.shape}")
     if query.shape[2] % key.shape[2]:
         raise ValueError(
             f"query heads ({query.shape[2]}) must be a multiple of key/value heads "

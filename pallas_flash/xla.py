@@ -41,6 +41,11 @@ def _precision(dtype) -> lax.Precision:
     return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
 
 
+def _accumulator(dtype) -> jnp.dtype:
+    """float32 (float64 for float64 inputs): the dtype of logits, statistics and sums."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def _chunks(x: jax.Array, block: int) -> jax.Array:
     """[B, S, K, D] -> [S/block, B, block, K, D], padding S with zeros."""
     b, s, n, d = x.shape
@@ -64,15 +69,17 @@ def _scores(q_g, k_j, scale, softcap, mask: MaskSpec, k_start, block_kv, segment
     Returns (masked logits, visible, d logits / d raw logits) — the last is
     ``1 - tanh²`` under soft-capping and None without it.
     """
-    s = jnp.einsum("btkgd,bskd->bkgts", q_g, k_j, preferred_element_type=jnp.float32,
+    acc = _accumulator(q_g.dtype)
+    s = jnp.einsum("btkgd,bskd->bkgts", q_g, k_j, preferred_element_type=acc,
                    precision=_precision(q_g.dtype)) * scale
     slope = None
     if softcap is not None:
         t = jnp.tanh(s / softcap)
         s, slope = softcap * t, 1.0 - t * t
     if bias_j is not None:
-        s = s + bias_j.astype(jnp.float32)
-    visible = mask.block_visible(0, q_g.shape[1], k_start, block_kv)
+        s = s + bias_j.astype(acc)
+    # [1, 1, 1, T, block_kv]: the rank of the logits (no implicit rank promotion).
+    visible = mask.block_visible(0, q_g.shape[1], k_start, block_kv)[None, None, None]
     if segments is not None:
         visible = visible & segments_visible(*segments)[:, None, None]
     if mask_j is not None:
@@ -111,8 +118,10 @@ def _segment_chunks(segment_ids, block: int):
 
 def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaConfig,
             interpret: bool, softcap: float | None = None, bias=None, attn_mask=None):
-    """q: [B, T, N, D], k/v: [B, S, K, D] -> (out [B, T, N, D], lse [B, N, T] float32)."""
+    """q: [B, T, N, D], k/v: [B, S, K, D] -> (out [B, T, N, D], lse [B, N, T] float32,
+    float64 for float64 inputs)."""
     del interpret
+    acc = _accumulator(q.dtype)
     batch, seq_q, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     block = min(config.block_kv, k.shape[1])
@@ -138,14 +147,14 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaCo
         alpha = jnp.exp(m - m_sub)
         l = alpha * l + jnp.sum(p, axis=-1)
         pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v_j.dtype), v_j,
-                        preferred_element_type=jnp.float32, precision=_precision(v_j.dtype))
+                        preferred_element_type=acc, precision=_precision(v_j.dtype))
         return (alpha[..., None] * o + pv, m_new, l), None
 
     # Inside shard_map the carry varies as q does; its initial value must too.
     init = tuple(varying_like(x, q) for x in (
-        jnp.zeros((batch, kv_heads, group, seq_q, head_dim), jnp.float32),
-        jnp.full((batch, kv_heads, group, seq_q), -jnp.inf, jnp.float32),
-        jnp.zeros((batch, kv_heads, group, seq_q), jnp.float32),
+        jnp.zeros((batch, kv_heads, group, seq_q, head_dim), acc),
+        jnp.full((batch, kv_heads, group, seq_q), -jnp.inf, acc),
+        jnp.zeros((batch, kv_heads, group, seq_q), acc),
     ))
     indices = jnp.arange(k_chunks.shape[0])
     (o, m, l), _ = lax.scan(step, init, (indices, k_chunks, v_chunks, kv_seg_chunks))
@@ -164,6 +173,7 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
     Returns (dq, dk, dv), and dbias (float32, shaped like ``bias``) when ``bias_grad``.
     """
     del out, interpret
+    acc = _accumulator(q.dtype)
     batch, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -188,9 +198,9 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
         p = jnp.where(visible, jnp.exp(s - lse_g[..., None]), 0.0)
         # dV_j = Pᵀ dO, dP = dO V_jᵀ, dS = P ∘ (dP - delta), dQ += dS K_j, dK_j = dSᵀ Q.
         dv_j = jnp.einsum("bkgts,btkgd->bskd", p.astype(q.dtype), do_g,
-                          preferred_element_type=jnp.float32, precision=prec)
+                          preferred_element_type=acc, precision=prec)
         dp = jnp.einsum("btkgd,bskd->bkgts", do_g, v_j,
-                        preferred_element_type=jnp.float32, precision=prec)
+                        preferred_element_type=acc, precision=prec)
         ds = p * (dp - delta_g[..., None])  # the gradient of the (biased) logits
         # The bias gradient, summed over the bias's broadcast dims now: bias-sized chunks.
         d_bias_j = sum_to_shape(ds, bias_j.shape) if bias_grad else None
@@ -198,13 +208,13 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
             ds = ds * slope
         ds = ds.astype(q.dtype)
         dq = dq + jnp.einsum("bkgts,bskd->btkgd", ds, k_j,
-                             preferred_element_type=jnp.float32, precision=prec)
+                             preferred_element_type=acc, precision=prec)
         dk_j = jnp.einsum("bkgts,btkgd->bskd", ds, q_g,
-                          preferred_element_type=jnp.float32, precision=prec)
+                          preferred_element_type=acc, precision=prec)
         return dq, (dk_j * scale, dv_j, d_bias_j)
 
     indices = jnp.arange(num_chunks)
-    dq0 = varying_like(jnp.zeros((batch, seq_q, kv_heads, group, head_dim), jnp.float32), q)
+    dq0 = varying_like(jnp.zeros((batch, seq_q, kv_heads, group, head_dim), acc), q)
     dq, (dk, dv, d_bias) = lax.scan(step, dq0, (indices, k_chunks, v_chunks, kv_seg_chunks))
 
     def unchunk(x):  # [S/block, B, block, K, D] -> [B, S, K, D]

@@ -177,7 +177,7 @@ def run_attention(backend: Backend | str, q, k, v, d_out, **kwargs):
     backend = BACKENDS[backend] if isinstance(backend, str) else backend
 
     def f(q, k, v):
-        return backend.attention(q, k, v, return_residual=True, **kwargs)
+        return backend.attention(q, k, v, return_lse=True, **kwargs)
 
     (out, lse), vjp = jax.vjp(f, q, k, v)
     grads = vjp((d_out, jnp.zeros_like(lse)))

@@ -22,7 +22,8 @@ def _qkv(q_shape=(1, 16, 4, 32), kv_shape=(1, 16, 2, 32), dtype=jnp.float32):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(q=jnp.ones((16, 4, 32))), "query must have rank 4"),
+        (dict(q=jnp.ones((16, 32))), "query must have rank 4"),
+        (dict(q=jnp.ones((1, 16, 0, 32))), "at least one head"),
         (dict(k=jnp.ones((1, 16, 2, 2, 32))), "key must have rank 4"),
         (dict(v=jnp.ones((1, 16, 2, 16))), "key and value must have the same shape"),
         (dict(k=jnp.ones((2, 16, 2, 32)), v=jnp.ones((2, 16, 2, 32))), "batch size"),
@@ -35,6 +36,16 @@ def _qkv(q_shape=(1, 16, 4, 32), kv_shape=(1, 16, 2, 32), dtype=jnp.float32):
         (dict(scale=0.0), "scale must be a positive"),
         (dict(scale=-1.0), "scale must be a positive"),
         (dict(scale=float("nan")), "scale must be a positive"),
+        (dict(scale=True), "scale must be a positive"),
+        (dict(scale=jnp.ones(2)), "scale must be a positive"),
+        (dict(is_causal=jnp.ones(())), "is_causal"),
+        (dict(return_residual=1), "return_residual must be a bool"),
+        (dict(return_lse="yes"), "return_lse must be a bool"),
+        (dict(return_residual=True, return_lse=True), "cannot both be True"),
+        (dict(implementation="cudnn", q_segment_ids=jnp.zeros((1, 16), jnp.int32),
+              logits_soft_cap=5.0), "no q_segment_ids, logits_soft_cap"),
+        (dict(implementation="cudnn", sinks=jnp.zeros(4)), "no sinks"),
+        (dict(implementation="cudnn", return_lse=True), "no return_lse"),
         (dict(local_window_size=-1), "local_window_size"),
         (dict(local_window_size=(1, 2, 3)), "local_window_size"),
         (dict(causal_alignment="center"), "causal_alignment"),
@@ -57,6 +68,12 @@ def test_bad_input_raises_value_error(kwargs, match):
     q, k, v = kwargs.pop("q", q), kwargs.pop("k", k), kwargs.pop("v", v)
     with pytest.raises(ValueError, match=match):
         pf.attention(q, k, v, **kwargs)
+
+
+def test_traced_scale_raises_value_error():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="scale must be a concrete number"):
+        jax.jit(lambda s: pf.attention(q, k, v, scale=s))(0.5)
 
 
 def test_segment_ids_required_together_when_lengths_differ():
@@ -179,6 +196,24 @@ def test_a_fake_backend_without_a_backward_gets_the_fastest_other(monkeypatch):
     ran = _record_passes(monkeypatch, "triton", "xla")
     _gradients_vs_oracle("fake", bias_grad=True)
     assert ran == [("triton", "backward")]
+
+
+def test_kernels_run_first_order_and_xla_second_order(monkeypatch):
+    """jax.grad (also under jax.vmap) runs the chosen kernels; the passes that second-order
+    AD differentiates (here jax.jvp of jax.grad) run on the XLA path, which has the
+    forward-mode rules Pallas kernels lack."""
+    ran = _record_passes(monkeypatch, "triton", "xla")
+    q = _random((2, 8, 1, 16), 7)
+
+    def loss(q):
+        return jnp.sum(jnp.sin(pf.attention(q, q, q, implementation="triton", interpret=True)))
+
+    jax.grad(loss)(q)
+    jax.vmap(jax.grad(loss))(q[:, None])
+    assert ran == [("triton", "forward"), ("triton", "backward")] * 2
+    ran.clear()
+    jax.jvp(jax.grad(loss), (q,), (q,))
+    assert ran == [("xla", "forward"), ("xla", "backward")]
 
 
 def test_choose_backward():

@@ -229,7 +229,7 @@ def test_gradient_through_lse(backend):
         return jnp.sum(fn(q, k, v) * weights)
 
     def ours(q, k, v):
-        return backend.attention(q, k, v, is_causal=True, return_residual=True)[1]
+        return backend.attention(q, k, v, is_causal=True, return_lse=True)[1]
 
     def ref(q, k, v):
         q, k = (x.astype(jnp.float32) for x in (q, k))
@@ -271,7 +271,7 @@ def _variant_check(backend, q, k, v, d_out, *, mask, segment_ids=None, softcap=N
         return backend.attention(q, k, v, is_causal=mask.is_causal,
                                  causal_alignment=mask.causal_alignment,
                                  local_window_size=mask.window, logits_soft_cap=softcap,
-                                 sinks=sinks, return_residual=True, **kwargs)
+                                 sinks=sinks, return_lse=True, **kwargs)
 
     (out, lse), vjp = jax.vjp(f, q, k, v, sinks)
     grads = vjp((d_out, jnp.zeros_like(lse)))

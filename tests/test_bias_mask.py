@@ -52,7 +52,7 @@ def run(backend, q, k, v, d_out, *, bias=None, mask=None, bias_grad=True, **kwar
     ``bias_grad`` (otherwise the bias is a constant of the call, as an additive mask)."""
 
     def f(q, k, v, bias):
-        return backend.attention(q, k, v, bias, mask, return_residual=True, **kwargs)
+        return backend.attention(q, k, v, bias, mask, return_lse=True, **kwargs)
 
     if bias is not None and not bias_grad:
         (out, lse), vjp = jax.vjp(lambda q, k, v: f(q, k, v, bias), q, k, v)
@@ -178,7 +178,7 @@ def test_with_segments_window_and_softcap(backend):
     def f(q, k, v, bias):
         return backend.attention(q, k, v, bias, mask, is_causal=True,
                                  local_window_size=(25, 0), q_segment_ids=ids,
-                                 logits_soft_cap=4.0, return_residual=True)
+                                 logits_soft_cap=4.0, return_lse=True)
 
     (out, lse), vjp = jax.vjp(f, 3 * q, k, v, bias)
     grads = vjp((d_out, jnp.zeros_like(lse)))

@@ -68,7 +68,7 @@ def _forward(q, k, v, segment_ids=None, *, mask: MaskSpec, scale: float, config,
     out, lse = pallas_flash.attention(
         q, k, v, bias, attn_mask, scale=scale, is_causal=mask.is_causal,
         causal_alignment=mask.causal_alignment, local_window_size=mask.window,
-        logits_soft_cap=softcap, return_residual=True, implementation="mosaic",
+        logits_soft_cap=softcap, return_lse=True, implementation="mosaic",
         interpret=True, config=config, **ids)
     return out, jnp.transpose(lse, (0, 2, 1))
 

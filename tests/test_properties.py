@@ -67,7 +67,7 @@ def _check(backend, p: dict) -> None:
         return backend.attention(q, key, value, bias, attn_mask, is_causal=p["causal"],
                                  causal_alignment=p["alignment"],
                                  local_window_size=p["window"], logits_soft_cap=p["softcap"],
-                                 sinks=sinks, return_residual=True, **kwargs)
+                                 sinks=sinks, return_lse=True, **kwargs)
 
     (out, lse), vjp = jax.vjp(f, q, key, value, bias)
     grads = vjp((d_out, jnp.zeros_like(lse)))
