@@ -12,8 +12,9 @@ from jax import lax
 
 from pallas_flash import bias as bias_lib
 from pallas_flash import dispatch
-from pallas_flash.autodiff import StaticArgs, attention_with_lse
+from pallas_flash.autodiff import attention_with_lse
 from pallas_flash.dispatch import available_implementations, default_implementation
+from pallas_flash.kernel_args import StaticArgs
 from pallas_flash.masking import CausalAlignment, MaskSpec, zero_unseen_rows
 from pallas_flash.reference import EMPTY_ROW_LSE
 from pallas_flash.tuning import config_for_attention
@@ -156,7 +157,7 @@ def attention(
     dispatch.check_arrays(query, key, value)
     batch, seq_q, _, head_dim = query.shape
     seq_kv = key.shape[1]
-    scale = _canonical_scale(scale, head_dim)
+    scale = canonical_scale(scale, head_dim)
     for name, flag in (("interpret", interpret), ("return_residual", return_residual),
                        ("return_lse", return_lse)):
         if not isinstance(flag, bool):
@@ -164,7 +165,7 @@ def attention(
     if return_residual and return_lse:
         raise ValueError("return_residual and return_lse cannot both be True: "
                          "return_lse=True returns the differentiable float32 lse")
-    window = _canonical_window(local_window_size)
+    window = canonical_window(local_window_size)
     is_causal = _canonical_bool(is_causal, "is_causal")
     if causal_alignment not in ("top_left", "bottom_right"):
         raise ValueError(
@@ -177,8 +178,8 @@ def attention(
     segment_ids = _canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv)
     segment_ids = _fold_lengths(segment_ids, _as_array(query_seq_lengths),
                                 _as_array(key_value_seq_lengths), batch, seq_q, seq_kv)
-    softcap = _check_soft_cap(logits_soft_cap)
-    sinks = _check_sinks(sinks, query.shape[2])
+    softcap = check_soft_cap(logits_soft_cap)
+    sinks = check_sinks(sinks, query.shape[2])
     logits_shape = (batch, query.shape[2], seq_q, seq_kv)
     bias = _check_bias(_as_array(bias), logits_shape)
     mask = _check_mask(_as_array(mask), logits_shape)
@@ -203,7 +204,7 @@ def attention(
                                   features)
     if reason is not None:
         raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
-    config = _resolve_config(config, implementation, query, key, value, spec, interpret)
+    config = resolve_config(config, implementation, query, key, value, spec, interpret)
     static = StaticArgs(kernels=backend.KERNELS, mask=spec, scale=scale,
                         config=config, interpret=interpret, softcap=softcap)
     out, lse = attention_with_lse(query, key, value, segment_ids, sinks, bias, mask, static)
@@ -267,7 +268,7 @@ def _unbatched_lengths(lengths):
     return lengths[None] if getattr(lengths, "ndim", None) == 0 else lengths
 
 
-def _resolve_config(config, implementation: str, query, key, value, spec: MaskSpec,
+def resolve_config(config, implementation: str, query, key, value, spec: MaskSpec,
                     interpret: bool):
     """The backend config for ``attention``'s ``config`` argument (see its docstring)."""
     default = dispatch.backend(implementation).default_config(query.shape, key.shape,
@@ -339,7 +340,7 @@ def _fold_lengths(segment_ids, q_lengths, kv_lengths, batch, seq_q, seq_kv):
     return q_ids, kv_ids
 
 
-def _check_soft_cap(cap) -> float | None:
+def check_soft_cap(cap) -> float | None:
     if cap is None:
         return None
     if not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap > 0):
@@ -347,7 +348,7 @@ def _check_soft_cap(cap) -> float | None:
     return float(cap)
 
 
-def _check_sinks(sinks, heads: int):
+def check_sinks(sinks, heads: int):
     if sinks is None:
         return None
     if getattr(sinks, "shape", None) != (heads,):
@@ -377,7 +378,7 @@ def _check_mask(mask, logits_shape):
     return bias_lib.canonical(mask, "mask", logits_shape)
 
 
-def _canonical_scale(scale, head_dim: int) -> float:
+def canonical_scale(scale, head_dim: int) -> float:
     """``scale`` as a Python float (default ``1 / sqrt(head_dim)``)."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
@@ -403,7 +404,7 @@ def _canonical_bool(flag, name: str) -> bool:
     return bool(flag)
 
 
-def _canonical_window(window) -> tuple[int, int] | None:
+def canonical_window(window) -> tuple[int, int] | None:
     if window is None:
         return None
     if isinstance(window, int):

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,62 +36,7 @@ from jax._src.interpreters import ad, batching
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from pallas_flash import dispatch, sharding
-from pallas_flash.masking import MaskSpec
-
-# forward(q, k, v, segment_ids, *, mask, scale, config, interpret, [softcap, bias, attn_mask])
-#   -> (out, lse)
-#   q: [batch, seq_q, heads, head_dim], k/v: [batch, seq_kv, kv_heads, head_dim]
-#   segment_ids: None or (q_segment_ids [batch, seq_q], kv_segment_ids [batch, seq_kv]) int32;
-#     a pair is visible only if its segment ids are equal (and the MaskSpec allows it).
-#   bias (float) / attn_mask (bool): canonical [B', N', T', S'], each dim 1 or full (see
-#     pallas_flash.bias); only passed when set.
-#   out: like q, lse: [batch, heads, seq_q] float32, natural log.
-ForwardFn = Callable[..., tuple[jax.Array, jax.Array]]
-# backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask, scale, config, interpret,
-#          [softcap, bias, attn_mask, bias_grad]) -> (dq, dk, dv), and dbias (shaped like
-#   bias) appended when bias_grad=True; delta: [batch, heads, seq_q] float32 (already minus
-#   the lse cotangent).
-BackwardFn = Callable[..., tuple[jax.Array, ...]]
-
-
-@dataclasses.dataclass(frozen=True)
-class Kernels:
-    """A forward and a backward that together implement attention for one backend.
-
-    ``name``: the backend's key in :data:`pallas_flash.dispatch.BACKEND_MODULES`.
-    """
-
-    name: str
-    forward: ForwardFn
-    backward: BackwardFn
-
-
-@dataclasses.dataclass(frozen=True)
-class StaticArgs:
-    """Everything about a call that is not an array (hashable: it keys the jit cache).
-
-    ``softcap``: logits become ``softcap · tanh(logits / softcap)`` (None: off). Passed to
-    the kernels only when set, so backends without it keep their signature.
-    """
-
-    kernels: Kernels
-    mask: MaskSpec
-    scale: float
-    config: Any
-    interpret: bool
-    softcap: float | None = None
-
-    def kernel_kwargs(self, bias=None, attn_mask=None) -> dict:
-        """The kernels' keyword arguments; the optional ones only when set."""
-        kwargs = dict(mask=self.mask, scale=self.scale, config=self.config,
-                      interpret=self.interpret)
-        if self.softcap is not None:
-            kwargs["softcap"] = self.softcap
-        if bias is not None:
-            kwargs["bias"] = bias
-        if attn_mask is not None:
-            kwargs["attn_mask"] = attn_mask
-        return kwargs
+from pallas_flash.kernel_args import StaticArgs
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))

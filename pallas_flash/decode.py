@@ -40,13 +40,14 @@ from pallas_flash import dispatch
 from pallas_flash.api import (
     PADDED_KEY_ID,
     Implementation,
-    _canonical_window,
-    _check_scale,
-    _check_sinks,
-    _check_soft_cap,
-    _resolve_config,
+    canonical_scale,
+    canonical_window,
+    check_sinks,
+    check_soft_cap,
+    resolve_config,
 )
-from pallas_flash.autodiff import StaticArgs, attention_with_lse
+from pallas_flash.autodiff import attention_with_lse
+from pallas_flash.kernel_args import StaticArgs
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import pad_axis
 from pallas_flash.reference import EMPTY_ROW_LSE
@@ -134,15 +135,14 @@ def decode_attention(
         raise ValueError(
             f"query seq_q must be at most {MAX_DECODE_SEQ_Q} for decode_attention, got "
             f"{seq_q}; use pallas_flash.attention for longer queries")
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    _check_scale(scale)
+    scale = canonical_scale(scale, head_dim)
     for name, flag in (("is_causal", is_causal), ("interpret", interpret),
                        ("return_residual", return_residual)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool, got {flag!r}")
-    window = _canonical_window(local_window_size)
-    softcap = _check_soft_cap(logits_soft_cap)
-    sinks = _check_sinks(sinks, heads)
+    window = canonical_window(local_window_size)
+    softcap = check_soft_cap(logits_soft_cap)
+    sinks = check_sinks(sinks, heads)
     lengths = _check_lengths(key_value_seq_lengths, batch, seq_kv)
     if num_splits is None:
         num_splits = default_num_splits(batch, kv_heads, seq_kv)
@@ -283,7 +283,7 @@ def _split_forward(packed_q, key, value, lengths, rows: CacheVisibility, *, num_
                                   q_chunks.dtype, spec, features)
     if reason is not None:
         raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
-    config = _resolve_config(config, implementation, q_chunks, k_chunks, v_chunks, spec,
+    config = resolve_config(config, implementation, q_chunks, k_chunks, v_chunks, spec,
                              interpret)
     static = StaticArgs(kernels=dispatch.backend(implementation).KERNELS, mask=spec,
                         scale=scale, config=config, interpret=interpret, softcap=softcap)

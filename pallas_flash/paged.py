@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_flash import dispatch
-from pallas_flash.api import Implementation, _canonical_window, attention
+from pallas_flash.api import Implementation, attention, canonical_window
 from pallas_flash.decode import MAX_DECODE_SEQ_Q, CacheVisibility, decode_attention
 
 #: Page sizes the paged functions take (powers of two: the future kernel's tiles).
@@ -91,7 +91,7 @@ def paged_attention(
     # gathered length, not each row's, so the causal band (and window) come as a mask array
     # [B, 1, T, S]; the lengths still let the kernels skip the tiles past each row's end.
     bands = CacheVisibility(seq_q=seq_q, group=1, is_causal=True,
-                            window=_canonical_window(local_window_size))
+                            window=canonical_window(local_window_size))
     visible = bands.token_visible(lengths, jnp.arange(key.shape[1], dtype=jnp.int32))
     return attention(query, key, value, mask=visible[:, None], key_value_seq_lengths=lengths,
                      **options)

@@ -37,7 +37,6 @@ import dataclasses
 import itertools
 import math
 import re
-from typing import TYPE_CHECKING
 
 import jax
 from jax.custom_batching import custom_vmap
@@ -45,8 +44,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-if TYPE_CHECKING:  # autodiff imports this module
-    from pallas_flash.autodiff import StaticArgs
+from pallas_flash.kernel_args import StaticArgs
 
 # Dimension roles of the kernels' operands and results. A role's mesh axes: batch -> the
 # query's batch axes, heads / kv_heads -> its head axes, the others none. ``_UNIT``: a

@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_flash import dispatch
-from pallas_flash.autodiff import StaticArgs, attention_with_lse
+from pallas_flash.autodiff import attention_with_lse
+from pallas_flash.kernel_args import StaticArgs
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import next_power_of_2
 

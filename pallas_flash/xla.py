@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_flash.autodiff import Kernels
 from pallas_flash.bias import grouped, sum_to_shape
+from pallas_flash.kernel_args import Kernels
 from pallas_flash.masking import MaskSpec, segments_visible
 from pallas_flash.padding import pad_axis
 from pallas_flash.reference import EMPTY_ROW_LSE

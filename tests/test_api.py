@@ -123,7 +123,7 @@ def _refusing(reason, *, only_bias_grad=False):
 def _record_passes(monkeypatch, *names):
     """Replaces the KERNELS of these backends by ones that log (backend, pass) as they are
     traced; returns the log."""
-    from pallas_flash.autodiff import Kernels
+    from pallas_flash.kernel_args import Kernels
 
     ran = []
 

@@ -4,7 +4,7 @@ Exposes the backend interface of :mod:`pallas_flash.api`: ``KERNELS``,
 ``default_config``, ``unsupported`` and ``unsupported_backward``.
 """
 
-from pallas_flash.autodiff import Kernels
+from pallas_flash.kernel_args import Kernels
 from pallas_flash.mosaic.backward import backward, unsupported_backward
 from pallas_flash.mosaic.config import (
     CONFIG_TYPES,
