@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import math
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -11,15 +10,22 @@ import numpy as np
 from jax import lax
 
 from pallas_flash import bias as bias_lib
-from pallas_flash import dispatch
+from pallas_flash import decode, dispatch
+from pallas_flash.arguments import (
+    PADDED_KEY_ID,
+    PADDED_QUERY_ID,
+    Implementation,
+    canonical_scale,
+    canonical_window,
+    check_sinks,
+    check_soft_cap,
+    resolve_config,
+)
 from pallas_flash.autodiff import attention_with_lse
 from pallas_flash.dispatch import available_implementations, default_implementation
 from pallas_flash.kernel_args import StaticArgs
 from pallas_flash.masking import CausalAlignment, MaskSpec, zero_unseen_rows
 from pallas_flash.reference import EMPTY_ROW_LSE
-from pallas_flash.tuning import config_for_attention
-
-Implementation = Literal["mosaic", "triton", "xla", "cudnn"]
 
 # The public names of the package's entry point, some defined by the dispatcher.
 __all__ = ["PADDED_KEY_ID", "PADDED_QUERY_ID", "Implementation", "attention",
@@ -175,6 +181,14 @@ def attention(
             _unbatched_ids(ids) for ids in (q_segment_ids, kv_segment_ids))
         query_seq_lengths, key_value_seq_lengths = (
             _unbatched_lengths(n) for n in (query_seq_lengths, key_value_seq_lengths))
+    if _decodes(query, key, implementation, config, bias, mask, window, is_causal,
+                causal_alignment, key_value_seq_lengths, (q_segment_ids, kv_segment_ids,
+                query_seq_lengths), return_residual or return_lse, interpret):
+        out = decode.decode_attention(
+            query, key, value, scale=scale, is_causal=is_causal, local_window_size=window,
+            key_value_seq_lengths=_as_array(key_value_seq_lengths),
+            logits_soft_cap=logits_soft_cap, sinks=sinks, implementation=implementation)
+        return out.reshape(output_shape)
     segment_ids = _canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv)
     segment_ids = _fold_lengths(segment_ids, _as_array(query_seq_lengths),
                                 _as_array(key_value_seq_lengths), batch, seq_q, seq_kv)
@@ -209,6 +223,27 @@ def attention(
                         config=config, interpret=interpret, softcap=softcap)
     out, lse = attention_with_lse(query, key, value, segment_ids, sinks, bias, mask, static)
     return _outputs(out, lse, **outputs)
+
+
+def _decodes(query, key, implementation, config, bias, mask, window, is_causal: bool,
+             causal_alignment, key_value_seq_lengths, other_ids: tuple, wants_lse: bool,
+             interpret: bool) -> bool:
+    """Whether a call is a decode step that :func:`pallas_flash.decode.decode_attention`
+    answers identically and faster: on a GPU, a few new queries (``seq_q <=``
+    ``decode.MAX_DECODE_SEQ_Q``) against a longer cache, 16-bit inputs, no arrays or
+    options decode does not take. Its per-row bottom-right placement equals ours for one
+    query, without lengths, or without a causal band or window (measured: ``docs/decode.md``).
+    """
+    seq_q, seq_kv = query.shape[1], key.shape[1]
+    banded = is_causal or window is not None
+    return (jax.default_backend() == "gpu" and not interpret
+            and implementation in (None, "mosaic") and config is None
+            and 0 < seq_q <= decode.MAX_DECODE_SEQ_Q < seq_kv
+            and jnp.dtype(query.dtype) in (jnp.bfloat16, jnp.float16)
+            and bias is None and mask is None and not wants_lse
+            and all(x is None for x in other_ids)
+            and (not banded or causal_alignment == "bottom_right")
+            and (seq_q == 1 or not banded or key_value_seq_lengths is None))
 
 
 def _outputs(out, lse, *, return_residual: bool, return_lse: bool, output_shape):
@@ -268,24 +303,6 @@ def _unbatched_lengths(lengths):
     return lengths[None] if getattr(lengths, "ndim", None) == 0 else lengths
 
 
-def resolve_config(config, implementation: str, query, key, value, spec: MaskSpec,
-                    interpret: bool):
-    """The backend config for ``attention``'s ``config`` argument (see its docstring)."""
-    default = dispatch.backend(implementation).default_config(query.shape, key.shape,
-                                                              query.dtype, spec)
-    if config is None:
-        return default
-    if isinstance(config, str) and config == "autotune":
-        return config_for_attention(query, key, value, implementation=implementation,
-                                    is_causal=spec.is_causal, interpret=interpret)
-    # A backend may take configs of several types (Mosaic: forward, backward or both).
-    accepted = getattr(dispatch.backend(implementation), "CONFIG_TYPES", (type(default),))
-    if not isinstance(config, accepted):
-        names = " or ".join(t.__name__ for t in accepted)
-        raise ValueError(
-            f"config must be None, 'autotune' or a {names} for "
-            f"implementation={implementation!r}, got {config!r}")
-    return config
 
 
 def _canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv):
@@ -308,8 +325,6 @@ def _canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv):
 
 
 # Segment ids given to padding: a padded query's id matches no key, a padded key's no query.
-PADDED_QUERY_ID = -(2**31)
-PADDED_KEY_ID = -(2**31) + 1
 
 
 def _fold_lengths(segment_ids, q_lengths, kv_lengths, batch, seq_q, seq_kv):
@@ -340,23 +355,8 @@ def _fold_lengths(segment_ids, q_lengths, kv_lengths, batch, seq_q, seq_kv):
     return q_ids, kv_ids
 
 
-def check_soft_cap(cap) -> float | None:
-    if cap is None:
-        return None
-    if not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap > 0):
-        raise ValueError(f"logits_soft_cap must be a positive finite number, got {cap!r}")
-    return float(cap)
 
 
-def check_sinks(sinks, heads: int):
-    if sinks is None:
-        return None
-    if getattr(sinks, "shape", None) != (heads,):
-        raise ValueError(
-            f"sinks must have shape [heads] = {(heads,)}, got {getattr(sinks, 'shape', None)}")
-    if not jnp.issubdtype(sinks.dtype, jnp.floating):
-        raise ValueError(f"sinks must have a floating dtype, got {sinks.dtype}")
-    return sinks
 
 
 def _check_bias(bias, logits_shape):
@@ -378,20 +378,6 @@ def _check_mask(mask, logits_shape):
     return bias_lib.canonical(mask, "mask", logits_shape)
 
 
-def canonical_scale(scale, head_dim: int) -> float:
-    """``scale`` as a Python float (default ``1 / sqrt(head_dim)``)."""
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, jax.core.Tracer):
-        raise ValueError("scale must be a concrete number, not a traced value "
-                         "(to scale by a traced value, multiply query by it)")
-    if isinstance(scale, (jax.Array, np.ndarray, np.generic)) and np.ndim(scale) == 0 \
-            and jnp.issubdtype(scale.dtype, np.number):
-        scale = scale.item()
-    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
-            and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-    return float(scale)
 
 
 def _canonical_bool(flag, name: str) -> bool:
@@ -404,14 +390,3 @@ def _canonical_bool(flag, name: str) -> bool:
     return bool(flag)
 
 
-def canonical_window(window) -> tuple[int, int] | None:
-    if window is None:
-        return None
-    if isinstance(window, int):
-        window = (window, window)
-    if (not isinstance(window, (tuple, list)) or len(window) != 2
-            or not all(isinstance(w, int) for w in window) or min(window) < 0):
-        raise ValueError(
-            f"local_window_size must be a non-negative int or a (left, right) pair of them, "
-            f"got {window!r}")
-    return (window[0], window[1])

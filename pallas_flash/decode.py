@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_flash import dispatch
-from pallas_flash.api import (
+from pallas_flash.arguments import (
     PADDED_KEY_ID,
     Implementation,
     canonical_scale,
@@ -88,7 +88,7 @@ def decode_attention(
     logits_soft_cap: float | None = None,
     sinks: jax.Array | None = None,
     num_splits: int | None = None,
-    return_residual: bool = False,
+    return_lse: bool = False,
     implementation: Implementation | None = None,
     interpret: bool = False,
     config: Any = None,
@@ -117,7 +117,7 @@ def decode_attention(
         split).
       num_splits: K/V chunks along the sequence (None: :func:`default_num_splits`). One
         that does not divide ``seq_kv`` pads the cache to a multiple (a copy).
-      return_residual: also return ``lse: [batch, seq_q, heads]`` float32.
+      return_lse: also return ``lse: [batch, seq_q, heads]`` float32.
       implementation, interpret, config: as :func:`pallas_flash.attention`; ``config``
         configures the per-chunk forward (packed shapes ``[batch · num_splits,
         seq_q · group, kv_heads, head_dim]`` against chunks ``[batch · num_splits,
@@ -137,7 +137,7 @@ def decode_attention(
             f"{seq_q}; use pallas_flash.attention for longer queries")
     scale = canonical_scale(scale, head_dim)
     for name, flag in (("is_causal", is_causal), ("interpret", interpret),
-                       ("return_residual", return_residual)):
+                       ("return_lse", return_lse)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool, got {flag!r}")
     window = canonical_window(local_window_size)
@@ -157,7 +157,7 @@ def decode_attention(
     out, lse = _unpack(out, lse, heads)  # [B, T, H, D], [B, H, T]
     if sinks is not None:
         out, lse = add_sinks(out, lse, sinks)
-    if return_residual:
+    if return_lse:
         return out, jnp.transpose(lse, (0, 2, 1))
     return out
 

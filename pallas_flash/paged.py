@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_flash import dispatch
-from pallas_flash.api import Implementation, attention, canonical_window
+from pallas_flash.api import attention
+from pallas_flash.arguments import Implementation, canonical_window
 from pallas_flash.decode import MAX_DECODE_SEQ_Q, CacheVisibility, decode_attention
 
 #: Page sizes the paged functions take (powers of two: the future kernel's tiles).
@@ -42,7 +43,7 @@ def paged_attention(
     local_window_size: int | tuple[int, int] | None = None,
     logits_soft_cap: float | None = None,
     sinks: jax.Array | None = None,
-    return_residual: bool = False,
+    return_lse: bool = False,
     implementation: Implementation | None = None,
     interpret: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -64,7 +65,7 @@ def paged_attention(
       local_window_size: ``w`` or ``(left, right)`` around each query's position.
       logits_soft_cap: ``c > 0``: logits become ``c · tanh(logits / c)``.
       sinks: ``[heads]`` logits joining each row's softmax denominator.
-      return_residual: also return the lse.
+      return_lse: also return the lse.
       implementation: the per-chunk forward's backend, as :func:`pallas_flash.attention`.
       interpret: run Pallas kernels in interpret mode (CPU testing).
 
@@ -80,7 +81,7 @@ def paged_attention(
     dispatch.check_arrays(query, key, value)
     lengths = cache_lengths.astype(jnp.int32)
     options = dict(scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
-                   return_residual=return_residual, implementation=implementation,
+                   return_lse=return_lse, implementation=implementation,
                    interpret=interpret)
     seq_q = query.shape[1]
     if seq_q <= MAX_DECODE_SEQ_Q:

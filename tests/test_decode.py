@@ -120,7 +120,7 @@ def test_decode_matches_oracle_for_every_split(case):
     for num_splits in case.splits:
         decode = _jitted(pf.decode_attention, is_causal=case.is_causal,
                          local_window_size=case.window, logits_soft_cap=case.softcap,
-                         num_splits=num_splits, return_residual=True, implementation="xla")
+                         num_splits=num_splits, return_lse=True, implementation="xla")
         out, lse = decode(q, k, v, key_value_seq_lengths=jnp.asarray(lengths), sinks=sinks)
         assert_matches(out, lse, (), ref_out, ref_lse, (), F32, names=())
 
@@ -136,7 +136,7 @@ def test_decode_triton_interpret():
     out, lse = pf.decode_attention(
         q, k, v, is_causal=case.is_causal, local_window_size=case.window,
         key_value_seq_lengths=jnp.asarray(lengths), logits_soft_cap=case.softcap,
-        sinks=sinks, num_splits=2, return_residual=True,
+        sinks=sinks, num_splits=2, return_lse=True,
         **BACKENDS["triton"].kwargs(case.head_dim))
     assert_matches(out, lse, (), ref_out, ref_lse, (), F32, names=())
 
@@ -170,13 +170,13 @@ def test_decode_mosaic_interpret_one_small_case():
     ref_out, ref_lse = _oracle(case, q, k, v, lengths, None)
     out, lse = pf.decode_attention(
         q, k, v, key_value_seq_lengths=jnp.asarray(lengths), num_splits=2,
-        return_residual=True, **BACKENDS["mosaic"].kwargs(case.head_dim))
+        return_lse=True, **BACKENDS["mosaic"].kwargs(case.head_dim))
     assert_matches(out, lse, (), ref_out, ref_lse, (), jnp.bfloat16, names=())
 
 
 def test_rows_without_any_key_give_zero_and_the_empty_lse():
     q, k, v, _ = random_qkv(2, 1, 32, 4, 2, 16)
-    decode = _jitted(pf.decode_attention, num_splits=4, return_residual=True,
+    decode = _jitted(pf.decode_attention, num_splits=4, return_lse=True,
                      implementation="xla")
     out, lse = decode(q, k, v, key_value_seq_lengths=jnp.array([0, 0]))
     assert np.all(np.asarray(out) == 0)
@@ -238,7 +238,7 @@ def test_paged_matches_oracle(seq_q):
     key_pages, value_pages, table = _scattered_pool(k, v, page_size=8)
     lengths, sinks = _lengths(case), _sinks(case)
     ref_out, ref_lse = _oracle(case, q, k, v, lengths, sinks)
-    paged = _jitted(pf.paged_attention, local_window_size=case.window, return_residual=True,
+    paged = _jitted(pf.paged_attention, local_window_size=case.window, return_lse=True,
                     implementation="xla")
     out, lse = paged(q, key_pages, value_pages, table, jnp.asarray(lengths), sinks=sinks)
     assert_matches(out, lse, (), ref_out, ref_lse, (), F32, names=())

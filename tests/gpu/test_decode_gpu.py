@@ -46,7 +46,7 @@ def test_decode_mosaic_matches_oracle(case):
     sinks = jnp.linspace(-1.0, 1.0, case.heads) if case.sinks else None
     decode = jax.jit(lambda q, k, v, lengths, sinks: pf.decode_attention(
         q, k, v, local_window_size=case.window, key_value_seq_lengths=lengths,
-        logits_soft_cap=case.softcap, sinks=sinks, return_residual=True,
+        logits_soft_cap=case.softcap, sinks=sinks, return_lse=True,
         implementation="mosaic"))
     out, lse = decode(q, k, v, jnp.asarray(lengths), sinks)
     ref_out, ref_lse = _oracle(case, *_f32(q, k, v), lengths, sinks)
@@ -75,8 +75,28 @@ def test_paged_mosaic_matches_oracle(page_size):
     case = Case(batch=8, seq_q=1, seq_kv=8192, heads=32, kv_heads=8, head_dim=128)
     q, k, v, _, lengths = _inputs(case, seed=page_size)
     key_pages, value_pages, table = _scattered_pool(k, v, page_size)
-    paged = jax.jit(lambda *args: pf.paged_attention(*args, return_residual=True,
+    paged = jax.jit(lambda *args: pf.paged_attention(*args, return_lse=True,
                                                      implementation="mosaic"))
     out, lse = paged(q, key_pages, value_pages, table, jnp.asarray(lengths))
     ref_out, ref_lse = _oracle(case, *_f32(q, k, v), lengths, None)
     assert_matches(out, lse, (), ref_out, ref_lse, (), BF16, names=())
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_attention_routes_decode_steps_through_decode(is_causal, monkeypatch):
+    # One new token against the cache: pallas_flash.attention takes the decode path
+    # (jax.nn's bottom-right causal meaning), with the same answer as the main kernels.
+    calls = []
+    real = pf.decode_attention
+    monkeypatch.setattr(pf.decode, "decode_attention",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    case = Case(batch=4, seq_q=1, seq_kv=8192, heads=32, kv_heads=8, head_dim=128)
+    q, k, v, _, lengths = _inputs(case, seed=11)
+    kwargs = dict(is_causal=is_causal, key_value_seq_lengths=jnp.asarray(lengths),
+                  causal_alignment="bottom_right")
+    out = pf.attention(q, k, v, **kwargs)
+    assert calls == [1]
+    main = pf.attention(q, k, v, implementation="triton", **kwargs)
+    ref_out, _ = _oracle(case, *_f32(q, k, v), lengths, None)
+    assert rel_err(out, ref_out) < 1e-2
+    assert rel_err(out, main) < 1e-2

@@ -1,0 +1,92 @@
+"""The argument checks and canonical forms shared by the public entry points
+(:func:`pallas_flash.attention`, :func:`pallas_flash.decode_attention`,
+:func:`pallas_flash.paged_attention`): each raises ``ValueError`` naming the argument."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_flash import dispatch
+from pallas_flash.masking import MaskSpec
+from pallas_flash.tuning import config_for_attention
+
+Implementation = Literal["mosaic", "triton", "xla", "cudnn"]
+
+
+def resolve_config(config, implementation: str, query, key, value, spec: MaskSpec,
+                    interpret: bool):
+    """The backend config for ``attention``'s ``config`` argument (see its docstring)."""
+    default = dispatch.backend(implementation).default_config(query.shape, key.shape,
+                                                              query.dtype, spec)
+    if config is None:
+        return default
+    if isinstance(config, str) and config == "autotune":
+        return config_for_attention(query, key, value, implementation=implementation,
+                                    is_causal=spec.is_causal, interpret=interpret)
+    # A backend may take configs of several types (Mosaic: forward, backward or both).
+    accepted = getattr(dispatch.backend(implementation), "CONFIG_TYPES", (type(default),))
+    if not isinstance(config, accepted):
+        names = " or ".join(t.__name__ for t in accepted)
+        raise ValueError(
+            f"config must be None, 'autotune' or a {names} for "
+            f"implementation={implementation!r}, got {config!r}")
+    return config
+
+
+# The segment ids that lengths fold into (reserved: user ids must differ): queries past
+# query_seq_lengths, keys past key_value_seq_lengths.
+PADDED_QUERY_ID = -(2**31)
+PADDED_KEY_ID = -(2**31) + 1
+
+
+def check_soft_cap(cap) -> float | None:
+    if cap is None:
+        return None
+    if not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap > 0):
+        raise ValueError(f"logits_soft_cap must be a positive finite number, got {cap!r}")
+    return float(cap)
+
+
+def check_sinks(sinks, heads: int):
+    if sinks is None:
+        return None
+    if getattr(sinks, "shape", None) != (heads,):
+        raise ValueError(
+            f"sinks must have shape [heads] = {(heads,)}, got {getattr(sinks, 'shape', None)}")
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise ValueError(f"sinks must have a floating dtype, got {sinks.dtype}")
+    return sinks
+
+
+def canonical_scale(scale, head_dim: int) -> float:
+    """``scale`` as a Python float (default ``1 / sqrt(head_dim)``)."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, jax.core.Tracer):
+        raise ValueError("scale must be a concrete number, not a traced value "
+                         "(to scale by a traced value, multiply query by it)")
+    if isinstance(scale, (jax.Array, np.ndarray, np.generic)) and np.ndim(scale) == 0 \
+            and jnp.issubdtype(scale.dtype, np.number):
+        scale = scale.item()
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+            and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    return float(scale)
+
+
+def canonical_window(window) -> tuple[int, int] | None:
+    if window is None:
+        return None
+    if isinstance(window, int):
+        window = (window, window)
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or not all(isinstance(w, int) for w in window) or min(window) < 0):
+        raise ValueError(
+            f"local_window_size must be a non-negative int or a (left, right) pair of them, "
+            f"got {window!r}")
+    return (window[0], window[1])
