@@ -231,19 +231,20 @@ def _decodes(query, key, implementation, config, bias, mask, window, is_causal: 
     """Whether a call is a decode step that :func:`pallas_flash.decode.decode_attention`
     answers identically and faster: on a GPU, a few new queries (``seq_q <=``
     ``decode.MAX_DECODE_SEQ_Q``) against a longer cache, 16-bit inputs, no arrays or
-    options decode does not take. Its per-row bottom-right placement equals ours for one
-    query, without lengths, or without a causal band or window (measured: ``docs/decode.md``).
+    options decode does not take (measured: ``docs/decode.md``). Only calls in which no
+    query's hidden keys lie outside the step's own tokens: no lengths, no window (decode
+    hides keys by masking logits, and a NaN in a stale cache row would still reach the
+    output through P·V; this path zeroes such rows first, which decode cannot afford).
     """
     seq_q, seq_kv = query.shape[1], key.shape[1]
-    banded = is_causal or window is not None
     return (jax.default_backend() == "gpu" and not interpret
             and implementation in (None, "mosaic") and config is None
             and 0 < seq_q <= decode.MAX_DECODE_SEQ_Q < seq_kv
             and jnp.dtype(query.dtype) in (jnp.bfloat16, jnp.float16)
             and bias is None and mask is None and not wants_lse
             and all(x is None for x in other_ids)
-            and (not banded or causal_alignment == "bottom_right")
-            and (seq_q == 1 or not banded or key_value_seq_lengths is None))
+            and key_value_seq_lengths is None and window is None
+            and (not is_causal or causal_alignment == "bottom_right"))
 
 
 def _outputs(out, lse, *, return_residual: bool, return_lse: bool, output_shape):

@@ -91,9 +91,9 @@ def test_attention_routes_decode_steps_through_decode(is_causal, monkeypatch):
     monkeypatch.setattr(pf.decode, "decode_attention",
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
     case = Case(batch=4, seq_q=1, seq_kv=8192, heads=32, kv_heads=8, head_dim=128)
-    q, k, v, _, lengths = _inputs(case, seed=11)
-    kwargs = dict(is_causal=is_causal, key_value_seq_lengths=jnp.asarray(lengths),
-                  causal_alignment="bottom_right")
+    q, k, v, _, _ = _inputs(case, seed=11)
+    lengths = np.full(case.batch, case.seq_kv, np.int32)
+    kwargs = dict(is_causal=is_causal, causal_alignment="bottom_right")
     out = pf.attention(q, k, v, **kwargs)
     assert calls == [1]
     main = pf.attention(q, k, v, implementation="triton", **kwargs)
