@@ -278,7 +278,9 @@ def _meets_in_range(ids: jax.Array, other_ids: jax.Array, start: np.ndarray,
         return (jnp.where(searching & before, mid + 1, low),
                 jnp.where(searching & ~before, mid, high))
 
-    bounds = (jnp.zeros(ids.shape, jnp.int32), jnp.full(ids.shape, m, jnp.int32))
+    # Derived from ids, so that inside shard_map the loop carry varies as ids do.
+    low = (ids * 0).astype(jnp.int32)
+    bounds = (low, low + m)
     first, _ = lax.fori_loop(0, m.bit_length(), halve, bounds)
     found_id, found_position = entry(first)
     return (first < m) & (found_id == ids) & (found_position <= stop)

@@ -298,7 +298,7 @@ BAD = [
     (dict(bias=jnp.zeros((2, 3, 8, 8))), "bias shape"),
     (dict(bias=jnp.zeros((8, 7))), "bias shape"),
     (dict(bias=jnp.zeros((8, 8), jnp.int32)), "bias must be an array with a floating dtype"),
-    (dict(bias=[[0.0]]), "bias must be an array with a floating dtype"),
+    (dict(bias=[[1]]), "bias must be an array with a floating dtype"),
     (dict(mask=jnp.ones((8, 8), jnp.float32)), "mask must be a boolean array"),
     (dict(mask=jnp.ones((2, 1, 8, 9), bool)), "mask shape"),
     (dict(mask=jnp.ones((1, 1, 1, 1, 1), bool)), "mask must be an array of rank <= 4"),

@@ -132,7 +132,7 @@ def test_nan_in_rows_the_mask_hides_leaves_no_trace(backend):
     q_nan, k_nan, v_nan, unseen_keys, unseeing = _with_nan_where_unused(q, k, v, visible)
 
     def f(q, k, v, bias):
-        return backend.attention(q, k, v, bias, jnp.asarray(mask), return_residual=True)
+        return backend.attention(q, k, v, bias, jnp.asarray(mask), return_lse=True)
 
     (out, lse), vjp = jax.vjp(f, q_nan, k_nan, v_nan, bias)
     grads = vjp((d_out, jnp.zeros_like(lse)))
@@ -190,7 +190,7 @@ def test_bias_rows_at_or_below_minus_1e30_get_their_softmax(backend):
     visible = mask & _visible(seq, seq, **kwargs)
 
     def f(q, k, v, bias):
-        return backend.attention(q, k, v, bias, jnp.asarray(mask), return_residual=True,
+        return backend.attention(q, k, v, bias, jnp.asarray(mask), return_lse=True,
                                  **kwargs)
 
     tol = tolerance(backend.dtype)
