@@ -97,12 +97,20 @@ def _forward(q, k, v, segment_ids, sinks, bias, attn_mask, static: StaticArgs):
     static = _pass_static(static, (q, k, v, segment_ids, bias, attn_mask))
     # Each device runs the kernels on its shard of a sharded call (pallas_flash.sharding).
     out, lse = sharding.forward(static, q, k, v, segment_ids, bias, attn_mask)
-    if sinks is None:
-        return out, lse
+    return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
+
+
+def add_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array
+              ) -> tuple[jax.Array, jax.Array]:
+    """Joins one sink logit per head to the softmax denominator.
+
+    ``out [B, T, H, D]``, ``lse [B, H, T]`` of the keys alone, ``sinks [H]`` -> the same
+    with ``lse = logaddexp(lse, sink)`` and ``out`` scaled by the keys' share
+    ``exp(lse_keys - lse)`` (the mass that is not the sink's).
+    """
     full_lse = jnp.logaddexp(lse, sinks.astype(lse.dtype)[None, :, None])
-    rescale = jnp.exp(lse - full_lse)  # [B, N, T]: share of the mass that is not the sink
-    out = (out * jnp.transpose(rescale, (0, 2, 1))[..., None]).astype(out.dtype)
-    return out, full_lse
+    share = jnp.exp(lse - full_lse)
+    return (out * jnp.swapaxes(share, 1, 2)[..., None]).astype(out.dtype), full_lse
 
 
 def _fwd_rule(q, k, v, segment_ids, sinks, bias, attn_mask, static: StaticArgs):

@@ -46,7 +46,7 @@ from pallas_flash.arguments import (
     check_soft_cap,
     resolve_config,
 )
-from pallas_flash.autodiff import attention_with_lse
+from pallas_flash.autodiff import add_sinks, attention_with_lse
 from pallas_flash.kernel_args import StaticArgs
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import pad_axis
@@ -316,16 +316,3 @@ def merge_splits(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
     shares = jnp.transpose(weights / total[:, None], (0, 1, 3, 2))[..., None]  # [B,n,R,K,1]
     merged = jnp.sum(shares * out.astype(jnp.float32), axis=1)
     return merged.astype(out.dtype), merged_lse
-
-
-def add_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array
-              ) -> tuple[jax.Array, jax.Array]:
-    """Joins one sink logit per head to the softmax denominator.
-
-    ``out [B, T, H, D]``, ``lse [B, H, T]`` float32 of the keys alone, ``sinks [H]`` ->
-    the same with ``lse = logaddexp(lse, sink)`` and ``out`` scaled by the keys' share
-    ``exp(lse_keys - lse)``.
-    """
-    full_lse = jnp.logaddexp(lse, sinks.astype(jnp.float32)[None, :, None])
-    share = jnp.exp(lse - full_lse)
-    return (out * jnp.swapaxes(share, 1, 2)[..., None]).astype(out.dtype), full_lse
