@@ -277,8 +277,9 @@ def _split_forward(packed_q, key, value, lengths, rows: CacheVisibility, *, num_
     features = dispatch.Features(has_segments=segment_ids is not None, softcap=softcap,
                                  has_mask=attn_mask is not None)
     if implementation is None:
-        implementation = dispatch.choose(q_chunks.shape, k_chunks.shape, q_chunks.dtype, spec,
-                                         features, interpret=interpret)
+        implementation = dispatch.choose_decode(q_chunks.shape, k_chunks.shape,
+                                                q_chunks.dtype, spec, features,
+                                                interpret=interpret)
     reason = dispatch.unsupported(implementation, q_chunks.shape, k_chunks.shape,
                                   q_chunks.dtype, spec, features)
     if reason is not None:

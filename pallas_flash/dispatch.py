@@ -125,7 +125,30 @@ def choose(q_shape, kv_shape, dtype, mask: MaskSpec, features: Features, *,
            interpret: bool) -> str:
     """The forward's backend: the first of :func:`candidates`, fastest first, that supports
     this call (``xla`` supports every call)."""
-    for name in candidates(interpret):
+    return _first_supported(candidates(interpret), q_shape, kv_shape, dtype, mask, features)
+
+
+def choose_decode(q_shape, kv_shape, dtype, mask: MaskSpec, features: Features, *,
+                  interpret: bool) -> str:
+    """The backend of a decode step's packed forward (:mod:`pallas_flash.decode`): Triton
+    first where it runs, then :func:`choose`'s order.
+
+    A decode tile has a handful of real query rows. The Mosaic forward's CTA computes at
+    least 128 rows (two 64-row wgmma consumers) for each K/V byte, which makes a decode step
+    compute-bound; the Triton forward's 16-row tiles keep it bound by HBM. On the H200 the
+    Triton decode read K/V 1.0-1.7x as fast as the Mosaic one at every measured point
+    (benchmarks/results/decode-2026-12-02.md).
+    """
+    order = candidates(interpret)
+    if "triton" in order:
+        order = ("triton", *(name for name in order if name != "triton"))
+    return _first_supported(order, q_shape, kv_shape, dtype, mask, features)
+
+
+def _first_supported(order, q_shape, kv_shape, dtype, mask: MaskSpec,
+                     features: Features) -> str:
+    """The first backend of ``order`` whose forward runs this call (``xla`` runs every one)."""
+    for name in order:
         if unsupported(name, q_shape, kv_shape, dtype, mask, features) is None:
             return name
     return "xla"

@@ -379,3 +379,18 @@ def test_decode_benchmark_bandwidth_and_points():
     assert bench.parse_point("32x8192@128") == (32, 8192, 128)
     with pytest.raises(ValueError, match="32x8192@128"):
         bench.parse_point("32x8192")
+
+
+def test_decode_prefers_triton_where_mosaic_runs_too(monkeypatch):
+    from pallas_flash import dispatch
+    monkeypatch.setattr(dispatch, "available_implementations",
+                        lambda: ("mosaic", "triton", "xla"))
+    monkeypatch.setattr(dispatch, "unsupported", lambda name, *args: None)
+    args = ((2, 4, 8, 128), (2, 4096, 8, 128), jnp.bfloat16, MaskSpec(4, 4096),
+            dispatch.Features())
+    assert dispatch.choose(*args, interpret=False) == "mosaic"
+    assert dispatch.choose_decode(*args, interpret=False) == "triton"
+    # Where Triton cannot run a call, the decode takes the next backend in choose's order.
+    monkeypatch.setattr(dispatch, "unsupported",
+                        lambda name, *args: "no" if name == "triton" else None)
+    assert dispatch.choose_decode(*args, interpret=False) == "mosaic"

@@ -40,3 +40,14 @@ def test_a_query_varying_bias_tile_lowers_stages_then_block_q():
     assert (fitted.num_stages, fitted.block_q) == (2, 128)
     per_stage = 2 * 64 * 128 * 2 + fitted.block_q * 64 * 4
     assert 2 * per_stage + fitted.block_q * 128 * 2 <= SHARED_MEMORY
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_decode_rows_take_the_sixteen_row_tile(head_dim):
+    # A decode step's packed rows (group x new tokens <= 16) against a long cache chunk.
+    config = default_config((8, 4, 8, head_dim), (8, 4096, 8, head_dim), jnp.bfloat16,
+                            MaskSpec(4, 4096))
+    assert (config.block_q, config.num_warps) == (16, 4)
+    longer = default_config((8, 17, 8, head_dim), (8, 4096, 8, head_dim), jnp.bfloat16,
+                            MaskSpec(17, 4096))
+    assert longer.block_q > 16 and longer.num_warps > 4

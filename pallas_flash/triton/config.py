@@ -10,6 +10,8 @@ from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import next_power_of_2
 
 _WARPS = (1, 2, 4, 8, 16)
+#: Query rows up to which the 16-bit forward takes the decode tile (16 rows, 4 warps).
+DECODE_ROWS = 16
 
 
 def _is_power_of_2(n: int) -> bool:
@@ -53,9 +55,11 @@ class TritonConfig:
 def default_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> TritonConfig:
     """Heuristic tiles by head dim and dtype, shrunk for short sequences (less padding).
 
-    float32: 128 x 64 tiles, 2 stages up to head_dim 128, 64 x 32 above. 16-bit: 128 x 64
-    with 8 warps and 3 stages up to head_dim 64; 256 x 64 with 16 warps and 3 stages up to
-    128; 128 x 64 with 8 warps and 2 stages above (backward 64 x 64, 8 warps). Every tile
+    float32: 128 x 64 tiles, 2 stages up to head_dim 128, 64 x 32 above. 16-bit with at
+    most :data:`DECODE_ROWS` query rows (a decode step): 16 x 64, 4 warps, 3 stages. Other
+    16-bit calls: 128 x 64 with 8 warps and 3 stages up to head_dim 64; 256 x 64 with 16
+    warps and 3 stages up to 128; 128 x 64 with 8 warps and 2 stages above (backward 64 x
+    64, 8 warps). Every tile
     is then capped at the sequence length rounded up to a power of two.
     (measurements: docs/tuning.md#triton-default_config)
     """
@@ -68,6 +72,12 @@ def default_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> TritonConfig:
         else:
             config = TritonConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2,
                                   bwd_block_q=32, bwd_block_kv=32)
+    elif q_shape[1] <= DECODE_ROWS:
+        # A decode step's packed query rows (pallas_flash.decode): one 16-row tile reads each
+        # K/V byte once and does 16 FLOP per byte, so the kernel stays bound by HBM; four
+        # warps and three stages of 64 keys were the best or within noise of it at every
+        # decode point on the H200 (head_dim 64-256, 1-32 sequences, ragged too; 2026-12-02).
+        config = TritonConfig(block_q=16, block_kv=64, num_warps=4, num_stages=3)
     # 16-bit: winners of benchmarks/tune_triton.py on an H200 (bf16, 16k tokens, 2026-11-29).
     elif head_dim <= 64:
         config = TritonConfig(block_q=128, block_kv=64, num_warps=8, num_stages=3)
