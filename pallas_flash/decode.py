@@ -247,11 +247,6 @@ def _split_forward(packed_q, key, value, lengths, rows: CacheVisibility, *, num_
     batch, seq_kv = key.shape[0], key.shape[1]
     chunk = -(-seq_kv // num_splits)
     padded_kv = chunk * num_splits
-    full = jnp.full((batch,), seq_kv, jnp.int32)
-    # Segment ids are needed whenever some key is hidden from a whole row (length, padding,
-    # a window's left edge); without any, the chunks run unmasked.
-    needs_ids = lengths is not None or padded_kv != seq_kv or rows.window is not None
-    lengths = full if lengths is None else lengths
 
     def split(x):  # [B, S, ...] -> [B·n, S/n, ...] (padded when n does not divide S)
         x = pad_axis(x, 1, padded_kv)
@@ -259,20 +254,8 @@ def _split_forward(packed_q, key, value, lengths, rows: CacheVisibility, *, num_
 
     k_chunks, v_chunks = split(key), split(value)
     q_chunks = jnp.repeat(packed_q, num_splits, axis=0)  # [B·n, R, K, D], small
-    positions = jnp.arange(padded_kv, dtype=jnp.int32)
-    segment_ids = attn_mask = None
-    if needs_ids:
-        seen = (positions[None, :] < lengths[:, None]) & (
-            positions[None, :] >= rows.first_visible(lengths)[:, None])
-        kv_ids = jnp.where(seen, 0, PADDED_KEY_ID).astype(jnp.int32)
-        q_ids = jnp.zeros(q_chunks.shape[:2], jnp.int32)
-        segment_ids = (q_ids, kv_ids.reshape(batch * num_splits, chunk))
-    if rows.needs_mask_array:
-        visible = rows.token_visible(lengths, positions)  # [B, T, S']
-        visible = jnp.repeat(visible, rows.group, axis=1)  # [B, T·G, S']
-        visible = visible.reshape(batch, -1, num_splits, chunk)
-        attn_mask = jnp.swapaxes(visible, 1, 2).reshape(batch * num_splits, 1, -1, chunk)
-
+    segment_ids, attn_mask = _chunk_visibility(batch, q_chunks.shape[1], lengths, rows,
+                                               seq_kv, num_splits, chunk)
     spec = MaskSpec(seq_q=q_chunks.shape[1], seq_kv=chunk)
     features = dispatch.Features(has_segments=segment_ids is not None, softcap=softcap,
                                  has_mask=attn_mask is not None)
@@ -285,11 +268,76 @@ def _split_forward(packed_q, key, value, lengths, rows: CacheVisibility, *, num_
     if reason is not None:
         raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
     config = resolve_config(config, implementation, q_chunks, k_chunks, v_chunks, spec,
-                             interpret)
+                            interpret)
     static = StaticArgs(kernels=dispatch.backend(implementation).KERNELS, mask=spec,
                         scale=scale, config=config, interpret=interpret, softcap=softcap)
     out, lse = attention_with_lse(q_chunks, k_chunks, v_chunks, segment_ids, None, None,
                                   attn_mask, static)
+    return _merge_chunks(out, lse, batch, num_splits)
+
+
+def paged_split_forward(query, key_pages, value_pages, page_table, lengths, *,
+                        window, scale: float, softcap, interpret: bool, num_splits: int):
+    """Split-KV decode straight from a paged cache, on the Triton forward (forward only).
+
+    Like :func:`decode_attention` (``is_causal=True``, per-row ``lengths [B]`` int32) on the
+    cache that ``page_table [B, M]`` addresses in ``key_pages, value_pages [P, page_size,
+    K, D]``, without gathering it: split ``i`` of sequence ``b`` is the table slice
+    ``page_table[b, i·M/n : (i+1)·M/n]`` (``num_splits`` divides ``M``), and the kernel
+    reads each K/V tile from its page (:func:`pallas_flash.triton.forward.forward`).
+
+    Returns ``(out [B, T, H, D], lse [B, H, T] float32)``.
+    """
+    batch, seq_q, heads, head_dim = query.shape
+    max_pages, page_size = page_table.shape[1], key_pages.shape[1]
+    kv_heads = key_pages.shape[2]
+    pages_per_split = max_pages // num_splits
+    chunk = pages_per_split * page_size
+    q_chunks = jnp.repeat(_pack_queries(query, kv_heads), num_splits, axis=0)
+    rows = CacheVisibility(seq_q=seq_q, group=heads // kv_heads, is_causal=True, window=window)
+    segment_ids, attn_mask = _chunk_visibility(batch, q_chunks.shape[1], lengths, rows,
+                                               max_pages * page_size, num_splits, chunk)
+    spec = MaskSpec(seq_q=q_chunks.shape[1], seq_kv=chunk)
+    kv_shape = (batch * num_splits, chunk, kv_heads, head_dim)
+    triton = dispatch.backend("triton")
+    config = triton.default_config(q_chunks.shape, kv_shape, q_chunks.dtype, spec)
+    out, lse = triton.KERNELS.forward(
+        q_chunks, key_pages, value_pages, segment_ids, mask=spec, scale=scale, config=config,
+        interpret=interpret, softcap=softcap, attn_mask=attn_mask,
+        page_table=page_table.reshape(batch * num_splits, pages_per_split))
+    out, lse = _merge_chunks(out, lse, batch, num_splits)
+    return _unpack(out, lse, heads)
+
+
+def _chunk_visibility(batch: int, rows_per_chunk: int, lengths, rows: CacheVisibility,
+                      seq_kv: int, num_splits: int, chunk: int):
+    """``(segment_ids, attn_mask)`` of the packed chunks ``[B·n, R]`` x ``[B·n, chunk]``:
+    kv segment ids hide the keys no query of the row sees (past its length or padding,
+    before its window), a mask array gives the per-token band where tokens differ."""
+    padded_kv = chunk * num_splits
+    # Segment ids are needed whenever some key is hidden from a whole row (length, padding,
+    # a window's left edge); without any, the chunks run unmasked.
+    needs_ids = lengths is not None or padded_kv != seq_kv or rows.window is not None
+    if lengths is None:
+        lengths = jnp.full((batch,), seq_kv, jnp.int32)
+    positions = jnp.arange(padded_kv, dtype=jnp.int32)
+    segment_ids = attn_mask = None
+    if needs_ids:
+        seen = (positions[None, :] < lengths[:, None]) & (
+            positions[None, :] >= rows.first_visible(lengths)[:, None])
+        kv_ids = jnp.where(seen, 0, PADDED_KEY_ID).astype(jnp.int32)
+        q_ids = jnp.zeros((batch * num_splits, rows_per_chunk), jnp.int32)
+        segment_ids = (q_ids, kv_ids.reshape(batch * num_splits, chunk))
+    if rows.needs_mask_array:
+        visible = rows.token_visible(lengths, positions)  # [B, T, S']
+        visible = jnp.repeat(visible, rows.group, axis=1)  # [B, T·G, S']
+        visible = visible.reshape(batch, -1, num_splits, chunk)
+        attn_mask = jnp.swapaxes(visible, 1, 2).reshape(batch * num_splits, 1, -1, chunk)
+    return segment_ids, attn_mask
+
+
+def _merge_chunks(out, lse, batch: int, num_splits: int):
+    """The kernels' per-chunk ``out [B·n, R, K, D]``, ``lse [B·n, K, R]`` merged over n."""
     out = out.reshape(batch, num_splits, *out.shape[1:])
     lse = lse.reshape(batch, num_splits, *lse.shape[1:])
     return merge_splits(out, lse)

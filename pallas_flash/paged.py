@@ -4,12 +4,17 @@ Layout: ``key_pages, value_pages: [num_pages, page_size, kv_heads, head_dim]``; 
 ``b``'s token at position ``p`` lives in page ``page_table[b, p // page_size]``, slot
 ``p % page_size``; ``cache_lengths[b]`` tokens are cached.
 
-Reading (:func:`paged_attention`) is a documented fallback for now: the pages of every
+Reading (:func:`paged_attention`): a decode step (``seq_q <= 16``) whose backend is Triton
+(the decode default on GPUs, :func:`pallas_flash.dispatch.choose_decode`) with pages of at
+least 16 tokens runs the split-KV decode straight from the pages: the Triton forward reads
+each K/V tile from its page through the table (:func:`pallas_flash.decode.
+paged_split_forward`). Every other call is a documented fallback: the pages of every
 sequence are gathered into a contiguous ``[batch, max_pages_per_seq · page_size, kv_heads,
 head_dim]`` cache (one extra read and write of the addressed K/V, so about three times the
-HBM traffic of a kernel that fetches pages through the table itself), then attended by
-:func:`pallas_flash.decode.decode_attention` (``seq_q <= 16``) or, for longer query
-chunks (chunked prefill), by :func:`pallas_flash.attention` with a per-row causal mask.
+HBM traffic), then attended by :func:`pallas_flash.decode.decode_attention` (``seq_q <=
+16``) or, for longer query chunks (chunked prefill), by :func:`pallas_flash.attention`
+with a per-row causal mask. The gradients of the direct path are those of the gathered
+formulation (its backward gathers).
 
 Page ids are not range-checked (they cannot be, inside ``jit``): an id outside
 ``[0, num_pages)`` is clamped into it on reads (the gather's ``mode="clip"``) and the write is
@@ -19,14 +24,32 @@ whatever they hold.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_flash import dispatch
 from pallas_flash.api import attention
-from pallas_flash.arguments import Implementation, canonical_window
-from pallas_flash.decode import MAX_DECODE_SEQ_Q, CacheVisibility, decode_attention
+from pallas_flash.arguments import (
+    Implementation,
+    canonical_scale,
+    canonical_window,
+    check_sinks,
+    check_soft_cap,
+)
+from pallas_flash.autodiff import add_sinks
+from pallas_flash.decode import (
+    MAX_DECODE_SEQ_Q,
+    CacheVisibility,
+    decode_attention,
+    default_num_splits,
+    paged_split_forward,
+)
+from pallas_flash.masking import MaskSpec
 
 #: Page sizes the paged functions take (powers of two: the future kernel's tiles).
 PAGE_SIZES = (8, 16, 32, 64, 128, 256)
@@ -77,13 +100,29 @@ def paged_attention(
         raise ValueError(
             "query must have rank 4 [batch, seq_q, heads, head_dim] with the page_table's "
             f"batch {page_table.shape[0]}, got shape {getattr(query, 'shape', None)}")
-    key, value = gather_pages(key_pages, page_table), gather_pages(value_pages, page_table)
-    dispatch.check_arrays(query, key, value)
+    # The contiguous cache's shape: what decode_attention checks against the query.
+    cache = jax.ShapeDtypeStruct((page_table.shape[0], page_table.shape[1] * key_pages.shape[1],
+                                  *key_pages.shape[2:]), key_pages.dtype)
+    dispatch.check_arrays(query, cache, cache)
     lengths = cache_lengths.astype(jnp.int32)
+    seq_q = query.shape[1]
+    if seq_q <= MAX_DECODE_SEQ_Q and _reads_pages(query, key_pages, page_table,
+                                                  implementation, interpret):
+        head_dim = query.shape[3]
+        direct = _DirectOptions(
+            window=canonical_window(local_window_size),
+            scale=float(canonical_scale(scale, head_dim)),
+            softcap=check_soft_cap(logits_soft_cap), interpret=interpret,
+            num_splits=_page_splits(page_table.shape, key_pages.shape))
+        sinks = check_sinks(sinks, query.shape[2])
+        out, lse = _paged_decode(query, key_pages, value_pages, page_table, lengths, direct)
+        if sinks is not None:
+            out, lse = add_sinks(out, lse, sinks)
+        return (out, jnp.swapaxes(lse, 1, 2)) if return_lse else out
+    key, value = gather_pages(key_pages, page_table), gather_pages(value_pages, page_table)
     options = dict(scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
                    return_lse=return_lse, implementation=implementation,
                    interpret=interpret)
-    seq_q = query.shape[1]
     if seq_q <= MAX_DECODE_SEQ_Q:
         return decode_attention(query, key, value, is_causal=True,
                                 local_window_size=local_window_size,
@@ -96,6 +135,83 @@ def paged_attention(
     visible = bands.token_visible(lengths, jnp.arange(key.shape[1], dtype=jnp.int32))
     return attention(query, key, value, mask=visible[:, None], key_value_seq_lengths=lengths,
                      **options)
+
+
+#: Smallest page the direct read takes: a Triton tile has at least 16 rows and lies
+#: within one page.
+MIN_DIRECT_PAGE_SIZE = 16
+
+
+def _reads_pages(query, key_pages, page_table, implementation, interpret: bool) -> bool:
+    """Whether a decode step runs straight from the pages (Triton, pages >= 16 tokens)."""
+    page_size = key_pages.shape[1]
+    if page_size < MIN_DIRECT_PAGE_SIZE or implementation not in (None, "triton"):
+        return False
+    kv_heads = key_pages.shape[2]
+    # The backend decode_attention would take for these packed shapes (contiguous or not).
+    packed = (query.shape[0], query.shape[1] * query.shape[2] // kv_heads, kv_heads,
+              query.shape[3])
+    cache = (query.shape[0], page_table.shape[1] * page_size, *key_pages.shape[2:])
+    name = implementation or dispatch.choose_decode(
+        packed, cache, query.dtype, MaskSpec(packed[1], cache[1]),
+        dispatch.Features(has_segments=True), interpret=interpret)
+    return name == "triton"
+
+
+def _page_splits(table_shape, pages_shape) -> int:
+    """The decode split count for this cache, lowered to a divisor of the table's width (a
+    split is a slice of whole pages)."""
+    batch, max_pages = table_shape
+    n = math.gcd(max_pages, default_num_splits(batch, pages_shape[2],
+                                               max_pages * pages_shape[1]))
+    return max(n, 1)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=[],
+                   meta_fields=["window", "scale", "softcap", "interpret", "num_splits"])
+@dataclasses.dataclass(frozen=True)
+class _DirectOptions:
+    window: tuple[int, int] | None
+    scale: float
+    softcap: float | None
+    interpret: bool
+    num_splits: int
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _paged_decode(query, key_pages, value_pages, page_table, lengths, options: _DirectOptions):
+    """``(out [B, T, H, D], lse [B, H, T])`` of a decode step read from the pages in place."""
+    return paged_split_forward(query, key_pages, value_pages, page_table, lengths,
+                               window=options.window, scale=options.scale,
+                               softcap=options.softcap, interpret=options.interpret,
+                               num_splits=options.num_splits)
+
+
+def _gathered_decode(query, key_pages, value_pages, page_table, lengths,
+                     options: _DirectOptions):
+    """The same function through the gathered cache: what the backward differentiates."""
+    out, lse = decode_attention(
+        query, gather_pages(key_pages, page_table), gather_pages(value_pages, page_table),
+        is_causal=True, local_window_size=options.window, key_value_seq_lengths=lengths,
+        scale=options.scale, logits_soft_cap=options.softcap, return_lse=True,
+        interpret=options.interpret)
+    return out, jnp.swapaxes(lse, 1, 2)
+
+
+def _paged_decode_fwd(query, key_pages, value_pages, page_table, lengths, options):
+    out = _paged_decode(query, key_pages, value_pages, page_table, lengths, options)
+    return out, (query, key_pages, value_pages, page_table, lengths)
+
+
+def _paged_decode_bwd(options, residuals, cotangents):
+    query, key_pages, value_pages, page_table, lengths = residuals
+    _, vjp = jax.vjp(lambda q, kp, vp: _gathered_decode(q, kp, vp, page_table, lengths,
+                                                        options),
+                     query, key_pages, value_pages)
+    return (*vjp(cotangents), None, None)
+
+
+_paged_decode.defvjp(_paged_decode_fwd, _paged_decode_bwd)
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
