@@ -274,7 +274,7 @@ def test_paged_reads_pages_in_place_on_triton(seq_q, monkeypatch):
     # Page gradients back in sequence order; pages no table entry names get none.
     dk = np.asarray(dkp)[np.asarray(table)].reshape(k.shape)
     dv = np.asarray(dvp)[np.asarray(table)].reshape(v.shape)
-    for got, want in zip((dq, dk, dv, *d_sinks), ref_grads):
+    for got, want in zip((dq, dk, dv, *d_sinks), ref_grads, strict=True):
         assert rel_err(got, want) < 1e-5
     unused = np.setdiff1d(np.arange(key_pages.shape[0]), np.asarray(table))
     assert not np.any(np.asarray(dkp)[unused]) and not np.any(np.asarray(dvp)[unused])
