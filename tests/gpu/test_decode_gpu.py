@@ -1,4 +1,5 @@
-"""Decode through the compiled Mosaic kernels at realistic shapes vs the float64 oracle.
+"""Decode through the compiled Triton (the decode default) and Mosaic kernels at realistic
+shapes vs the float64 oracle; paged caches read in place (Triton) and gathered (Mosaic).
 
 32 query heads / 8 kv heads, bf16, ragged cache lengths, the split heuristic's num_splits;
 the oracle runs each sequence on its own cache cut to its length (tests/test_decode.py).
@@ -41,13 +42,14 @@ def _f32(*xs):
     Case(batch=2, seq_q=1, seq_kv=16384, heads=32, kv_heads=8, head_dim=256),
     Case(batch=1, seq_q=16, seq_kv=32768, heads=32, kv_heads=8, head_dim=128),
 ], ids=lambda c: f"b{c.batch}-s{c.seq_kv}-d{c.head_dim}-{c}")
-def test_decode_mosaic_matches_oracle(case):
+@pytest.mark.parametrize("implementation", ["triton", "mosaic"])
+def test_decode_matches_oracle(case, implementation):
     q, k, v, _, lengths = _inputs(case, seed=case.seq_kv + case.head_dim)
     sinks = jnp.linspace(-1.0, 1.0, case.heads) if case.sinks else None
     decode = jax.jit(lambda q, k, v, lengths, sinks: pf.decode_attention(
         q, k, v, local_window_size=case.window, key_value_seq_lengths=lengths,
         logits_soft_cap=case.softcap, sinks=sinks, return_lse=True,
-        implementation="mosaic"))
+        implementation=implementation))
     out, lse = decode(q, k, v, jnp.asarray(lengths), sinks)
     ref_out, ref_lse = _oracle(case, *_f32(q, k, v), lengths, sinks)
     assert_matches(out, lse, (), ref_out, ref_lse, (), BF16, names=())
@@ -70,13 +72,14 @@ def test_decode_mosaic_gradients():
         assert rel_err(got, want) < 2e-2, name
 
 
-@pytest.mark.parametrize("page_size", [64, 128])
-def test_paged_mosaic_matches_oracle(page_size):
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+@pytest.mark.parametrize("implementation", [None, "mosaic"])  # in place, gathered
+def test_paged_matches_oracle(page_size, implementation):
     case = Case(batch=8, seq_q=1, seq_kv=8192, heads=32, kv_heads=8, head_dim=128)
     q, k, v, _, lengths = _inputs(case, seed=page_size)
     key_pages, value_pages, table = _scattered_pool(k, v, page_size)
     paged = jax.jit(lambda *args: pf.paged_attention(*args, return_lse=True,
-                                                     implementation="mosaic"))
+                                                     implementation=implementation))
     out, lse = paged(q, key_pages, value_pages, table, jnp.asarray(lengths))
     ref_out, ref_lse = _oracle(case, *_f32(q, k, v), lengths, None)
     assert_matches(out, lse, (), ref_out, ref_lse, (), BF16, names=())
