@@ -17,6 +17,7 @@ from pallas_flash.arguments import (
     Implementation,
     canonical_scale,
     canonical_window,
+    check_deterministic,
     check_sinks,
     check_soft_cap,
     resolve_config,
@@ -51,6 +52,7 @@ def attention(
     sinks: jax.Array | None = None,
     return_residual: bool = False,
     return_lse: bool = False,
+    deterministic: bool = False,
     implementation: Implementation | None = None,
     interpret: bool = False,
     config: Any = None,
@@ -113,6 +115,17 @@ def attention(
         gradients flow through it into ``query``, ``key``, ``bias`` and ``sinks``. Rows
         that see no key have output 0 and lse ``-1e30``. Not together with
         ``return_residual``.
+      deterministic: ``True``: the gradients are bitwise identical on every run (same
+        inputs, same compiled program), on every backend. The default, ``False``, is the
+        fastest backward and is not reproducible: on Hopper the Mosaic backward up to
+        head_dim 128 adds each CTA's share of dQ into float32 with TMA reduce-adds whose
+        order, hence rounding, varies between runs (FlashAttention-3's fused dQ). With
+        ``True`` it computes dQ in a separate kernel in which one CTA owns each dQ tile
+        (``docs/tuning.md`` has the cost). The Triton and XLA backwards are reproducible
+        either way. ``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` has the same effect
+        for every call (:func:`pallas_flash.dispatch.deterministic_backward`). With a
+        Mosaic ``MosaicBackwardConfig(deterministic=False)`` in ``config``, ``True``
+        raises ``ValueError`` (in the backward). The forward is reproducible either way.
       implementation: the forward's backend: ``"mosaic"`` (Hopper), ``"triton"`` (any GPU,
         or CPU with ``interpret=True``) or ``"xla"``; ``None`` picks the fastest available
         that supports the call. ``"cudnn"`` hands the call to
@@ -153,6 +166,7 @@ def attention(
                       kv_segment_ids=kv_segment_ids is not None,
                       logits_soft_cap=logits_soft_cap is not None, sinks=sinks is not None,
                       return_lse=return_lse is not False, interpret=interpret is not False,
+                      deterministic=deterministic is not False,
                       config=config is not None))
     if implementation is not None:
         dispatch.backend(implementation)  # a bad name raises before anything else
@@ -173,6 +187,7 @@ def attention(
                          "return_lse=True returns the differentiable float32 lse")
     window = canonical_window(local_window_size)
     is_causal = _canonical_bool(is_causal, "is_causal")
+    deterministic = dispatch.deterministic_backward(check_deterministic(deterministic))
     if causal_alignment not in ("top_left", "bottom_right"):
         raise ValueError(
             f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
@@ -187,7 +202,8 @@ def attention(
         out = decode.decode_attention(
             query, key, value, scale=scale, is_causal=is_causal, local_window_size=window,
             key_value_seq_lengths=_as_array(key_value_seq_lengths),
-            logits_soft_cap=logits_soft_cap, sinks=sinks, implementation=implementation)
+            logits_soft_cap=logits_soft_cap, sinks=sinks, deterministic=deterministic,
+            implementation=implementation)
         return out.reshape(output_shape)
     segment_ids = _canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv)
     segment_ids = _fold_lengths(segment_ids, _as_array(query_seq_lengths),
@@ -220,7 +236,8 @@ def attention(
         raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
     config = resolve_config(config, implementation, query, key, value, spec, interpret)
     static = StaticArgs(kernels=backend.KERNELS, mask=spec, scale=scale,
-                        config=config, interpret=interpret, softcap=softcap)
+                        config=config, interpret=interpret, softcap=softcap,
+                        deterministic=deterministic)
     out, lse = attention_with_lse(query, key, value, segment_ids, sinks, bias, mask, static)
     return _outputs(out, lse, **outputs)
 

@@ -44,6 +44,13 @@ PADDED_QUERY_ID = -(2**31)
 PADDED_KEY_ID = -(2**31) + 1
 
 
+def check_deterministic(flag) -> bool:
+    """``deterministic`` (a Python or NumPy bool) as a Python bool."""
+    if not isinstance(flag, (bool, np.bool_)):
+        raise ValueError(f"deterministic must be a bool, got {flag!r}")
+    return bool(flag)
+
+
 def check_soft_cap(cap) -> float | None:
     if cap is None:
         return None

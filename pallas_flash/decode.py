@@ -42,6 +42,7 @@ from pallas_flash.arguments import (
     Implementation,
     canonical_scale,
     canonical_window,
+    check_deterministic,
     check_sinks,
     check_soft_cap,
     resolve_config,
@@ -89,6 +90,7 @@ def decode_attention(
     sinks: jax.Array | None = None,
     num_splits: int | None = None,
     return_lse: bool = False,
+    deterministic: bool = False,
     implementation: Implementation | None = None,
     interpret: bool = False,
     config: Any = None,
@@ -118,6 +120,7 @@ def decode_attention(
       num_splits: K/V chunks along the sequence (None: :func:`default_num_splits`). One
         that does not divide ``seq_kv`` pads the cache to a multiple (a copy).
       return_lse: also return ``lse: [batch, seq_q, heads]`` float32.
+      deterministic: bitwise-reproducible gradients, as :func:`pallas_flash.attention`.
       implementation, interpret, config: as :func:`pallas_flash.attention`; ``config``
         configures the per-chunk forward (packed shapes ``[batch · num_splits,
         seq_q · group, kv_heads, head_dim]`` against chunks ``[batch · num_splits,
@@ -143,6 +146,7 @@ def decode_attention(
     window = canonical_window(local_window_size)
     softcap = check_soft_cap(logits_soft_cap)
     sinks = check_sinks(sinks, heads)
+    deterministic = dispatch.deterministic_backward(check_deterministic(deterministic))
     lengths = _check_lengths(key_value_seq_lengths, batch, seq_kv)
     if num_splits is None:
         num_splits = default_num_splits(batch, kv_heads, seq_kv)
@@ -153,7 +157,7 @@ def decode_attention(
     out, lse = _split_forward(_pack_queries(query, kv_heads), key, value, lengths, rows,
                               num_splits=num_splits, scale=float(scale), softcap=softcap,
                               implementation=implementation, interpret=interpret,
-                              config=config)
+                              config=config, deterministic=deterministic)
     out, lse = _unpack(out, lse, heads)  # [B, T, H, D], [B, H, T]
     if sinks is not None:
         out, lse = add_sinks(out, lse, sinks)
@@ -239,7 +243,8 @@ def _unpack(out: jax.Array, lse: jax.Array, heads: int) -> tuple[jax.Array, jax.
 
 
 def _split_forward(packed_q, key, value, lengths, rows: CacheVisibility, *, num_splits: int,
-                   scale: float, softcap, implementation, interpret: bool, config):
+                   scale: float, softcap, implementation, interpret: bool, config,
+                   deterministic: bool):
     """Packed queries ``[B, R, K, D]`` against ``num_splits`` chunks of the cache, merged.
 
     Returns ``out [B, R, K, D]`` and ``lse [B, K, R]`` float32 of the whole cache.
@@ -270,7 +275,8 @@ def _split_forward(packed_q, key, value, lengths, rows: CacheVisibility, *, num_
     config = resolve_config(config, implementation, q_chunks, k_chunks, v_chunks, spec,
                             interpret)
     static = StaticArgs(kernels=dispatch.backend(implementation).KERNELS, mask=spec,
-                        scale=scale, config=config, interpret=interpret, softcap=softcap)
+                        scale=scale, config=config, interpret=interpret, softcap=softcap,
+                        deterministic=deterministic)
     out, lse = attention_with_lse(q_chunks, k_chunks, v_chunks, segment_ids, None, None,
                                   attn_mask, static)
     return _merge_chunks(out, lse, batch, num_splits)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 from types import ModuleType
 
 import jax
@@ -171,6 +172,25 @@ def choose_backward(forward: str, q_shape, kv_shape, dtype, mask: MaskSpec,
             return name
     raise ValueError("no implementation can run this backward: " + "; ".join(
         f"{name}: {reason}" for name, reason in reasons.items()))
+
+
+def deterministic_backward(requested: bool = False) -> bool:
+    """Whether a backward must be bitwise reproducible: the call asks for it
+    (``attention(..., deterministic=True)``), or ``XLA_FLAGS`` asks XLA for deterministic
+    GPU ops (``--xla_gpu_deterministic_ops``, which XLA's own cuDNN attention honours).
+
+    The one place that decides; each backend's backward then runs its reproducible
+    variant (Mosaic: the separate dQ kernel; Triton and XLA have no other).
+    """
+    return bool(requested) or _xla_deterministic_ops()
+
+
+def _xla_deterministic_ops() -> bool:
+    for flag in os.environ.get("XLA_FLAGS", "").split():
+        name, _, value = flag.partition("=")
+        if name == "--xla_gpu_deterministic_ops":
+            return value.lower() in ("", "true", "1")
+    return False
 
 
 def check_arrays(query, key, value) -> None:

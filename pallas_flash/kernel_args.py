@@ -22,9 +22,10 @@ from pallas_flash.masking import MaskSpec
 #   out: like q, lse: [batch, heads, seq_q] float32, natural log.
 ForwardFn = Callable[..., tuple[jax.Array, jax.Array]]
 # backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask, scale, config, interpret,
-#          [softcap, bias, attn_mask, bias_grad]) -> (dq, dk, dv), and dbias (shaped like
-#   bias) appended when bias_grad=True; delta: [batch, heads, seq_q] float32 (already minus
-#   the lse cotangent).
+#          [softcap, bias, attn_mask, bias_grad, deterministic]) -> (dq, dk, dv), and dbias
+#   (shaped like bias) appended when bias_grad=True; delta: [batch, heads, seq_q] float32
+#   (already minus the lse cotangent); deterministic=True: gradients bitwise reproducible
+#   from run to run (passed only when set).
 BackwardFn = Callable[..., tuple[jax.Array, ...]]
 
 
@@ -46,6 +47,11 @@ class StaticArgs:
 
     ``softcap``: logits become ``softcap · tanh(logits / softcap)`` (None: off). Passed to
     the kernels only when set, so backends without it keep their signature.
+
+    ``deterministic``: the backward must give bitwise-identical gradients on every run
+    (already decided: the call's argument or ``XLA_FLAGS``,
+    :func:`pallas_flash.dispatch.deterministic_backward`). Passed to the backward only
+    when set.
     """
 
     kernels: Kernels
@@ -54,6 +60,7 @@ class StaticArgs:
     config: Any
     interpret: bool
     softcap: float | None = None
+    deterministic: bool = False
 
     def kernel_kwargs(self, bias=None, attn_mask=None) -> dict:
         """The kernels' keyword arguments; the optional ones only when set."""
@@ -65,4 +72,14 @@ class StaticArgs:
             kwargs["bias"] = bias
         if attn_mask is not None:
             kwargs["attn_mask"] = attn_mask
+        return kwargs
+
+    def backward_kwargs(self, bias=None, attn_mask=None, *, bias_grad: bool) -> dict:
+        """The backward kernels' keyword arguments: :meth:`kernel_kwargs`, and
+        ``bias_grad`` / ``deterministic`` when set."""
+        kwargs = self.kernel_kwargs(bias, attn_mask)
+        if bias_grad:
+            kwargs["bias_grad"] = True
+        if self.deterministic:
+            kwargs["deterministic"] = True
         return kwargs

@@ -161,8 +161,11 @@ class FlashSelfAttention(nnx.Module):
         :func:`pallas_flash.attention`'s ``sinks``.
       implementation: passed to :func:`pallas_flash.attention` (``None``: fastest available).
       interpret: run the Pallas kernels in interpret mode (CPU tests).
+      deterministic_backward: bitwise-reproducible gradients, passed to
+        :func:`pallas_flash.attention` as ``deterministic`` (named apart from Flax's
+        ``deterministic``, which means "no dropout").
       attention_fn: replaces :func:`pallas_flash.attention` (see :data:`AttentionFn`);
-        exclusive with ``implementation`` / ``interpret``.
+        exclusive with ``implementation`` / ``interpret`` / ``deterministic_backward``.
       decode: default for ``__call__``'s ``decode``.
       dtype: computation dtype (default: that of the inputs and parameters).
       param_dtype: parameter dtype.
@@ -186,6 +189,7 @@ class FlashSelfAttention(nnx.Module):
         use_sinks: bool = False,
         implementation: Implementation | None = None,
         interpret: bool = False,
+        deterministic_backward: bool = False,
         attention_fn: AttentionFn | None = None,
         decode: bool = False,
         dtype: Any = None,
@@ -200,11 +204,14 @@ class FlashSelfAttention(nnx.Module):
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if rope_base is not None and head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
-        if attention_fn is not None and (implementation is not None or interpret):
-            raise ValueError("give either attention_fn or implementation/interpret, not both")
+        if attention_fn is not None and (implementation is not None or interpret
+                                         or deterministic_backward):
+            raise ValueError("give either attention_fn or implementation/interpret/"
+                             "deterministic_backward, not both")
         if attention_fn is None:
             attention_fn = functools.partial(attention, implementation=implementation,
-                                             interpret=interpret)
+                                             interpret=interpret,
+                                             deterministic=deterministic_backward)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.is_causal = is_causal
         self.local_window_size = local_window_size
@@ -345,6 +352,7 @@ def make_attention_fn(
     local_window_size: int | tuple[int, int] | None = None,
     implementation: Implementation | None = None,
     interpret: bool = False,
+    deterministic_backward: bool = False,
 ) -> Callable[..., jax.Array]:
     """An ``attention_fn`` for ``flax.nnx.MultiHeadAttention`` and Linen's
     ``MultiHeadDotProductAttention``.
@@ -394,6 +402,9 @@ def make_attention_fn(
         (as :func:`pallas_flash.attention`).
       local_window_size: ``w`` or ``(left, right)``, as :func:`pallas_flash.attention`.
       implementation, interpret: passed to :func:`pallas_flash.attention`.
+      deterministic_backward: passed to :func:`pallas_flash.attention` as
+        ``deterministic`` (bitwise-reproducible gradients). Not the call's
+        ``deterministic``, which Flax passes to mean "no dropout".
 
     Returns:
       ``attention_fn(query, key, value, bias=None, mask=None, ...) -> [..., seq_q, heads,
@@ -445,7 +456,7 @@ def make_attention_fn(
         bias, mask = (_flatten_batch(x, batch_shape) for x in (bias, mask))
         out = attention(*flat, bias, mask, is_causal=causal, causal_alignment=alignment,
                         local_window_size=local_window_size, implementation=implementation,
-                        interpret=interpret)
+                        interpret=interpret, deterministic=deterministic_backward)
         return out.reshape(*batch_shape, *out.shape[1:])
 
     return attention_fn

@@ -82,9 +82,7 @@ class _Call:
             return tuple(self.static.kernels.forward(
                 q, k, v, segment_ids, **self.static.kernel_kwargs(bias, attn_mask)))
         q, k, v, segment_ids, bias, attn_mask, out, lse, d_out, delta = operands
-        kwargs = self.static.kernel_kwargs(bias, attn_mask)
-        if self.bias_grad:
-            kwargs["bias_grad"] = True
+        kwargs = self.static.backward_kwargs(bias, attn_mask, bias_grad=self.bias_grad)
         return tuple(self.static.kernels.backward(q, k, v, segment_ids, out, lse, d_out,
                                                   delta, **kwargs))
 

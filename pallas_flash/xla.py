@@ -167,12 +167,15 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaCo
 
 def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, scale: float,
              config: XlaConfig, interpret: bool, softcap: float | None = None, bias=None,
-             attn_mask=None, bias_grad: bool = False):
+             attn_mask=None, bias_grad: bool = False, deterministic: bool = False):
     """Gradients by recomputing P per K/V chunk (FlashAttention-2, Algorithm 2).
 
     Returns (dq, dk, dv), and dbias (float32, shaped like ``bias``) when ``bias_grad``.
+    ``deterministic`` is accepted for the backend interface: these are XLA's einsums,
+    scan and sums, with no scatter, so one compiled program gives the same bits on every
+    run (across processes, GEMM autotuning may pick other algorithms: ``docs/api.md``).
     """
-    del out, interpret
+    del out, interpret, deterministic
     acc = _accumulator(q.dtype)
     batch, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]

@@ -486,11 +486,3 @@ def test_short_causal_takes_the_separate_dq_kernel(head_dim, seq, causal, monkey
                                      mask)
     short = seq <= mosaic_config.SHORT_CAUSAL_SEQ
     assert config.deterministic == (causal and head_dim > 64 and short)
-
-
-@pytest.mark.parametrize(("xla_flags", "requested"), [
-    ("", False), ("--xla_gpu_deterministic_ops=false", False),
-    ("--xla_gpu_deterministic_ops=1", True), ("--xla_gpu_deterministic_ops_x=true", False)])
-def test_deterministic_requested_reads_xla_flags(xla_flags, requested, monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", xla_flags)
-    assert mosaic_config.deterministic_requested() is requested

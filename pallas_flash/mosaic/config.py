@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
+from pallas_flash.dispatch import deterministic_backward
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import round_up
 
@@ -421,14 +421,31 @@ def forward_config(config, q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicCo
     return default_config(q_shape, kv_shape, dtype, mask)
 
 
-def backward_config(config, q_shape, kv_shape, dtype, mask: MaskSpec
-                    ) -> MosaicBackwardConfig:
-    """The backward's part of any of :data:`CONFIG_TYPES` (its heuristic where absent)."""
-    if isinstance(config, MosaicBackwardConfig):
-        return config
-    if isinstance(config, MosaicCallConfig) and config.backward is not None:
-        return config.backward
-    return default_backward_config(q_shape, kv_shape, dtype, mask)
+def backward_config(config, q_shape, kv_shape, dtype, mask: MaskSpec, *,
+                    deterministic: bool = False) -> MosaicBackwardConfig:
+    """The backward's part of any of :data:`CONFIG_TYPES` (its heuristic where absent).
+
+    ``deterministic``: whether the backward must be reproducible
+    (:func:`pallas_flash.dispatch.deterministic_backward`: ``attention(...,
+    deterministic=True)`` or ``XLA_FLAGS``' deterministic ops). A backward config the
+    caller chose with the fused dQ (``deterministic=False``) then raises rather than being
+    swapped for a kernel the caller did not ask for.
+
+    Raises:
+      ValueError: ``deterministic`` and a given backward config with the fused dQ.
+    """
+    given = config.backward if isinstance(config, MosaicCallConfig) else config
+    if not isinstance(given, MosaicBackwardConfig):
+        return default_backward_config(q_shape, kv_shape, dtype, mask,
+                                       deterministic=deterministic)
+    if deterministic and not given.deterministic:
+        raise ValueError(
+            "a deterministic backward (attention(..., deterministic=True) or XLA_FLAGS="
+            "--xla_gpu_deterministic_ops) needs the separate dQ kernel, but the given "
+            f"MosaicBackwardConfig {given} has deterministic=False (the fused dQ, whose "
+            "TMA reduce-adds are not reproducible): pass MosaicBackwardConfig("
+            "deterministic=True) or no backward config")
+    return given
 
 
 def fit_backward_logit_rings(config: MosaicBackwardConfig, head_dim: int, itemsize: int, *,
@@ -459,25 +476,17 @@ def fit_backward_logit_rings(config: MosaicBackwardConfig, head_dim: int, itemsi
 SHORT_CAUSAL_SEQ = 2048
 
 
-def deterministic_requested() -> bool:
-    """Whether ``XLA_FLAGS`` asks XLA for deterministic GPU ops
-    (``--xla_gpu_deterministic_ops``, as XLA's own cuDNN attention honours it)."""
-    for flag in os.environ.get("XLA_FLAGS", "").split():
-        name, _, value = flag.partition("=")
-        if name == "--xla_gpu_deterministic_ops":
-            return value.lower() in ("", "true", "1")
-    return False
-
-
-def default_backward_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicBackwardConfig:
+def default_backward_config(q_shape, kv_shape, dtype, mask: MaskSpec, *,
+                            deterministic: bool = False) -> MosaicBackwardConfig:
     """The backward's tiling and dQ mode per head dim, from H200 timings (bf16, hidden 2048).
 
     64 query rows per step at every head dim (the dK/dV consumers hold dK and dV for 64
     keys each, so the S and dP tiles must stay small), two stages, 128-key dQ blocks.
     Above head_dim 128: ``dq_block_kv=32`` (Q and dO of two 64-row consumers fill 128 KiB,
     and 32-key blocks keep a 2-stage ring) with the separate, deterministic dQ kernel.
-    Up to head_dim 128 the fused dQ (FA3; ``deterministic=False``) unless ``XLA_FLAGS`` asks
-    for deterministic ops (:func:`deterministic_requested`), since its additions into dQ
+    Up to head_dim 128 the fused dQ (FA3; ``deterministic=False``) unless the call asks
+    for a reproducible backward (``deterministic``, or ``XLA_FLAGS``' deterministic ops:
+    :func:`pallas_flash.dispatch.deterministic_backward`), since its additions into dQ
     come in a varying order; and one exception, causal attention at head_dim 65-128 over
     at most ``SHORT_CAUSAL_SEQ`` (2048) tokens, which takes the separate dQ kernel.
     (measurements: docs/tuning.md#mosaic-backward-default_backward_config)
@@ -490,4 +499,5 @@ def default_backward_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicB
     short_causal = (mask.is_causal and head_dim > 64
                     and max(q_shape[1], kv_shape[1]) <= SHORT_CAUSAL_SEQ)
     return MosaicBackwardConfig(block_q=64, dq_block_kv=128, num_stages=2,
-                                deterministic=deterministic_requested() or short_causal)
+                                deterministic=(deterministic_backward(deterministic)
+                                               or short_causal))

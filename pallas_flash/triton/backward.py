@@ -200,14 +200,18 @@ def _reduce_d_bias(partial, bias_shape, seq_q: int, seq_kv: int):
 
 def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, scale: float,
              config: TritonConfig, interpret: bool, softcap: float | None = None, bias=None,
-             attn_mask=None, bias_grad: bool = False):
+             attn_mask=None, bias_grad: bool = False, deterministic: bool = False):
     """Returns (dq [B, T, N, D], dk [B, S, K, D], dv [B, S, K, D]), and dbias (float32,
     shaped like ``bias``) when ``bias_grad``.
 
     bias, attn_mask: None or canonical ``[B', N', T', S']`` (pallas_flash.bias); the mask
     is passed to the kernels as int8.
+    deterministic: accepted for the backend interface; this backward always is (no
+    atomics: every output tile, dbias partials included, is written by one program, and
+    the dbias partial is summed by XLA).
     """
     del out  # only needed for delta, which the caller computed
+    del deterministic
     batch, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads

@@ -27,8 +27,10 @@ The package:
 **dQ, two modes** (``MosaicBackwardConfig.deterministic``):
 
 * deterministic (the default at head_dim 256, for causal sequences up to 2048 tokens at
-  head_dim 65-128, wherever ``XLA_FLAGS`` has ``--xla_gpu_deterministic_ops``, and beside
-  bias / mask rings the fused dQ cannot fit) — the dQ kernel (:mod:`.dq`), one CTA per
+  head_dim 65-128, wherever the call asks for it with ``attention(..., deterministic=True)``
+  or ``XLA_FLAGS`` has ``--xla_gpu_deterministic_ops``
+  (:func:`pallas_flash.dispatch.deterministic_backward`), and beside bias / mask rings
+  the fused dQ cannot fit) — the dQ kernel (:mod:`.dq`), one CTA per
   ``2·dq_block_q`` query rows of one head; each consumer owns ``dq_block_q`` rows and the
   producer streams (K_j, V_j)::
 
@@ -169,7 +171,8 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
              lse: jax.Array, d_out: jax.Array, delta: jax.Array, *, mask: MaskSpec,
              scale: float, config, interpret: bool, softcap: float | None = None,
              bias: jax.Array | None = None, attn_mask: jax.Array | None = None,
-             bias_grad: bool = False) -> tuple[jax.Array, ...]:
+             bias_grad: bool = False, deterministic: bool = False
+             ) -> tuple[jax.Array, ...]:
     """(dq, dk, dv) of attention on Hopper, and dbias when ``bias_grad``.
 
     Args:
@@ -184,9 +187,13 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
       bias, attn_mask: None or canonical ``[B', N', T', S']`` (:mod:`pallas_flash.bias`),
         read by both kernels (see the module docstring).
       bias_grad: must be False (dbias is not computed here).
+      deterministic: the call's ``attention(..., deterministic=...)``: the separate dQ
+        kernel, whatever the heuristic's choice (:func:`~pallas_flash.mosaic.config.
+        backward_config`).
 
     Raises:
-      ValueError: :func:`unsupported_backward` refuses the call (its reason).
+      ValueError: :func:`unsupported_backward` refuses the call (its reason), or
+        ``deterministic`` with a given backward config of the fused dQ.
 
     Any lengths work:
     sequences are zero-padded to whole CTAs (padded rows get lse = +inf, so P = 0; padded
@@ -200,7 +207,8 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
                                   bias_grad=bias_grad)
     if reason is not None:
         raise ValueError(reason)
-    config = backward_config(config, q.shape, k.shape, q.dtype, mask)
+    config = backward_config(config, q.shape, k.shape, q.dtype, mask,
+                             deterministic=deterministic)
     _, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     itemsize = jnp.dtype(q.dtype).itemsize
