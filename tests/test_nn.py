@@ -158,6 +158,36 @@ def test_rotary_embedding_depends_only_on_relative_position():
     np.testing.assert_allclose(rotary_embedding(q, jnp.array([[0]]), 10_000.0), q)
 
 
+@pytest.fixture
+def attention_calls(monkeypatch) -> list:
+    """The keyword arguments of each pallas_flash.attention call the layers make."""
+    from pallas_flash import nn
+
+    calls: list = []
+    original = nn.attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(nn, "attention", spy)
+    return calls
+
+
+def test_deterministic_backward_reaches_attention(attention_calls):
+    """Both layers pass ``deterministic_backward`` on as attention's ``deterministic``;
+    Flax's call-time ``deterministic`` (no dropout) does not."""
+    x = _inputs(seq=8)
+    _layer(deterministic_backward=True, implementation="xla")(x)
+    fn = make_attention_fn(deterministic_backward=True)
+    q = x.reshape(2, 8, HEADS, D_MODEL // HEADS)
+    fn(q, q, q, deterministic=False)
+    make_attention_fn()(q, q, q, deterministic=True)
+    assert [c["deterministic"] for c in attention_calls] == [True, True, False]
+    with pytest.raises(ValueError, match="deterministic_backward"):
+        _layer(attention_fn=reference_attention, deterministic_backward=True)
+
+
 def test_layer_errors():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         _layer(num_kv_heads=3)
