@@ -143,6 +143,21 @@ def test_attention_selects_the_separate_dq_kernel(head_dim, causal, dq_paths):
     assert dq_paths == ["fused", "separate"]
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_decode_attention_passes_it_on(deterministic, dq_paths):
+    """decode_attention's gradient (through its own chunked call), also where attention
+    routes a decode step to it (on a GPU only, so here it is called directly)."""
+    q, k, v, _ = random_qkv(2, 4, 1024, 4, 2, 64, BF16)
+
+    def loss(q, k, v):
+        out = pf.decode_attention(q, k, v, implementation="mosaic", interpret=True,
+                                  deterministic=deterministic)
+        return out.astype(jnp.float32).sum()
+
+    jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    assert dq_paths == ["separate" if deterministic else "fused"]
+
+
 def test_xla_flag_selects_the_separate_dq_kernel(dq_paths, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
     _trace_mosaic_grads(False)
