@@ -32,12 +32,15 @@ class Implementation:
       fn: ``(q, k, v, causal) -> out``.
       dtype: the input dtype it is forced to run in (``None``: the suite's dtype).
       note: one line for the report (what exactly is called).
+      by_default: run when the command line names no implementations (a variant of
+        another one is run only when named).
     """
 
     name: str
     fn: AttentionFn
     dtype: jnp.dtype | None = None
     note: str = ""
+    by_default: bool = True
 
 
 def _cudnn(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
@@ -85,11 +88,12 @@ def _tokamax(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Arra
     return tokamax.dot_product_attention(q, k, v, is_causal=causal, implementation="mosaic")
 
 
-def _pallas_flash(implementation: str) -> AttentionFn:
+def _pallas_flash(implementation: str, deterministic: bool = False) -> AttentionFn:
     def fn(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
         import pallas_flash
 
-        return pallas_flash.attention(q, k, v, is_causal=causal, implementation=implementation)
+        return pallas_flash.attention(q, k, v, is_causal=causal, implementation=implementation,
+                                      deterministic=deterministic)
 
     return fn
 
@@ -111,6 +115,12 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                        note='pallas_flash.attention(implementation="triton")'),
         Implementation("pallas_flash_mosaic", _pallas_flash("mosaic"),
                        note='pallas_flash.attention(implementation="mosaic")'),
+        # Beside pallas_flash_mosaic in one run (--impls), the cost of a reproducible
+        # backward: the separate dQ kernel instead of the fused dQ's reduce-adds.
+        Implementation("pallas_flash_mosaic_deterministic",
+                       _pallas_flash("mosaic", deterministic=True), by_default=False,
+                       note='pallas_flash.attention(implementation="mosaic", '
+                            'deterministic=True)'),
     )
 }
 

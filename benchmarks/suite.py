@@ -5,7 +5,9 @@ available implementation (``benchmarks.implementations``) over head dims × sequ
 causal, with the papers' shapes and FLOP conventions (``benchmarks.flops``), and writes
 ``DIR/<device>-<date>.json``, ``.md`` and bar charts (``benchmarks.report``). A point that fails
 (compile error, out of memory, wrong result) is recorded with its error and the suite goes on.
-``--quick`` runs tiny shapes in seconds on CPU.
+``--quick`` runs tiny shapes in seconds on CPU. Variants of an implementation run only when
+``--impls`` names them: ``--impls pallas_flash_mosaic,pallas_flash_mosaic_deterministic``
+times the default and the reproducible backward (``deterministic=True``) point by point.
 """
 
 from __future__ import annotations
@@ -245,7 +247,8 @@ def select_implementations(
         else:
             unavailable[name] = reason
         log(f"probe {name:<20} {'ok' if reason is None else reason}")
-    wanted = config.impls or tuple(registry)
+    # Variants (by_default=False) run only when named.
+    wanted = config.impls or tuple(name for name, impl in registry.items() if impl.by_default)
     run = [available[name] for name in wanted if name in available]
     reference = next((n for n in (REFERENCE, "xla") if n in available), None)
     return run, reference, {n: r for n, r in unavailable.items() if n in wanted}
@@ -366,9 +369,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[SuiteConfig, Path, st
     """Command line → (config, output directory, file-name tag)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.suite", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = [n for n, i in IMPLEMENTATIONS.items() if i.by_default]
+    variants = [n for n in IMPLEMENTATIONS if n not in defaults]
     parser.add_argument("--impls", type=_names(tuple(IMPLEMENTATIONS)),
                         help=f"comma list (default: every available one of "
-                             f"{','.join(IMPLEMENTATIONS)})")
+                             f"{','.join(defaults)}; run only when named: {','.join(variants)})")
     parser.add_argument("--head-dims", type=int_list, help=f"default {_FULL['head_dims']}")
     parser.add_argument("--seq-lens", type=int_list, help=f"default {_FULL['seq_lens']}")
     parser.add_argument("--causal", choices=tuple(_CAUSAL), default="both")

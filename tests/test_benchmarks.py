@@ -278,6 +278,18 @@ def test_suite_records_timings_wrong_results_and_failures():
     assert points[("xla", "fwdbwd")]["error"] is None
 
 
+def test_variants_run_only_when_named():
+    """An implementation with by_default=False (pallas_flash_mosaic_deterministic) is
+    probed, but run only when --impls names it."""
+    registry = {"xla": IMPLEMENTATIONS["xla"],
+                "variant": Implementation("variant", _xla, by_default=False)}
+    assert not IMPLEMENTATIONS["pallas_flash_mosaic_deterministic"].by_default
+    for impls, run in ((None, ["xla"]), (("xla", "variant"), ["xla", "variant"])):
+        config = suite.SuiteConfig(impls=impls)
+        chosen, reference, _ = suite.select_implementations(config, registry, lambda _: None)
+        assert [i.name for i in chosen] == run and reference == "xla"
+
+
 def test_suite_main_quick_on_cpu(tmp_path, capsys):
     assert suite.main(["--quick", "--impls", "xla", "--causal", "no", "--seq-lens", "64",
                        "--passes", "fwd", "--out", str(tmp_path)]) == 0
