@@ -38,6 +38,7 @@ from pallas_flash.arguments import (
     Implementation,
     canonical_scale,
     canonical_window,
+    check_deterministic,
     check_sinks,
     check_soft_cap,
 )
@@ -67,6 +68,7 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     sinks: jax.Array | None = None,
     return_lse: bool = False,
+    deterministic: bool = False,
     implementation: Implementation | None = None,
     interpret: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -89,6 +91,10 @@ def paged_attention(
       logits_soft_cap: ``c > 0``: logits become ``c · tanh(logits / c)``.
       sinks: ``[heads]`` logits joining each row's softmax denominator.
       return_lse: also return the lse.
+      deterministic: bitwise-reproducible gradients of the attention, as
+        :func:`pallas_flash.attention`. The gradient of a page that several table entries
+        name (a shared prefix, clamped out-of-range ids) is summed by XLA's scatter-add,
+        reproducible only under ``XLA_FLAGS=--xla_gpu_deterministic_ops=true``.
       implementation: the per-chunk forward's backend, as :func:`pallas_flash.attention`.
       interpret: run Pallas kernels in interpret mode (CPU testing).
 
@@ -105,6 +111,7 @@ def paged_attention(
                                   *key_pages.shape[2:]), key_pages.dtype)
     dispatch.check_arrays(query, cache, cache)
     lengths = cache_lengths.astype(jnp.int32)
+    deterministic = dispatch.deterministic_backward(check_deterministic(deterministic))
     seq_q = query.shape[1]
     if seq_q <= MAX_DECODE_SEQ_Q and _reads_pages(query, key_pages, page_table,
                                                   implementation, interpret):
@@ -113,7 +120,8 @@ def paged_attention(
             window=canonical_window(local_window_size),
             scale=float(canonical_scale(scale, head_dim)),
             softcap=check_soft_cap(logits_soft_cap), interpret=interpret,
-            num_splits=_page_splits(page_table.shape, key_pages.shape))
+            num_splits=_page_splits(page_table.shape, key_pages.shape),
+            deterministic=deterministic)
         sinks = check_sinks(sinks, query.shape[2])
         out, lse = _paged_decode(query, key_pages, value_pages, page_table, lengths, direct)
         if sinks is not None:
@@ -121,8 +129,8 @@ def paged_attention(
         return (out, jnp.swapaxes(lse, 1, 2)) if return_lse else out
     key, value = gather_pages(key_pages, page_table), gather_pages(value_pages, page_table)
     options = dict(scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
-                   return_lse=return_lse, implementation=implementation,
-                   interpret=interpret)
+                   return_lse=return_lse, deterministic=deterministic,
+                   implementation=implementation, interpret=interpret)
     if seq_q <= MAX_DECODE_SEQ_Q:
         return decode_attention(query, key, value, is_causal=True,
                                 local_window_size=local_window_size,
@@ -168,7 +176,8 @@ def _page_splits(table_shape, pages_shape) -> int:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=[],
-                   meta_fields=["window", "scale", "softcap", "interpret", "num_splits"])
+                   meta_fields=["window", "scale", "softcap", "interpret", "num_splits",
+                                "deterministic"])
 @dataclasses.dataclass(frozen=True)
 class _DirectOptions:
     window: tuple[int, int] | None
@@ -176,6 +185,7 @@ class _DirectOptions:
     softcap: float | None
     interpret: bool
     num_splits: int
+    deterministic: bool
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -194,7 +204,7 @@ def _gathered_decode(query, key_pages, value_pages, page_table, lengths,
         query, gather_pages(key_pages, page_table), gather_pages(value_pages, page_table),
         is_causal=True, local_window_size=options.window, key_value_seq_lengths=lengths,
         scale=options.scale, logits_soft_cap=options.softcap, return_lse=True,
-        interpret=options.interpret)
+        deterministic=options.deterministic, interpret=options.interpret)
     return out, jnp.swapaxes(lse, 1, 2)
 
 

@@ -45,6 +45,10 @@ def test_deterministic_must_be_a_bool(flag):
         pf.attention(q, q, q, deterministic=flag)
     with pytest.raises(ValueError, match="deterministic"):
         pf.decode_attention(q[:, :1], q, q, deterministic=flag)
+    pages = q.reshape(1, 8, 1, 16)
+    with pytest.raises(ValueError, match="deterministic"):
+        pf.paged_attention(q[:, :1], pages, pages, jnp.zeros((1, 1), jnp.int32),
+                           jnp.ones((1,), jnp.int32), deterministic=flag)
 
 
 def test_numpy_bool_is_taken():
@@ -155,6 +159,24 @@ def test_decode_attention_passes_it_on(deterministic, dq_paths):
         return out.astype(jnp.float32).sum()
 
     jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    assert dq_paths == ["separate" if deterministic else "fused"]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_paged_attention_passes_it_on(deterministic, dq_paths):
+    """paged_attention on the Mosaic kernels: its gathered decode's gradient."""
+    q, k, v, _ = random_qkv(2, 4, 1024, 4, 2, 64, BF16)
+    pages = [x.reshape(2 * 8, 128, 2, 64) for x in (k, v)]
+    table = jnp.arange(2 * 8, dtype=jnp.int32).reshape(2, 8)
+    lengths = jnp.full((2,), 1024, jnp.int32)
+
+    def loss(q, key_pages, value_pages):
+        out = pf.paged_attention(q, key_pages, value_pages, table, lengths,
+                                 implementation="mosaic", interpret=True,
+                                 deterministic=deterministic)
+        return out.astype(jnp.float32).sum()
+
+    jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, *pages)
     assert dq_paths == ["separate" if deterministic else "fused"]
 
 
