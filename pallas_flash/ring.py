@@ -301,20 +301,6 @@ def _put(x: jax.Array, part: jax.Array, where: slice, axis: int) -> jax.Array:
     return lax.dynamic_update_slice_in_dim(x, part.astype(x.dtype), where.start, axis)
 
 
-def _each_device(ring: _Ring, step: int, run, carry, *operands):
-    """``run(plan, carry, *operands)`` with this device's plan at ``step``: the distinct
-    plans of the step are the branches of a ``lax.switch`` on the device index, so only the
-    taken one runs (a fully masked step: the carry unchanged, no kernel)."""
-    plans = [ring.plan(device, step) for device in range(ring.size)]
-    distinct = list(dict.fromkeys(plans))
-    if len(distinct) == 1:
-        return run(distinct[0], carry, *operands)
-    table = jnp.asarray([distinct.index(p) for p in plans], jnp.int32)
-    branch = table[lax.axis_index(ring.axis_name)]
-    return lax.switch(branch, [functools.partial(run, plan) for plan in distinct],
-                      carry, *operands)
-
-
 def _pass_on(ring: _Ring, tree):
     """Every array of ``tree`` sent to the next device of the ring (device ``i`` to
     ``i + 1``): one ``collective-permute`` each."""
@@ -322,35 +308,68 @@ def _pass_on(ring: _Ring, tree):
     return jax.tree.map(lambda x: lax.ppermute(x, ring.axis_name, perm), tree)
 
 
+def _round_the_ring(ring: _Ring, run, carry, block, operands, after_step=None):
+    """``carry`` after the ``n`` steps of the ring: at step ``s`` this device holds
+    ``block`` of device ``i - s`` and ``carry = run(plan, carry, *block, *operands)`` with
+    its plan of that step; ``after_step(carry)`` follows each step (the backward's dK/dV
+    hop).
+
+    The steps are a ``fori_loop`` (the last one peeled: its block is not passed on), not a
+    Python loop: unrolled, XLA is free to issue every collective-permute of the chain up
+    front and keep all ``n`` blocks alive at once (measured: per-device temp memory grew
+    with ``n``, as under an all-gather); a loop carry holds two (the current block and the
+    incoming one). Each step's plan depends on (device, step), both traced in the loop:
+    the distinct plans of all steps are the branches of one ``lax.switch`` indexed by a
+    static ``[step, device]`` table, so only the taken branch runs and a fully masked step
+    launches no kernel.
+    """
+    plans = [[ring.plan(device, step) for device in range(ring.size)]
+             for step in range(ring.size)]
+    distinct = list(dict.fromkeys(p for row in plans for p in row))
+    table = jnp.asarray([[distinct.index(p) for p in row] for row in plans], jnp.int32)
+    device = lax.axis_index(ring.axis_name)
+    after_step = after_step or (lambda c: c)
+
+    def one_step(step, carry, block):
+        if len(distinct) == 1:
+            carry = run(distinct[0], carry, *block, *operands)
+        else:
+            carry = lax.switch(table[step, device],
+                               [functools.partial(run, plan) for plan in distinct],
+                               carry, *block, *operands)
+        return after_step(carry)
+
+    def body(step, state):
+        carry, block = state
+        # The next block's transfer is issued before this step's kernels, and nothing in
+        # them depends on it: the collective-permute can run behind the compute.
+        incoming = _pass_on(ring, block)
+        return one_step(step, carry, block), incoming
+
+    carry, block = lax.fori_loop(0, ring.size - 1, body, (carry, block))
+    return one_step(ring.size - 1, carry, block)
+
+
 def _ring_forward(ring: _Ring, q, k, v, q_ids, kv_ids):
     accumulator = jnp.promote_types(q.dtype, jnp.float32)
     acc = (sharding.varying_like(jnp.zeros(q.shape, accumulator), q),
            sharding.varying_like(jnp.full((q.shape[0], q.shape[2], q.shape[1]),
                                           EMPTY_ROW_LSE, accumulator), q))
-    block = (k, v, kv_ids)
-    for step in range(ring.size):
-        # The next block's transfer is issued before this step's kernels and nothing in
-        # them depends on it: XLA can run the collective-permute behind the compute.
-        incoming = _pass_on(ring, block) if step < ring.size - 1 else None
-        acc = _each_device(ring, step, functools.partial(_forward_calls, ring), acc,
-                           *block, q_ids, q)
-        block = incoming
-    return acc
+    return _round_the_ring(ring, functools.partial(_forward_calls, ring), acc,
+                           (k, v, kv_ids), (q_ids, q))
 
 
 def _ring_backward(ring: _Ring, q, k, v, q_ids, kv_ids, out, lse, d_out, delta):
     grad_dtype = jnp.promote_types(q.dtype, jnp.float32)
     grads = tuple(sharding.varying_like(jnp.zeros(x.shape, grad_dtype), x) for x in (q, k, v))
-    block = (k, v, kv_ids)
-    for step in range(ring.size):
-        incoming = _pass_on(ring, block) if step < ring.size - 1 else None
-        grads = _each_device(ring, step, functools.partial(_backward_calls, ring), grads,
-                             *block, q_ids, q, out, lse, d_out, delta)
+
+    def hop(grads):
         # dK / dV travel with their block: after the n-th hop each is on its owner.
         dq, dk, dv = grads
-        grads = (dq, *_pass_on(ring, (dk, dv)))
-        block = incoming
-    return grads
+        return (dq, *_pass_on(ring, (dk, dv)))
+
+    return _round_the_ring(ring, functools.partial(_backward_calls, ring), grads,
+                           (k, v, kv_ids), (q_ids, q, out, lse, d_out, delta), after_step=hop)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -373,7 +392,15 @@ def _ring_bwd(ring: _Ring, residuals, cotangents):
     delta = row_delta(out, lse, d_out, d_lse)
     dq, dk, dv = _ring_backward(ring, q, k, v, q_ids, kv_ids, out, lse,
                                 d_out.astype(q.dtype), delta)
-    d_sinks = None if sinks is None else sinks_grad(sinks, lse, delta)
+    d_sinks = None
+    if sinks is not None:
+        # Every row of the global sequence adds to a sink's gradient: summed over the ring
+        # (one all-reduce of [heads]), unless the sinks themselves vary along it.
+        d_sinks = sinks_grad(sinks, lse, delta)
+        names = ring.axis_name if isinstance(ring.axis_name, tuple) else (ring.axis_name,)
+        summed = tuple(a for a in names if a not in jax.typeof(sinks).manual_axis_type.varying)
+        if summed:
+            d_sinks = lax.psum(d_sinks, summed)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, d_sinks
 
 
@@ -457,10 +484,7 @@ def ring_attention(
         under ``"zigzag"``, or any argument ``attention`` would refuse.
     """
     if implementation is not None:
-        dispatch.backend(implementation)  # a bad name raises before anything else
-        if implementation == "cudnn":
-            raise ValueError("implementation='cudnn' cannot run ring attention (it returns no "
-                             "log-sum-exp to merge by); use 'mosaic', 'triton' or 'xla'")
+        dispatch.backend(implementation)  # a bad name (or "cudnn": no lse) raises first
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     dispatch.check_arrays(query, key, value)
