@@ -148,7 +148,7 @@ class _Ring:
     band: tuple[int, int]
     scale: float
     softcap: float | None
-    implementation: str
+    implementation: str | None
     interpret: bool
     config: Any
 
@@ -228,9 +228,12 @@ class _Ring:
 
     def static(self, mask: MaskSpec, q, k, backward: bool = False,
                has_segments: bool = False) -> StaticArgs:
-        """The kernels and config of one call (the backward's: as ``autodiff`` picks it)."""
-        name = self.implementation
+        """The kernels and config of one call (the backward's: as ``autodiff`` picks it).
+        With no implementation given, each call's backend is chosen for its own shape, as
+        ``attention`` would choose it (a half-size zigzag step may suit another one)."""
         features = dispatch.Features(has_segments=has_segments, softcap=self.softcap)
+        name = self.implementation or dispatch.choose(q.shape, k.shape, q.dtype, mask,
+                                                      features, interpret=self.interpret)
         if backward:
             name = dispatch.choose_backward(name, q.shape, k.shape, q.dtype, mask, features,
                                             bias_grad=False, interpret=self.interpret)
@@ -314,14 +317,15 @@ def _round_the_ring(ring: _Ring, run, carry, block, operands, after_step=None):
     its plan of that step; ``after_step(carry)`` follows each step (the backward's dK/dV
     hop).
 
-    The steps are a ``fori_loop`` (the last one peeled: its block is not passed on), not a
-    Python loop: unrolled, XLA is free to issue every collective-permute of the chain up
-    front and keep all ``n`` blocks alive at once (measured: per-device temp memory grew
-    with ``n``, as under an all-gather); a loop carry holds two (the current block and the
-    incoming one). Each step's plan depends on (device, step), both traced in the loop:
-    the distinct plans of all steps are the branches of one ``lax.switch`` indexed by a
-    static ``[step, device]`` table, so only the taken branch runs and a fully masked step
-    launches no kernel.
+    The steps are a ``fori_loop``, not a Python loop: unrolled, XLA is free to issue every
+    collective-permute of the chain up front and keep all ``n`` blocks alive at once
+    (measured: per-device temp memory grew with ``n``, as under an all-gather); a loop
+    carry holds two (the current block and the incoming one). The last step passes its
+    block on too, a transfer nobody reads (it runs behind that step's kernels): peeling
+    that step out of the loop would compile every kernel of the ring twice. Each step's
+    plan depends on (device, step), both traced in the loop: the distinct plans of all
+    steps are the branches of one ``lax.switch`` indexed by a static ``[step, device]``
+    table, so only the taken branch runs and a fully masked step launches no kernel.
     """
     plans = [[ring.plan(device, step) for device in range(ring.size)]
              for step in range(ring.size)]
@@ -330,24 +334,20 @@ def _round_the_ring(ring: _Ring, run, carry, block, operands, after_step=None):
     device = lax.axis_index(ring.axis_name)
     after_step = after_step or (lambda c: c)
 
-    def one_step(step, carry, block):
+    def body(step, state):
+        carry, block = state
+        # The next block's transfer is issued before this step's kernels, and nothing in
+        # them depends on it: the collective-permute can run behind the compute.
+        incoming = _pass_on(ring, block)
         if len(distinct) == 1:
             carry = run(distinct[0], carry, *block, *operands)
         else:
             carry = lax.switch(table[step, device],
                                [functools.partial(run, plan) for plan in distinct],
                                carry, *block, *operands)
-        return after_step(carry)
+        return after_step(carry), incoming
 
-    def body(step, state):
-        carry, block = state
-        # The next block's transfer is issued before this step's kernels, and nothing in
-        # them depends on it: the collective-permute can run behind the compute.
-        incoming = _pass_on(ring, block)
-        return one_step(step, carry, block), incoming
-
-    carry, block = lax.fori_loop(0, ring.size - 1, body, (carry, block))
-    return one_step(ring.size - 1, carry, block)
+    return lax.fori_loop(0, ring.size, body, (carry, block))[0]
 
 
 def _ring_forward(ring: _Ring, q, k, v, q_ids, kv_ids):
@@ -469,7 +469,7 @@ def ring_attention(
       return_residual: also return ``[batch, seq_q / n, heads]`` log-sum-exp of each row
         (in the input dtype, no gradient), as ``attention``.
       implementation: the backend of every step's kernels (``"mosaic"``, ``"triton"``,
-        ``"xla"``; None picks as ``attention`` does, for the local shapes).
+        ``"xla"``); None picks as ``attention`` does, for each kernel call's shape.
       interpret: run Pallas kernels in interpret mode (CPU testing; Mosaic's interpreter
         supports one device only and is refused on a ring of several).
       config: a config of the chosen backend for every step (None: each call's
@@ -514,16 +514,16 @@ def ring_attention(
     segment_ids = canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv)
     features = dispatch.Features(has_segments=segment_ids is not None, softcap=softcap)
     local_mask = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, is_causal=is_causal, window=window)
-    if implementation is None:
-        implementation = dispatch.choose(query.shape, key.shape, query.dtype, local_mask,
-                                         features, interpret=interpret)
-    if implementation == "mosaic" and interpret and size > 1:
+    chosen = implementation or dispatch.choose(query.shape, key.shape, query.dtype,
+                                               local_mask, features, interpret=interpret)
+    if chosen == "mosaic" and interpret and size > 1:
         raise ValueError(
             f"implementation='mosaic' with interpret=True runs on one device only, got a "
             f"ring of {size} devices over axis {axis_name!r}: Mosaic GPU's interpreter does "
             "not support several devices in one process; use implementation='triton' or "
             "'xla' to test ring attention on the CPU")
-    if config is not None:
+    if config is not None:  # a config is one backend's: every call runs on it
+        implementation = chosen
         config = resolve_config(config, implementation, query, key, value, local_mask,
                                 interpret)
     chunks = 2 if layout == "zigzag" else 1
