@@ -307,7 +307,11 @@ def _put(x: jax.Array, part: jax.Array, where: slice, axis: int) -> jax.Array:
 def _pass_on(ring: _Ring, tree):
     """Every array of ``tree`` sent to the next device of the ring (device ``i`` to
     ``i + 1``): one ``collective-permute`` each."""
-    perm = [(i, (i + 1) % ring.size) for i in range(ring.size)]
+    if ring.size == 1:
+        return tree  # a ring of one: the block is already here
+    # The axis's own size: smaller than ring.size only in simulated_ring_attention.
+    devices = lax.axis_size(ring.axis_name)
+    perm = [(i, (i + 1) % devices) for i in range(devices)]
     return jax.tree.map(lambda x: lax.ppermute(x, ring.axis_name, perm), tree)
 
 
@@ -483,12 +487,47 @@ def ring_attention(
         ``layout``, local q and k/v lengths that the layout cannot pair, an odd local length
         under ``"zigzag"``, or any argument ``attention`` would refuse.
     """
+    dispatch.check_arrays(query, key, value)
+    return _attend(query, key, value, _axis_size(axis_name), axis_name=axis_name,
+                   is_causal=is_causal, layout=layout, scale=scale,
+                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                   local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+                   sinks=sinks, return_residual=return_residual,
+                   implementation=implementation, interpret=interpret, config=config)
+
+
+def simulated_ring_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
+                             num_steps: int, axis_name: str, **kwargs
+                             ) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """For benchmarks on one device: every step of a ring of ``num_steps`` devices, as
+    device 0 of that ring runs them, on a mesh axis ``axis_name`` of size 1.
+
+    The shards are device 0's (``[batch, seq / num_steps, ...]`` of a sequence
+    ``num_steps`` times longer), and each step's "incoming" block is the local one passed
+    to itself with the same ``ppermute`` (a collective-permute from the device to
+    itself), so the program is the ring's: the loop, the plan switch, the kernels, the
+    merges. The result is not attention over any sequence (every step sees the same
+    K/V); the time is that of ``num_steps`` ring steps. ``kwargs``: as
+    :func:`ring_attention`.
+    """
+    dispatch.check_arrays(query, key, value)
+    if _axis_size(axis_name) != 1:
+        raise ValueError(f"simulated_ring_attention runs on a mesh axis of size 1, got "
+                         f"axis {axis_name!r} of size {lax.axis_size(axis_name)}")
+    if not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"num_steps must be a positive int, got {num_steps!r}")
+    return _attend(query, key, value, num_steps, axis_name=axis_name, **kwargs)
+
+
+def _attend(query, key, value, size: int, *, axis_name, is_causal=False, layout="zigzag",
+            scale=None, q_segment_ids=None, kv_segment_ids=None, local_window_size=None,
+            logits_soft_cap=None, sinks=None, return_residual=False, implementation=None,
+            interpret=False, config=None):
+    """:func:`ring_attention` on a ring of ``size`` steps (checked arrays)."""
     if implementation is not None:
         dispatch.backend(implementation)  # a bad name (or "cudnn": no lse) raises first
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    dispatch.check_arrays(query, key, value)
-    size = _axis_size(axis_name)
     batch, seq_q, heads, head_dim = query.shape
     seq_kv = key.shape[1]
     if min(seq_q, seq_kv) == 0:

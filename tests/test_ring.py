@@ -165,6 +165,27 @@ def test_nan_rows_leave_no_trace():
     assert_matches(out, residual, (dq, dk, dv), *ref, jnp.float32)
 
 
+def test_one_device_ring_and_simulated_ring():
+    """n = 1 is attention on the shard; the simulated ring (benchmarks/ring.py) runs n steps
+    on one device, each against the same K/V here (not causal): the merged softmax is the
+    same, its log-denominator log(n) larger."""
+    q, k, v, _ = random_qkv(1, 32, 32, 2, 2, HEAD_DIM)
+    mesh = ring_mesh(1)
+
+    def local(q, k, v):
+        one = pf.ring_attention(q, k, v, axis_name=AXIS, return_residual=True,
+                                implementation="xla")
+        sim = ring.simulated_ring_attention(q, k, v, num_steps=3, axis_name=AXIS,
+                                            return_residual=True, implementation="xla")
+        return one, sim
+
+    (out1, res1), (out3, res3) = jax.jit(jax.shard_map(
+        local, mesh=mesh, in_specs=(SEQ_SPEC,) * 3, out_specs=SEQ_SPEC))(q, k, v)
+    want, want_res = pf.attention(q, k, v, return_residual=True, implementation="xla")
+    assert rel_err(out1, want) < 1e-6 and rel_err(res1, want_res) < 1e-6
+    assert rel_err(out3, want) < 1e-6 and rel_err(res3, want_res + np.log(3)) < 1e-6
+
+
 # --- the static plan ------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("q_start", "kv_start", "causal", "window"), [
