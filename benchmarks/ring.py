@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 from collections.abc import Callable
 
@@ -40,6 +39,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import pallas_flash as pf
+from benchmarks import report
 from benchmarks.timing import time_fn
 from pallas_flash.ring import simulated_ring_attention
 
@@ -227,13 +227,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write(out: str, header: str, rows: list[dict]) -> None:
-    os.makedirs(out, exist_ok=True)
-    stem = os.path.join(out, f"ring-{datetime.date.today()}")
-    with open(stem + ".json", "w") as f:
-        json.dump({"device": header, "jax_version": jax.__version__, "rows": rows}, f,
-                  indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(table(header, rows) + "\n")
+    report.write_rows(out, f"ring-{datetime.date.today()}", header, jax.__version__, rows,
+                      table(header, rows))
 
 
 if __name__ == "__main__":
