@@ -399,10 +399,14 @@ def _ring_bwd(ring: _Ring, residuals, cotangents):
     d_sinks = None
     if sinks is not None:
         # Every row of the global sequence adds to a sink's gradient: summed over the ring
-        # (one all-reduce of [heads]), unless the sinks themselves vary along it.
+        # (one all-reduce of [heads]), and over the other axes the rows vary along (batch
+        # shards, under check_vma), unless the sinks themselves vary along them.
         d_sinks = sinks_grad(sinks, lse, delta)
-        names = ring.axis_name if isinstance(ring.axis_name, tuple) else (ring.axis_name,)
-        summed = tuple(a for a in names if a not in jax.typeof(sinks).manual_axis_type.varying)
+        ring_axes = ring.axis_name if isinstance(ring.axis_name, tuple) else (ring.axis_name,)
+        rows_vary = jax.typeof(d_sinks).manual_axis_type.varying
+        sinks_vary = jax.typeof(sinks).manual_axis_type.varying
+        summed = tuple(a for a in jax.sharding.get_abstract_mesh().axis_names
+                       if (a in ring_axes or a in rows_vary) and a not in sinks_vary)
         if summed:
             d_sinks = lax.psum(d_sinks, summed)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, d_sinks
