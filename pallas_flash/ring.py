@@ -17,11 +17,11 @@ Which (query, key) pairs of a step are visible is static for each (device, step)
 global positions of both chunks are known from the layout. Each step's work is planned in
 Python for every device (the chunk pairs that are fully hidden are dropped, the rest are
 grouped into as few kernel calls as the band allows, each a :class:`~pallas_flash.masking.
-MaskSpec` with the chunks' global offsets ``q_start`` / ``kv_start``), the distinct plans
-of a step become the branches of a ``lax.switch`` on ``lax.axis_index``. A ``lax.switch``
-runs only the taken branch, so a device whose step is fully masked launches no kernel;
-the alternative, a Python branch, cannot see the device index (it is traced), and a mask
-applied to every step would spend the masked steps' work anyway.
+MaskSpec` with the chunks' global offsets ``q_start`` / ``kv_start``), and the distinct
+plans become the branches of a ``lax.switch`` indexed by (step, ``lax.axis_index``). A
+``lax.switch`` runs only the taken branch, so a device whose step is fully masked launches
+no kernel; the alternative, a Python branch, cannot see the device index (it is traced in
+the SPMD program), and a mask applied to every step would spend the masked steps' work.
 
 Layouts (``layout=``), the global sequence cut into chunks of ``c`` positions:
 
@@ -29,8 +29,8 @@ Layouts (``layout=``), the global sequence cut into chunks of ``c`` positions:
   (:func:`to_zigzag`). Under causal masking each device then does the same work at every
   step: step 0 is a causal block; at a step whose block comes from a lower device, both
   local query chunks see the block's first chunk only; from a higher one, the second query
-  chunk sees the whole block (Brandon et al., "Striped Attention", 2023; zhuzilin's
-  ring-flash-attention).
+  chunk sees the whole block (the load-balanced layout of zhuzilin's ring-flash-attention
+  and of Llama 3's context parallelism).
 * ``"contiguous"``: ``n`` chunks, device ``i`` holds chunk ``i``. Causal work is uneven
   (device ``n - 1`` does ``n`` blocks, device 0 one).
 """
