@@ -26,7 +26,7 @@ def corpus(tmp_path_factory) -> Path:
 def _args(corpus: Path, out: Path, *extra: str):
     return parse_args(["--data", str(corpus), "--out", str(out), "--seq-len", "32",
                        "--batch-size", "8", "--eval-rows", "8", "--warmup-steps", "3",
-                       "--val-fraction", "0.25", *extra])
+                       "--val-fraction", "0.25", "--data-parallel", "1", *extra])
 
 
 def test_a_few_steps_reduce_the_loss(corpus, tmp_path, capsys):
