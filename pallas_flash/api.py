@@ -15,7 +15,9 @@ from pallas_flash.arguments import (
     PADDED_KEY_ID,
     PADDED_QUERY_ID,
     Implementation,
+    canonical_bool,
     canonical_scale,
+    canonical_segments,
     canonical_window,
     check_sinks,
     check_soft_cap,
@@ -172,7 +174,7 @@ def attention(
         raise ValueError("return_residual and return_lse cannot both be True: "
                          "return_lse=True returns the differentiable float32 lse")
     window = canonical_window(local_window_size)
-    is_causal = _canonical_bool(is_causal, "is_causal")
+    is_causal = canonical_bool(is_causal, "is_causal")
     if causal_alignment not in ("top_left", "bottom_right"):
         raise ValueError(
             f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
@@ -189,7 +191,7 @@ def attention(
             key_value_seq_lengths=_as_array(key_value_seq_lengths),
             logits_soft_cap=logits_soft_cap, sinks=sinks, implementation=implementation)
         return out.reshape(output_shape)
-    segment_ids = _canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv)
+    segment_ids = canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv)
     segment_ids = _fold_lengths(segment_ids, _as_array(query_seq_lengths),
                                 _as_array(key_value_seq_lengths), batch, seq_q, seq_kv)
     softcap = check_soft_cap(logits_soft_cap)
@@ -306,25 +308,6 @@ def _unbatched_lengths(lengths):
 
 
 
-def _canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv):
-    if q_segment_ids is None and kv_segment_ids is None:
-        return None
-    if kv_segment_ids is None and seq_q == seq_kv:
-        kv_segment_ids = q_segment_ids
-    if q_segment_ids is None or kv_segment_ids is None:
-        raise ValueError(
-            "q_segment_ids and kv_segment_ids must be given together when seq_q != seq_kv")
-    for name, ids, seq in (("q_segment_ids", q_segment_ids, seq_q),
-                           ("kv_segment_ids", kv_segment_ids, seq_kv)):
-        if getattr(ids, "shape", None) != (batch, seq):
-            raise ValueError(
-                f"{name} must have shape [batch, seq] = {(batch, seq)}, "
-                f"got {getattr(ids, 'shape', None)}")
-        if not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise ValueError(f"{name} must have an integer dtype, got {ids.dtype}")
-    return q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
-
-
 # Segment ids given to padding: a padded query's id matches no key, a padded key's no query.
 
 
@@ -377,17 +360,3 @@ def _check_mask(mask, logits_shape):
             "mask must be a boolean array (True = visible; pass an additive mask as bias), "
             f"got dtype {getattr(mask, 'dtype', None)}")
     return bias_lib.canonical(mask, "mask", logits_shape)
-
-
-
-
-def _canonical_bool(flag, name: str) -> bool:
-    """A Python bool from a Python / NumPy bool or a concrete 0-d boolean JAX array."""
-    if isinstance(flag, (jax.Array, np.ndarray)) and not isinstance(flag, jax.core.Tracer) \
-            and flag.shape == () and flag.dtype == jnp.bool_:
-        flag = flag.item()
-    if not isinstance(flag, (bool, np.bool_)):
-        raise ValueError(f"{name} must be a bool, got {flag!r}")
-    return bool(flag)
-
-

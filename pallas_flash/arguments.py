@@ -90,3 +90,32 @@ def canonical_window(window) -> tuple[int, int] | None:
             f"local_window_size must be a non-negative int or a (left, right) pair of them, "
             f"got {window!r}")
     return (window[0], window[1])
+
+
+def canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv):
+    if q_segment_ids is None and kv_segment_ids is None:
+        return None
+    if kv_segment_ids is None and seq_q == seq_kv:
+        kv_segment_ids = q_segment_ids
+    if q_segment_ids is None or kv_segment_ids is None:
+        raise ValueError(
+            "q_segment_ids and kv_segment_ids must be given together when seq_q != seq_kv")
+    for name, ids, seq in (("q_segment_ids", q_segment_ids, seq_q),
+                           ("kv_segment_ids", kv_segment_ids, seq_kv)):
+        if getattr(ids, "shape", None) != (batch, seq):
+            raise ValueError(
+                f"{name} must have shape [batch, seq] = {(batch, seq)}, "
+                f"got {getattr(ids, 'shape', None)}")
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"{name} must have an integer dtype, got {ids.dtype}")
+    return q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
+
+
+def canonical_bool(flag, name: str) -> bool:
+    """A Python bool from a Python / NumPy bool or a concrete 0-d boolean JAX array."""
+    if isinstance(flag, (jax.Array, np.ndarray)) and not isinstance(flag, jax.core.Tracer) \
+            and flag.shape == () and flag.dtype == jnp.bool_:
+        flag = flag.item()
+    if not isinstance(flag, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a bool, got {flag!r}")
+    return bool(flag)

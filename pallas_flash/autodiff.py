@@ -143,15 +143,27 @@ def _backward_static(static: StaticArgs, q, k, features: dispatch.Features,
         q.shape, k.shape, q.dtype, static.mask))
 
 
+def row_delta(out: jax.Array, lse: jax.Array, d_out: jax.Array, d_lse: jax.Array | None
+              ) -> jax.Array:
+    """``delta [B, N, T] = rowsum(dO ∘ O) - dlse`` (FlashAttention-2, Alg. 2 line 4, with
+    lse's cotangent folded in: module docstring), in lse's float32 (float64 for float64
+    inputs), from ``out``, ``d_out [B, T, N, D]`` and ``lse``, ``d_lse [B, N, T]``."""
+    delta = jnp.einsum("btnd,btnd->bnt", out.astype(lse.dtype), d_out.astype(lse.dtype))
+    return delta if d_lse is None else delta - d_lse.astype(lse.dtype)
+
+
+def sinks_grad(sinks: jax.Array, lse: jax.Array, delta: jax.Array) -> jax.Array:
+    """The gradient of ``sinks [N]`` from the full ``lse`` and ``delta [B, N, T]``."""
+    # A sink is one more logit with a zero value: dS_sink = P_sink · (0 - delta).
+    p_sink = jnp.exp(sinks.astype(lse.dtype)[None, :, None] - lse)
+    return (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
+
+
 def _bwd_rule(static: StaticArgs, residuals, cotangents):
     q, k, v, segment_ids, sinks, bias, attn_mask, out, lse, bias_grad = residuals
     d_out, d_lse = cotangents
     d_out = _dense(d_out, out)
-    # delta_i = sum_d dO_id · O_id (FlashAttention-2, Alg. 2 line 4), in lse's float32
-    # (float64 for float64 inputs).
-    delta = jnp.einsum("btnd,btnd->bnt", out.astype(lse.dtype), d_out.astype(lse.dtype))
-    if not isinstance(d_lse, SymbolicZero):
-        delta = delta - d_lse.astype(lse.dtype)
+    delta = row_delta(out, lse, d_out, None if isinstance(d_lse, SymbolicZero) else d_lse)
     features = dispatch.Features(has_segments=segment_ids is not None, softcap=static.softcap,
                                  has_bias=bias is not None, has_mask=attn_mask is not None)
     static = _backward_static(static, q, k, features, bias_grad)
@@ -161,11 +173,7 @@ def _bwd_rule(static: StaticArgs, residuals, cotangents):
         static, q, k, v, segment_ids, out, lse, d_out.astype(q.dtype), delta, bias, attn_mask,
         bias_grad)
     d_bias = d_bias[0].astype(bias.dtype) if bias_grad else None
-    d_sinks = None
-    if sinks is not None:
-        # A sink is one more logit with a zero value: dS_sink = P_sink · (0 - delta).
-        p_sink = jnp.exp(sinks.astype(lse.dtype)[None, :, None] - lse)
-        d_sinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
+    d_sinks = None if sinks is None else sinks_grad(sinks, lse, delta)
     # Segment ids are integers and the mask is boolean: no cotangent.
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, d_sinks,
             d_bias, None)

@@ -51,6 +51,11 @@ class MaskSpec:
         alignment), or ``None`` for no window. Each side is clamped to the sequences (a
         side of ``2**31 - 1`` or ``10**12`` means unbounded), and a window that hides
         nothing becomes ``None``: the attribute holds the clamped window.
+      q_start, kv_start: global positions of the first query and the first key, when this
+        call sees a chunk of a longer sequence (ring attention: a query chunk at ``a``
+        against a K/V chunk at ``b``). Causality and the window apply to global positions:
+        local query ``i`` is aligned with local key ``i + offset`` where ``offset`` adds
+        ``q_start - kv_start``. Both 0 for a whole sequence.
     """
 
     seq_q: int
@@ -58,6 +63,8 @@ class MaskSpec:
     is_causal: bool = False
     causal_alignment: CausalAlignment = "top_left"
     window: tuple[int, int] | None = None
+    q_start: int = 0
+    kv_start: int = 0
 
     def __post_init__(self) -> None:
         if self.seq_q < 1 or self.seq_kv < 1:
@@ -80,8 +87,10 @@ class MaskSpec:
         if self.window is None:
             return None
         # k - q spans [-(seq_q - 1), seq_kv - 1]: a side reaching past that end is unbounded.
-        widest_left = self.offset + self.seq_q - 1
-        widest_right = self.seq_kv - 1 - self.offset
+        # (With chunk offsets the diagonal may lie outside the block: a side is then at
+        # least 0 here, which hides no more than the unclamped side would.)
+        widest_left = max(self.offset + self.seq_q - 1, 0)
+        widest_right = max(self.seq_kv - 1 - self.offset, 0)
         left, right = min(self.window[0], widest_left), min(self.window[1], widest_right)
         # Under causal masking the right side never widens the band past the diagonal.
         if left == widest_left and (right == widest_right or self.is_causal):
@@ -90,8 +99,10 @@ class MaskSpec:
 
     @property
     def offset(self) -> int:
-        """Diagonal offset: query ``i`` is aligned with key ``i + offset``."""
-        return self.seq_kv - self.seq_q if self.causal_alignment == "bottom_right" else 0
+        """Diagonal offset: query ``i`` is aligned with key ``i + offset`` (the alignment's,
+        plus ``q_start - kv_start`` for chunks of a longer sequence)."""
+        aligned = self.seq_kv - self.seq_q if self.causal_alignment == "bottom_right" else 0
+        return aligned + self.q_start - self.kv_start
 
     @property
     def band(self) -> tuple[int, int]:

@@ -1,0 +1,517 @@
+"""Ring attention: attention over a sequence split across the devices of a mesh axis.
+
+Inside ``jax.shard_map``, each of the ``n`` devices of a mesh axis holds a chunk of the
+query and of K/V (``[batch, seq/n, heads, head_dim]``). The K/V chunks travel round the
+ring with ``jax.lax.ppermute``: at step ``s`` device ``i`` holds the block of device
+``i - s`` (mod ``n``) and runs the existing forward kernels of a backend on (its queries,
+that block), and the partial ``(out, lse)`` of the steps merge exactly by their
+log-sum-exp (:func:`pallas_flash.decode.merge_splits`, the same join as split-KV decode).
+The next block's transfer is issued before the current step's kernels, so the
+communication can hide behind them (Liu et al., "Ring Attention with Blockwise
+Transformers", 2023). The backward recomputes from ``(out, lse)`` with the backends'
+backward kernels (FlashAttention-2's ``delta = rowsum(dO ∘ O)``, computed once), K/V
+circulate again and the dK/dV accumulators travel with their block, one more hop bringing
+each home.
+
+Which (query, key) pairs of a step are visible is static for each (device, step): the
+global positions of both chunks are known from the layout. Each step's work is planned in
+Python for every device (the chunk pairs that are fully hidden are dropped, the rest are
+grouped into as few kernel calls as the band allows, each a :class:`~pallas_flash.masking.
+MaskSpec` with the chunks' global offsets ``q_start`` / ``kv_start``), the distinct plans
+of a step become the branches of a ``lax.switch`` on ``lax.axis_index``. A ``lax.switch``
+runs only the taken branch, so a device whose step is fully masked launches no kernel;
+the alternative, a Python branch, cannot see the device index (it is traced), and a mask
+applied to every step would spend the masked steps' work anyway.
+
+Layouts (``layout=``), the global sequence cut into chunks of ``c`` positions:
+
+* ``"zigzag"``: ``2n`` chunks, device ``i`` holds chunks ``i`` and ``2n - 1 - i``
+  (:func:`to_zigzag`). Under causal masking each device then does the same work at every
+  step: step 0 is a causal block; at a step whose block comes from a lower device, both
+  local query chunks see the block's first chunk only; from a higher one, the second query
+  chunk sees the whole block (Brandon et al., "Striped Attention", 2023; zhuzilin's
+  ring-flash-attention).
+* ``"contiguous"``: ``n`` chunks, device ``i`` holds chunk ``i``. Causal work is uneven
+  (device ``n - 1`` does ``n`` blocks, device 0 one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_flash import dispatch, sharding
+from pallas_flash.arguments import (
+    Implementation,
+    canonical_bool,
+    canonical_scale,
+    canonical_segments,
+    canonical_window,
+    check_sinks,
+    check_soft_cap,
+    resolve_config,
+)
+from pallas_flash.autodiff import add_sinks, row_delta, sinks_grad
+from pallas_flash.decode import merge_splits
+from pallas_flash.kernel_args import StaticArgs
+from pallas_flash.masking import MaskSpec, zero_unseen_rows
+from pallas_flash.reference import EMPTY_ROW_LSE
+
+Layout = Literal["zigzag", "contiguous"]
+LAYOUTS = ("zigzag", "contiguous")
+
+__all__ = ["LAYOUTS", "Layout", "from_zigzag", "ring_attention", "to_zigzag"]
+
+
+# --- layouts ----------------------------------------------------------------------------
+
+def _zigzag_order(num_shards: int) -> list[int]:
+    """Global chunk indices in zigzag storage order: 0, 2n-1, 1, 2n-2, ..."""
+    return [c for i in range(num_shards) for c in (i, 2 * num_shards - 1 - i)]
+
+
+def _reorder_chunks(x, num_shards: int, axis: int, order: list[int], name: str) -> jax.Array:
+    if not isinstance(num_shards, int) or isinstance(num_shards, bool) or num_shards < 1:
+        raise ValueError(f"num_shards must be a positive int, got {num_shards!r}")
+    x = jnp.asarray(x)
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis must index a dim of the array (ndim {x.ndim}), got {axis}")
+    axis %= x.ndim
+    length = x.shape[axis]
+    if length % (2 * num_shards):
+        raise ValueError(
+            f"{name}: the length along axis {axis} ({length}) must be a multiple of "
+            f"2 * num_shards = {2 * num_shards}")
+    chunks = x.reshape(*x.shape[:axis], 2 * num_shards, length // (2 * num_shards),
+                       *x.shape[axis + 1:])
+    return jnp.take(chunks, jnp.asarray(order), axis=axis).reshape(x.shape)
+
+
+def to_zigzag(x: jax.Array, num_shards: int, axis: int = 1) -> jax.Array:
+    """A global array reordered along ``axis`` into the zigzag layout of ``ring_attention``.
+
+    The sequence (length ``L``, a multiple of ``2 · num_shards``) is cut into ``2 ·
+    num_shards`` chunks; the result holds chunks ``0, 2n-1, 1, 2n-2, ...``, so that splitting
+    it evenly over ``num_shards`` devices gives device ``i`` chunks ``i`` and ``2n-1-i``.
+    Reorder everything that is indexed by sequence position the same way: q, k, v
+    (``[batch, L, heads, head_dim]``, ``axis=1``), segment ids (``[batch, L]``, ``axis=1``)
+    and the positions used for RoPE (``to_zigzag(jnp.arange(L), n, axis=0)``): a token keeps
+    its global position, only its storage place moves. :func:`from_zigzag` is the inverse.
+    """
+    return _reorder_chunks(x, num_shards, axis, _zigzag_order(num_shards), "to_zigzag")
+
+
+def from_zigzag(x: jax.Array, num_shards: int, axis: int = 1) -> jax.Array:
+    """The inverse of :func:`to_zigzag`: an array in zigzag order (e.g. ``ring_attention``'s
+    output, gathered) back in sequence order along ``axis``."""
+    order = _zigzag_order(num_shards)
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return _reorder_chunks(x, num_shards, axis, inverse, "from_zigzag")
+
+
+# --- the static plan: which kernel calls a (device, step) makes --------------------------
+
+_HIDDEN, _FULL, _PARTIAL = "hidden", "full", "partial"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One kernel call of a step: local query chunks ``[q_first, q_last)`` against the
+    visiting block's chunks ``[kv_first, kv_last)``, with its mask (global offsets in it)."""
+
+    q_chunks: tuple[int, int]
+    kv_chunks: tuple[int, int]
+    mask: MaskSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """Everything static about a ring call (hashable: a ``custom_vjp`` nondiff argument).
+
+    ``chunk_q`` / ``chunk_kv``: positions per chunk (zigzag: half the local length).
+    ``band``: the global mask's ``(lo, hi)`` on ``key - query`` positions.
+    """
+
+    axis_name: Any
+    size: int
+    layout: str
+    chunk_q: int
+    chunk_kv: int
+    is_causal: bool
+    window: tuple[int, int] | None
+    band: tuple[int, int]
+    scale: float
+    softcap: float | None
+    implementation: str
+    interpret: bool
+    config: Any
+
+    def chunks(self, device: int) -> tuple[int, ...]:
+        """Global indices of the chunks ``device`` holds, in storage order."""
+        if self.layout == "zigzag":
+            return (device, 2 * self.size - 1 - device)
+        return (device,)
+
+    def _kind(self, diagonal: int) -> str:
+        """A chunk pair whose key - query positions span ``diagonal + [-(cq-1), ckv-1]``."""
+        lo, hi = self.band
+        least, most = diagonal - (self.chunk_q - 1), diagonal + self.chunk_kv - 1
+        if most < lo or least > hi:
+            return _HIDDEN
+        return _FULL if lo <= least and most <= hi else _PARTIAL
+
+    def _call(self, q_glob, kv_glob, rows: range, cols: range) -> _Call | None:
+        """One call over local chunks ``rows`` x ``cols`` whose mask reproduces the true
+        visibility of every chunk pair in it, or None if no single band does (the chunks of
+        a zigzag shard are not adjacent globally: one offset fits only some pairs)."""
+        cq, ckv = self.chunk_q, self.chunk_kv
+        truth = {(a, b): kv_glob[b] * ckv - q_glob[a] * cq for a in rows for b in cols}
+        kinds = {pair: self._kind(d) for pair, d in truth.items()}
+        shape = dict(seq_q=len(rows) * cq, seq_kv=len(cols) * ckv)
+        if all(kind == _FULL for kind in kinds.values()):
+            return _Call((rows[0], rows[-1] + 1), (cols[0], cols[-1] + 1), MaskSpec(**shape))
+        for a0, b0 in truth:  # candidate offset: the one that places pair (a0, b0) exactly
+            offset = truth[a0, b0] - ((b0 - cols[0]) * ckv - (a0 - rows[0]) * cq)
+            fits = True
+            for (a, b), d in truth.items():
+                local = (b - cols[0]) * ckv - (a - rows[0]) * cq + offset
+                kind = self._kind(local)
+                if kind != kinds[a, b] or (kind == _PARTIAL and local != d):
+                    fits = False
+                    break
+            if fits:
+                mask = MaskSpec(**shape, is_causal=self.is_causal, window=self.window,
+                                q_start=max(-offset, 0), kv_start=max(offset, 0))
+                return _Call((rows[0], rows[-1] + 1), (cols[0], cols[-1] + 1), mask)
+        return None
+
+    def plan(self, device: int, step: int) -> tuple[_Call, ...]:
+        """The kernel calls of ``device`` at ``step`` (holding the block of device
+        ``device - step``): none for a fully masked step; else one call if one band covers
+        every visible chunk pair, else one per query chunk, else one per chunk pair."""
+        q_glob = self.chunks(device)
+        kv_glob = self.chunks((device - step) % self.size)
+        seen = {(a, b) for a, b in itertools.product(range(len(q_glob)), range(len(kv_glob)))
+                if self._kind(kv_glob[b] * self.chunk_kv - q_glob[a] * self.chunk_q)
+                != _HIDDEN}
+        if not seen:
+            return ()
+        rows = sorted({a for a, _ in seen})
+        cols = sorted({b for _, b in seen})
+        if rows == list(range(rows[0], rows[-1] + 1)) and cols == list(
+                range(cols[0], cols[-1] + 1)):
+            whole = self._call(q_glob, kv_glob, range(rows[0], rows[-1] + 1),
+                               range(cols[0], cols[-1] + 1))
+            if whole is not None:
+                return (whole,)
+        calls = []
+        for a in rows:
+            row_cols = sorted(b for b in cols if (a, b) in seen)
+            call = None
+            if row_cols == list(range(row_cols[0], row_cols[-1] + 1)):
+                call = self._call(q_glob, kv_glob, range(a, a + 1),
+                                  range(row_cols[0], row_cols[-1] + 1))
+            if call is not None:
+                calls.append(call)
+                continue
+            calls.extend(self._call(q_glob, kv_glob, range(a, a + 1), range(b, b + 1))
+                         for b in row_cols)
+        return tuple(calls)
+
+    # --- kernels of one call ------------------------------------------------------------
+
+    def static(self, mask: MaskSpec, q, k, backward: bool = False,
+               has_segments: bool = False) -> StaticArgs:
+        """The kernels and config of one call (the backward's: as ``autodiff`` picks it)."""
+        name = self.implementation
+        features = dispatch.Features(has_segments=has_segments, softcap=self.softcap)
+        if backward:
+            name = dispatch.choose_backward(name, q.shape, k.shape, q.dtype, mask, features,
+                                            bias_grad=False, interpret=self.interpret)
+        reason = dispatch.unsupported(name, q.shape, k.shape, q.dtype, mask, features)
+        if reason is not None:
+            raise ValueError(
+                f"implementation={name!r} cannot run a ring step of shape q {q.shape}, "
+                f"k {k.shape}: {reason}")
+        module = dispatch.backend(name)
+        config = self.config
+        if config is None or name != self.implementation:
+            config = module.default_config(q.shape, k.shape, q.dtype, mask)
+        return StaticArgs(kernels=module.KERNELS, mask=mask, scale=self.scale,
+                          config=config, interpret=self.interpret, softcap=self.softcap)
+
+    def slices(self, call: _Call) -> tuple[slice, slice]:
+        (q0, q1), (k0, k1) = call.q_chunks, call.kv_chunks
+        return (slice(q0 * self.chunk_q, q1 * self.chunk_q),
+                slice(k0 * self.chunk_kv, k1 * self.chunk_kv))
+
+
+def _forward_calls(ring: _Ring, plan, acc, k, v, kv_ids, q_ids, q):
+    """``acc = (out [B, T, N, D] float32, lse [B, N, T])`` with the plan's calls merged in."""
+    out_acc, lse_acc = acc
+    for call in plan:
+        rows, cols = ring.slices(call)
+        segment_ids = None if q_ids is None else (q_ids[:, rows], kv_ids[:, cols])
+        qs, ks, vs = zero_unseen_rows(q[:, rows], k[:, cols], v[:, cols], call.mask,
+                                      segment_ids)
+        static = ring.static(call.mask, qs, ks, has_segments=segment_ids is not None)
+        out, lse = sharding.forward(static, qs, ks, vs, segment_ids, None, None)
+        # The exact join of two partial softmaxes over disjoint keys (split-KV decode's).
+        out, lse = merge_splits(jnp.stack([out_acc[:, rows], out.astype(out_acc.dtype)], 1),
+                                jnp.stack([lse_acc[:, :, rows], lse.astype(lse_acc.dtype)], 1))
+        out_acc = _put(out_acc, out, rows, axis=1)
+        lse_acc = _put(lse_acc, lse, rows, axis=2)
+    return out_acc, lse_acc
+
+
+def _backward_calls(ring: _Ring, plan, grads, k, v, kv_ids, q_ids, q, out, lse, d_out,
+                    delta):
+    """``grads = (dq, dk, dv)`` float32 with the plan's calls' gradients added; dk / dv are
+    those of the visiting block."""
+    dq, dk, dv = grads
+    for call in plan:
+        rows, cols = ring.slices(call)
+        segment_ids = None if q_ids is None else (q_ids[:, rows], kv_ids[:, cols])
+        qs, ks, vs = zero_unseen_rows(q[:, rows], k[:, cols], v[:, cols], call.mask,
+                                      segment_ids)
+        static = ring.static(call.mask, qs, ks, backward=True,
+                             has_segments=segment_ids is not None)
+        dqs, dks, dvs = sharding.backward(
+            static, qs, ks, vs, segment_ids, out[:, rows], lse[:, :, rows], d_out[:, rows],
+            delta[:, :, rows], None, None, False)
+        dq = _put(dq, dq[:, rows] + dqs.astype(dq.dtype), rows, axis=1)
+        dk = _put(dk, dk[:, cols] + dks.astype(dk.dtype), cols, axis=1)
+        dv = _put(dv, dv[:, cols] + dvs.astype(dv.dtype), cols, axis=1)
+    return dq, dk, dv
+
+
+def _put(x: jax.Array, part: jax.Array, where: slice, axis: int) -> jax.Array:
+    """``x`` with ``part`` written at ``where`` along ``axis``.
+
+    A ``dynamic_update_slice`` at a static index: ``x.at[...].set`` lowers to a scatter
+    with an empty index operand, which XLA's CPU compiler (jax 0.11.2) crashes on
+    (segmentation fault) inside ``shard_map`` next to a ``collective-permute``.
+    """
+    return lax.dynamic_update_slice_in_dim(x, part.astype(x.dtype), where.start, axis)
+
+
+def _each_device(ring: _Ring, step: int, run, carry, *operands):
+    """``run(plan, carry, *operands)`` with this device's plan at ``step``: the distinct
+    plans of the step are the branches of a ``lax.switch`` on the device index, so only the
+    taken one runs (a fully masked step: the carry unchanged, no kernel)."""
+    plans = [ring.plan(device, step) for device in range(ring.size)]
+    distinct = list(dict.fromkeys(plans))
+    if len(distinct) == 1:
+        return run(distinct[0], carry, *operands)
+    table = jnp.asarray([distinct.index(p) for p in plans], jnp.int32)
+    branch = table[lax.axis_index(ring.axis_name)]
+    return lax.switch(branch, [functools.partial(run, plan) for plan in distinct],
+                      carry, *operands)
+
+
+def _pass_on(ring: _Ring, tree):
+    """Every array of ``tree`` sent to the next device of the ring (device ``i`` to
+    ``i + 1``): one ``collective-permute`` each."""
+    perm = [(i, (i + 1) % ring.size) for i in range(ring.size)]
+    return jax.tree.map(lambda x: lax.ppermute(x, ring.axis_name, perm), tree)
+
+
+def _ring_forward(ring: _Ring, q, k, v, q_ids, kv_ids):
+    accumulator = jnp.promote_types(q.dtype, jnp.float32)
+    acc = (sharding.varying_like(jnp.zeros(q.shape, accumulator), q),
+           sharding.varying_like(jnp.full((q.shape[0], q.shape[2], q.shape[1]),
+                                          EMPTY_ROW_LSE, accumulator), q))
+    block = (k, v, kv_ids)
+    for step in range(ring.size):
+        # The next block's transfer is issued before this step's kernels and nothing in
+        # them depends on it: XLA can run the collective-permute behind the compute.
+        incoming = _pass_on(ring, block) if step < ring.size - 1 else None
+        acc = _each_device(ring, step, functools.partial(_forward_calls, ring), acc,
+                           *block, q_ids, q)
+        block = incoming
+    return acc
+
+
+def _ring_backward(ring: _Ring, q, k, v, q_ids, kv_ids, out, lse, d_out, delta):
+    grad_dtype = jnp.promote_types(q.dtype, jnp.float32)
+    grads = tuple(sharding.varying_like(jnp.zeros(x.shape, grad_dtype), x) for x in (q, k, v))
+    block = (k, v, kv_ids)
+    for step in range(ring.size):
+        incoming = _pass_on(ring, block) if step < ring.size - 1 else None
+        grads = _each_device(ring, step, functools.partial(_backward_calls, ring), grads,
+                             *block, q_ids, q, out, lse, d_out, delta)
+        # dK / dV travel with their block: after the n-th hop each is on its owner.
+        dq, dk, dv = grads
+        grads = (dq, *_pass_on(ring, (dk, dv)))
+        block = incoming
+    return grads
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _ring_attention(q, k, v, q_ids, kv_ids, sinks, ring: _Ring):
+    return _ring_fwd(q, k, v, q_ids, kv_ids, sinks, ring)[0]
+
+
+def _ring_fwd(q, k, v, q_ids, kv_ids, sinks, ring: _Ring):
+    out, lse = _ring_forward(ring, q, k, v, q_ids, kv_ids)
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks)
+    out = out.astype(q.dtype)
+    lse = lse.astype(jnp.promote_types(q.dtype, jnp.float32))
+    return (out, lse), (q, k, v, q_ids, kv_ids, sinks, out, lse)
+
+
+def _ring_bwd(ring: _Ring, residuals, cotangents):
+    q, k, v, q_ids, kv_ids, sinks, out, lse = residuals
+    d_out, d_lse = cotangents
+    delta = row_delta(out, lse, d_out, d_lse)
+    dq, dk, dv = _ring_backward(ring, q, k, v, q_ids, kv_ids, out, lse,
+                                d_out.astype(q.dtype), delta)
+    d_sinks = None if sinks is None else sinks_grad(sinks, lse, delta)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, d_sinks
+
+
+_ring_attention.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _axis_size(axis_name) -> int:
+    """The size of mesh axis ``axis_name`` of the enclosing ``shard_map``."""
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if not names or any(not isinstance(a, str) or a not in manual for a in names):
+        raise ValueError(
+            f"axis_name must name a mesh axis of the enclosing jax.shard_map, got "
+            f"{axis_name!r} (axes bound here: {sorted(manual) or 'none: not inside shard_map'})"
+            "; ring_attention runs on the local shards inside shard_map")
+    return lax.axis_size(axis_name)
+
+
+def ring_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    axis_name: str | tuple[str, ...],
+    is_causal: bool = False,
+    layout: Layout = "zigzag",
+    scale: float | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
+    return_residual: bool = False,
+    implementation: Implementation | None = None,
+    interpret: bool = False,
+    config: Any = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Exact attention over a sequence split across the ``n`` devices of mesh axis
+    ``axis_name``: call it inside ``jax.shard_map`` on the local shards.
+
+    Equal to ``pallas_flash.attention`` on the whole (global) sequence, to rounding, for the
+    local rows of the output: the K/V shards circulate round the ring (module docstring).
+    Per device, memory is that of the local shards (a second K/V block in flight, float32
+    dK/dV accumulators in the backward), never the global sequence.
+
+    Args:
+      query: local shard ``[batch, seq_q / n, heads, head_dim]``, in the order of
+        ``layout`` (for ``"zigzag"``: the global array passed through :func:`to_zigzag`
+        and split evenly over the axis).
+      key, value: local shards ``[batch, seq_kv / n, kv_heads, head_dim]``; ``heads`` a
+        multiple of ``kv_heads`` (GQA). ``"zigzag"`` needs ``seq_kv == seq_q`` and an even
+        local length.
+      axis_name: the mesh axis (or a tuple of axes) of the enclosing ``shard_map`` that the
+        sequence is split over; its size is ``n``.
+      is_causal: hide keys after the query's global position (top-left alignment).
+      layout: ``"zigzag"`` (device ``i`` holds global chunks ``i`` and ``2n - 1 - i`` of
+        ``2n``: equal causal work on every device) or ``"contiguous"`` (device ``i`` holds
+        chunk ``i`` of ``n``).
+      scale: logit scale, default ``1 / sqrt(head_dim)``.
+      q_segment_ids: local ``[batch, seq_q / n]`` ids of packed documents (same order as
+        ``query``); ``kv_segment_ids`` (local ``[batch, seq_kv / n]``) defaults to them
+        when the lengths are equal. The K/V ids circulate with K/V.
+      local_window_size: ``w`` or ``(left, right)`` on global positions, as ``attention``.
+      logits_soft_cap: ``c > 0``: logits become ``c · tanh(logits / c)``.
+      sinks: ``[heads]`` attention-sink logits (replicated over the axis); differentiable.
+      return_residual: also return ``[batch, seq_q / n, heads]`` log-sum-exp of each row
+        (in the input dtype, no gradient), as ``attention``.
+      implementation: the backend of every step's kernels (``"mosaic"``, ``"triton"``,
+        ``"xla"``; None picks as ``attention`` does, for the local shapes).
+      interpret: run Pallas kernels in interpret mode (CPU testing; Mosaic's interpreter
+        supports one device only and is refused on a ring of several).
+      config: a config of the chosen backend for every step (None: each call's
+        heuristic for its shape).
+
+    Returns:
+      ``out`` shaped like ``query`` (the local rows), or ``(out, residual)``.
+
+    Raises:
+      ValueError: ``axis_name`` not bound by an enclosing ``shard_map``, an unknown
+        ``layout``, local q and k/v lengths that the layout cannot pair, an odd local length
+        under ``"zigzag"``, or any argument ``attention`` would refuse.
+    """
+    if implementation is not None:
+        dispatch.backend(implementation)  # a bad name raises before anything else
+        if implementation == "cudnn":
+            raise ValueError("implementation='cudnn' cannot run ring attention (it returns no "
+                             "log-sum-exp to merge by); use 'mosaic', 'triton' or 'xla'")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    dispatch.check_arrays(query, key, value)
+    size = _axis_size(axis_name)
+    batch, seq_q, heads, head_dim = query.shape
+    seq_kv = key.shape[1]
+    if min(seq_q, seq_kv) == 0:
+        raise ValueError(f"the local sequences must be non-empty, got query length {seq_q} "
+                         f"and key/value length {seq_kv}")
+    if layout == "zigzag":
+        if seq_q != seq_kv:
+            raise ValueError(
+                f"layout='zigzag' needs local query and key/value shards of equal length "
+                f"(the same sequence, in chunks of equal size), got {seq_q} and {seq_kv}")
+        if seq_q % 2:
+            raise ValueError(
+                f"layout='zigzag' needs an even local length (two chunks per device), got "
+                f"{seq_q}")
+    for name, flag in (("interpret", interpret), ("return_residual", return_residual)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool, got {flag!r}")
+    is_causal = canonical_bool(is_causal, "is_causal")
+    scale = canonical_scale(scale, head_dim)
+    window = canonical_window(local_window_size)
+    softcap = check_soft_cap(logits_soft_cap)
+    sinks = check_sinks(sinks, heads)
+    segment_ids = canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv)
+    features = dispatch.Features(has_segments=segment_ids is not None, softcap=softcap)
+    local_mask = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, is_causal=is_causal, window=window)
+    if implementation is None:
+        implementation = dispatch.choose(query.shape, key.shape, query.dtype, local_mask,
+                                         features, interpret=interpret)
+    if implementation == "mosaic" and interpret and size > 1:
+        raise ValueError(
+            f"implementation='mosaic' with interpret=True runs on one device only, got a "
+            f"ring of {size} devices over axis {axis_name!r}: Mosaic GPU's interpreter does "
+            "not support several devices in one process; use implementation='triton' or "
+            "'xla' to test ring attention on the CPU")
+    if config is not None:
+        config = resolve_config(config, implementation, query, key, value, local_mask,
+                                interpret)
+    chunks = 2 if layout == "zigzag" else 1
+    global_mask = MaskSpec(seq_q=seq_q * size, seq_kv=seq_kv * size, is_causal=is_causal,
+                           window=window)
+    ring = _Ring(axis_name=axis_name, size=size, layout=layout, chunk_q=seq_q // chunks,
+                 chunk_kv=seq_kv // chunks, is_causal=is_causal, window=window,
+                 band=global_mask.band, scale=scale, softcap=softcap,
+                 implementation=implementation, interpret=interpret, config=config)
+    q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids
+    out, lse = _ring_attention(query, key, value, q_ids, kv_ids, sinks, ring)
+    if not return_residual:
+        return out
+    # As attention's residual: [B, T, N] in the input dtype, no gradient through it.
+    return out, lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)).astype(out.dtype))
