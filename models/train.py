@@ -276,19 +276,22 @@ def next_token_loss(model: Transformer, batch: dict[str, jax.Array]) -> jax.Arra
     return total / jnp.maximum(count, 1.0)
 
 
-def batch_placer(mesh: Mesh):
+def batch_placer(mesh: Mesh, seq_len: int):
     """``place(rows) -> batch on the mesh``: adds the targets, reorders each row into zigzag
-    order when the context axis splits it, and splits rows over ``data`` and tokens over
-    ``context``."""
+    order (:func:`pallas_flash.to_zigzag`) when the context axis splits it, and splits rows
+    over ``data`` and tokens over ``context``. Positions and segment ids move with their
+    tokens, so RoPE and the document masks see each token's place in the whole row."""
     sharding = NamedSharding(mesh, P(DATA, CONTEXT))
     context = mesh.shape[CONTEXT]
+    order = None
+    if context > 1:
+        from pallas_flash import to_zigzag
+        order = np.asarray(to_zigzag(np.arange(seq_len), context, axis=0))
 
     def place(rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         batch = with_targets(rows)
-        if context > 1:
-            from pallas_flash import to_zigzag
-            batch = {name: np.asarray(to_zigzag(x, context, axis=1))
-                     for name, x in batch.items()}
+        if order is not None:
+            batch = {name: x[:, order] for name, x in batch.items()}
         return jax.device_put(batch, sharding)
 
     return place
@@ -459,7 +462,7 @@ def train(args: argparse.Namespace) -> dict[str, list]:
           f"{jax.default_backend()}, data parallel {mesh.shape[DATA]} x context parallel "
           f"{mesh.shape[CONTEXT]}")
 
-    place = batch_placer(mesh)
+    place = batch_placer(mesh, args.seq_len)
     history: dict[str, list] = {name: [] for series in _SERIES for name in series}
     history_path = out / "metrics.json"
     start = 0

@@ -21,6 +21,7 @@ from models.train import (
     make_mesh,
     parse_args,
     train,
+    with_targets,
 )
 from models.transformer import TransformerConfig
 
@@ -46,7 +47,7 @@ def _steps(data_parallel: int, context_parallel: int = 1):
     mesh = make_mesh(args)
     assert dict(mesh.shape) == {DATA: data_parallel, CONTEXT: context_parallel}
     _, (params, opt_state), (train_step, _) = init_training(args, CONFIG, mesh)
-    place, rows = batch_placer(mesh), _rows()
+    place, rows = batch_placer(mesh, CONFIG.seq_len), _rows()
     losses = []
     for step in range(1, STEPS + 1):
         batch = place(data.train_batch(rows, args.batch_size, args.seed, step))
@@ -74,10 +75,37 @@ def test_data_parallel_steps_match_one_device(one_device):
     _assert_same_run(got, one_device)
 
 
-@pytest.mark.parametrize(("data_parallel", "context_parallel"), [(1, 4), (2, 2)])
+@pytest.mark.parametrize(("data_parallel", "context_parallel"), [(2, 2)])
 def test_context_parallel_steps_match_one_device(one_device, data_parallel,
                                                  context_parallel):
     _assert_same_run(_steps(data_parallel, context_parallel), one_device)
+
+
+def test_targets_skip_document_starts_padding_and_the_last_column():
+    rows = {"tokens": np.array([[5, 6, 7, 8, 0]]), "segment_ids": np.array([[1, 1, 2, 2, 0]]),
+            "positions": np.array([[0, 1, 0, 1, 0]])}
+    got = with_targets(rows)
+    np.testing.assert_array_equal(got["targets"], [[6, 7, 8, 0, 0]])
+    np.testing.assert_array_equal(got["weights"], [[1, 0, 1, 0, 0]])
+
+
+def test_rows_are_split_in_zigzag_order_with_their_targets():
+    """Device (d, i) of a 2 x 2 mesh holds rows 4d..4d+3, columns of global chunks i and
+    3 - i (of 8 tokens): tokens, positions, segment ids and targets alike."""
+    mesh = make_mesh(parse_args(["--batch-size", "8", "--seq-len", "32", "--data-parallel",
+                                 "2", "--context-parallel", "2"]))
+    rows = _rows().rows(np.arange(8))
+    batch = batch_placer(mesh, 32)(rows)
+    want = with_targets(rows)
+    assert sorted(batch) == sorted(want) == ["positions", "segment_ids", "targets", "tokens",
+                                             "weights"]
+    for name, array in batch.items():
+        assert len(array.addressable_shards) == 4
+        for shard in array.addressable_shards:
+            row_slice, col_slice = shard.index
+            i = col_slice.start // 16
+            cols = np.r_[8 * i:8 * i + 8, 8 * (3 - i):8 * (3 - i) + 8]
+            np.testing.assert_array_equal(shard.data, want[name][row_slice][:, cols])
 
 
 def test_data_parallel_defaults_to_every_local_device():
@@ -125,7 +153,7 @@ def test_resume_on_a_mesh_continues_the_run(tmp_path, monkeypatch):
             "--data", str(corpus), "--out", str(out), "--seq-len", "32", "--batch-size", "4",
             "--eval-rows", "4", "--warmup-steps", "1", "--steps", "4", "--eval-every", "2",
             "--sample-tokens", "0", "--val-fraction", "0.25", "--data-parallel", "2",
-            "--context-parallel", "1", *extra]))
+            "--context-parallel", "2", *extra]))
 
     want = run(straight)
     shutil.copytree(straight, crashed)
