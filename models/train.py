@@ -163,6 +163,10 @@ def make_mesh(args: argparse.Namespace) -> Mesh:
     ``--data-parallel`` defaults to every local device that ``--context-parallel`` leaves
     (``jax.local_device_count() // context_parallel``).
     """
+    if jax.process_count() > 1:
+        raise ValueError(f"models.train runs in one process; this is one of "
+                         f"{jax.process_count()} (jax.distributed): multi-host training is "
+                         "not supported")
     devices = jax.local_devices()
     context = args.context_parallel
     if context < 1:

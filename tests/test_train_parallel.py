@@ -140,7 +140,7 @@ def test_bad_mesh_flags_fail_before_any_work(tmp_path, flags, message):
 
 def test_resume_on_a_mesh_continues_the_run(tmp_path, monkeypatch):
     """Checkpointed on a 2 x 2 mesh (data x context): resuming on it gives the losses of
-    the uninterrupted run."""
+    the uninterrupted run; resuming on one device gives them to rounding."""
     monkeypatch.setitem(training.PRESETS, "tiny", CONFIG)
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -158,7 +158,12 @@ def test_resume_on_a_mesh_continues_the_run(tmp_path, monkeypatch):
     want = run(straight)
     shutil.copytree(straight, crashed)
     shutil.rmtree(crashed / "checkpoints" / "4")     # died after its step-2 checkpoint
+    shutil.copytree(crashed, tmp_path / "moved")
     got = run(crashed, "--resume")
     assert got["step"] == want["step"] == [1, 2, 3, 4]
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
     np.testing.assert_allclose(got["val_loss"], want["val_loss"], rtol=1e-6)
+    moved = run(tmp_path / "moved", "--resume", "--data-parallel", "1", "--context-parallel",
+                "1")
+    np.testing.assert_allclose(moved["loss"], want["loss"], rtol=1e-5)
+    np.testing.assert_allclose(moved["val_loss"], want["val_loss"], rtol=1e-5)
