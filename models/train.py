@@ -14,6 +14,7 @@ afresh in a folder that already holds a run).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import shutil
@@ -43,6 +44,7 @@ from models.transformer import (
     count_params,
     generate,
 )
+from pallas_flash import to_zigzag
 from pallas_flash.dispatch import available_implementations
 
 # The training mesh: the batch is split over DATA, each row's tokens over CONTEXT.
@@ -102,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "every local device not used by --context-parallel")
     p.add_argument("--context-parallel", type=int, default=1, metavar="N",
                    help="devices each row is split over, in zigzag order, attention through "
-                        "pallas_flash.ring_attention (--seq-len must divide by 2N)")
+                        "pallas_flash.ring_attention (--seq-len: a multiple of 2N)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="compute dtype; auto = bfloat16 on GPU, float32 elsewhere "
                         "(parameters are always float32)")
@@ -265,19 +267,12 @@ def with_targets(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def loss_terms(model: Transformer, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """``(sum of weighted cross-entropies, sum of weights)`` over the tokens of ``batch`` (a
-    batch of :func:`with_targets`, or a shard of one): the loss is their ratio over all
-    shards."""
+    batch of :func:`with_targets`, or a shard of one). The loss, the mean cross-entropy of
+    predicting each byte from the bytes before it, is their ratio over all shards."""
     logits = model(batch["tokens"], positions=batch["positions"],
                    segment_ids=batch["segment_ids"])
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     return jnp.sum(nll * batch["weights"]), jnp.sum(batch["weights"])
-
-
-def next_token_loss(model: Transformer, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean cross-entropy of predicting each byte from the bytes before it, over the
-    tokens of a :func:`with_targets` batch that have a target."""
-    total, count = loss_terms(model, batch)
-    return total / jnp.maximum(count, 1.0)
 
 
 def batch_placer(mesh: Mesh, seq_len: int):
@@ -289,7 +284,6 @@ def batch_placer(mesh: Mesh, seq_len: int):
     context = mesh.shape[CONTEXT]
     order = None
     if context > 1:
-        from pallas_flash import to_zigzag
         order = np.asarray(to_zigzag(np.arange(seq_len), context, axis=0))
 
     def place(rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -309,7 +303,8 @@ def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, mesh: M
     On more than one device the model runs on each device's shard inside ``jax.shard_map``
     and the loss terms are summed over the mesh (a mean over the global tokens); the
     gradient of the replicated parameters is then summed over the mesh by ``shard_map``'s
-    transpose.
+    transpose. ``train_step`` donates the parameters and optimizer state it is given
+    (their buffers become the new ones': one copy of the training state per device).
     """
 
     def local_terms(params, batch):
@@ -327,7 +322,7 @@ def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, mesh: M
         total, count = terms(params, batch)
         return total / jnp.maximum(count, 1.0)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
     def train_step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_of)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)

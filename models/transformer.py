@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_flash import ring_attention
 from pallas_flash.masking import segments_visible
 from pallas_flash.nn import AttentionFn, FlashSelfAttention
 
@@ -71,8 +72,6 @@ def ring_attention_fn(axis_name: str, implementation: str | None = None) -> Atte
     over mesh axis ``axis_name``, for a model called inside ``jax.shard_map`` on rows split
     over that axis in zigzag order (:func:`pallas_flash.to_zigzag`), their positions and
     segment ids split the same way."""
-    from pallas_flash import ring_attention
-
     return functools.partial(ring_attention, axis_name=axis_name, layout="zigzag",
                              implementation=implementation)
 

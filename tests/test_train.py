@@ -75,7 +75,8 @@ def test_resume_gives_the_same_next_losses(corpus, tmp_path):
 def test_help_describes_every_option():
     text = build_parser().format_help()
     for flag in ("--preset", "--steps", "--batch-size", "--seq-len", "--implementation",
-                 "--out", "--seed", "--resume", "--data", "cudnn", "xla_dense"):
+                 "--out", "--seed", "--resume", "--data", "cudnn", "xla_dense",
+                 "--data-parallel", "--context-parallel"):
         assert flag in text
     args = parse_args(["--preset", "small"])
     assert (args.seq_len, str(args.out)) == (4096, "runs/small")
