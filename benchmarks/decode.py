@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 from collections.abc import Callable
 
@@ -34,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_flash as pf
+from benchmarks import report
 from benchmarks.timing import time_fn
 from pallas_flash.decode import default_num_splits
 
@@ -235,13 +235,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write(out: str, header: str, rows: list[dict], ragged: bool) -> None:
-    os.makedirs(out, exist_ok=True)
-    stem = os.path.join(out, f"decode{'-ragged' if ragged else ''}-{datetime.date.today()}")
-    with open(stem + ".json", "w") as f:
-        json.dump({"device": header, "jax_version": jax.__version__, "rows": rows}, f,
-                  indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(table(header, rows) + "\n")
+    stem = f"decode{'-ragged' if ragged else ''}-{datetime.date.today()}"
+    report.write_rows(out, stem, header, jax.__version__, rows, table(header, rows))
 
 
 if __name__ == "__main__":

@@ -227,6 +227,17 @@ def _length_label(n: int) -> str:
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
+def write_rows(out: str, stem: str, header: str, jax_version: str, rows: list[dict],
+               markdown_table: str) -> None:
+    """``OUT/<stem>.json`` (``{"device": header, "jax_version", "rows"}``) and
+    ``OUT/<stem>.md`` (the table): what the row-per-point benchmarks (decode, ring) write."""
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.json").write_text(json.dumps(
+        {"device": header, "jax_version": jax_version, "rows": rows}, indent=1))
+    (out_dir / f"{stem}.md").write_text(markdown_table + "\n")
+
+
 def write_report(result: dict[str, Any], out_dir: Path, stem: str) -> tuple[Path, list[Path]]:
     """Write ``<stem>.md`` and the charts into ``out_dir``; returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)

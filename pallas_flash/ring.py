@@ -17,11 +17,11 @@ Which (query, key) pairs of a step are visible is static for each (device, step)
 global positions of both chunks are known from the layout. Each step's work is planned in
 Python for every device (the chunk pairs that are fully hidden are dropped, the rest are
 grouped into as few kernel calls as the band allows, each a :class:`~pallas_flash.masking.
-MaskSpec` with the chunks' global offsets ``q_start`` / ``kv_start``), the distinct plans
-of a step become the branches of a ``lax.switch`` on ``lax.axis_index``. A ``lax.switch``
-runs only the taken branch, so a device whose step is fully masked launches no kernel;
-the alternative, a Python branch, cannot see the device index (it is traced), and a mask
-applied to every step would spend the masked steps' work anyway.
+MaskSpec` with the chunks' global offsets ``q_start`` / ``kv_start``), and the distinct
+plans become the branches of a ``lax.switch`` indexed by (step, ``lax.axis_index``). A
+``lax.switch`` runs only the taken branch, so a device whose step is fully masked launches
+no kernel; the alternative, a Python branch, cannot see the device index (it is traced in
+the SPMD program), and a mask applied to every step would spend the masked steps' work.
 
 Layouts (``layout=``), the global sequence cut into chunks of ``c`` positions:
 
@@ -29,8 +29,8 @@ Layouts (``layout=``), the global sequence cut into chunks of ``c`` positions:
   (:func:`to_zigzag`). Under causal masking each device then does the same work at every
   step: step 0 is a causal block; at a step whose block comes from a lower device, both
   local query chunks see the block's first chunk only; from a higher one, the second query
-  chunk sees the whole block (Brandon et al., "Striped Attention", 2023; zhuzilin's
-  ring-flash-attention).
+  chunk sees the whole block (the load-balanced layout of zhuzilin's ring-flash-attention
+  and of Llama 3's context parallelism).
 * ``"contiguous"``: ``n`` chunks, device ``i`` holds chunk ``i``. Causal work is uneven
   (device ``n - 1`` does ``n`` blocks, device 0 one).
 """
@@ -148,7 +148,7 @@ class _Ring:
     band: tuple[int, int]
     scale: float
     softcap: float | None
-    implementation: str
+    implementation: str | None
     interpret: bool
     config: Any
 
@@ -228,9 +228,12 @@ class _Ring:
 
     def static(self, mask: MaskSpec, q, k, backward: bool = False,
                has_segments: bool = False) -> StaticArgs:
-        """The kernels and config of one call (the backward's: as ``autodiff`` picks it)."""
-        name = self.implementation
+        """The kernels and config of one call (the backward's: as ``autodiff`` picks it).
+        With no implementation given, each call's backend is chosen for its own shape, as
+        ``attention`` would choose it (a half-size zigzag step may suit another one)."""
         features = dispatch.Features(has_segments=has_segments, softcap=self.softcap)
+        name = self.implementation or dispatch.choose(q.shape, k.shape, q.dtype, mask,
+                                                      features, interpret=self.interpret)
         if backward:
             name = dispatch.choose_backward(name, q.shape, k.shape, q.dtype, mask, features,
                                             bias_grad=False, interpret=self.interpret)
@@ -301,25 +304,54 @@ def _put(x: jax.Array, part: jax.Array, where: slice, axis: int) -> jax.Array:
     return lax.dynamic_update_slice_in_dim(x, part.astype(x.dtype), where.start, axis)
 
 
-def _each_device(ring: _Ring, step: int, run, carry, *operands):
-    """``run(plan, carry, *operands)`` with this device's plan at ``step``: the distinct
-    plans of the step are the branches of a ``lax.switch`` on the device index, so only the
-    taken one runs (a fully masked step: the carry unchanged, no kernel)."""
-    plans = [ring.plan(device, step) for device in range(ring.size)]
-    distinct = list(dict.fromkeys(plans))
-    if len(distinct) == 1:
-        return run(distinct[0], carry, *operands)
-    table = jnp.asarray([distinct.index(p) for p in plans], jnp.int32)
-    branch = table[lax.axis_index(ring.axis_name)]
-    return lax.switch(branch, [functools.partial(run, plan) for plan in distinct],
-                      carry, *operands)
-
-
 def _pass_on(ring: _Ring, tree):
     """Every array of ``tree`` sent to the next device of the ring (device ``i`` to
     ``i + 1``): one ``collective-permute`` each."""
-    perm = [(i, (i + 1) % ring.size) for i in range(ring.size)]
+    if ring.size == 1:
+        return tree  # a ring of one: the block is already here
+    # The axis's own size: smaller than ring.size only in simulated_ring_attention.
+    devices = lax.axis_size(ring.axis_name)
+    perm = [(i, (i + 1) % devices) for i in range(devices)]
     return jax.tree.map(lambda x: lax.ppermute(x, ring.axis_name, perm), tree)
+
+
+def _round_the_ring(ring: _Ring, run, carry, block, operands, after_step=None):
+    """``carry`` after the ``n`` steps of the ring: at step ``s`` this device holds
+    ``block`` of device ``i - s`` and ``carry = run(plan, carry, *block, *operands)`` with
+    its plan of that step; ``after_step(carry)`` follows each step (the backward's dK/dV
+    hop).
+
+    The steps are a ``fori_loop``, not a Python loop: unrolled, XLA is free to issue every
+    collective-permute of the chain up front and keep all ``n`` blocks alive at once
+    (measured: per-device temp memory grew with ``n``, as under an all-gather); a loop
+    carry holds two (the current block and the incoming one). The last step passes its
+    block on too, a transfer nobody reads (it runs behind that step's kernels): peeling
+    that step out of the loop would compile every kernel of the ring twice. Each step's
+    plan depends on (device, step), both traced in the loop: the distinct plans of all
+    steps are the branches of one ``lax.switch`` indexed by a static ``[step, device]``
+    table, so only the taken branch runs and a fully masked step launches no kernel.
+    """
+    plans = [[ring.plan(device, step) for device in range(ring.size)]
+             for step in range(ring.size)]
+    distinct = list(dict.fromkeys(p for row in plans for p in row))
+    table = jnp.asarray([[distinct.index(p) for p in row] for row in plans], jnp.int32)
+    device = lax.axis_index(ring.axis_name)
+    after_step = after_step or (lambda c: c)
+
+    def body(step, state):
+        carry, block = state
+        # The next block's transfer is issued before this step's kernels, and nothing in
+        # them depends on it: the collective-permute can run behind the compute.
+        incoming = _pass_on(ring, block)
+        if len(distinct) == 1:
+            carry = run(distinct[0], carry, *block, *operands)
+        else:
+            carry = lax.switch(table[step, device],
+                               [functools.partial(run, plan) for plan in distinct],
+                               carry, *block, *operands)
+        return after_step(carry), incoming
+
+    return lax.fori_loop(0, ring.size, body, (carry, block))[0]
 
 
 def _ring_forward(ring: _Ring, q, k, v, q_ids, kv_ids):
@@ -327,30 +359,21 @@ def _ring_forward(ring: _Ring, q, k, v, q_ids, kv_ids):
     acc = (sharding.varying_like(jnp.zeros(q.shape, accumulator), q),
            sharding.varying_like(jnp.full((q.shape[0], q.shape[2], q.shape[1]),
                                           EMPTY_ROW_LSE, accumulator), q))
-    block = (k, v, kv_ids)
-    for step in range(ring.size):
-        # The next block's transfer is issued before this step's kernels and nothing in
-        # them depends on it: XLA can run the collective-permute behind the compute.
-        incoming = _pass_on(ring, block) if step < ring.size - 1 else None
-        acc = _each_device(ring, step, functools.partial(_forward_calls, ring), acc,
-                           *block, q_ids, q)
-        block = incoming
-    return acc
+    return _round_the_ring(ring, functools.partial(_forward_calls, ring), acc,
+                           (k, v, kv_ids), (q_ids, q))
 
 
 def _ring_backward(ring: _Ring, q, k, v, q_ids, kv_ids, out, lse, d_out, delta):
     grad_dtype = jnp.promote_types(q.dtype, jnp.float32)
     grads = tuple(sharding.varying_like(jnp.zeros(x.shape, grad_dtype), x) for x in (q, k, v))
-    block = (k, v, kv_ids)
-    for step in range(ring.size):
-        incoming = _pass_on(ring, block) if step < ring.size - 1 else None
-        grads = _each_device(ring, step, functools.partial(_backward_calls, ring), grads,
-                             *block, q_ids, q, out, lse, d_out, delta)
+
+    def hop(grads):
         # dK / dV travel with their block: after the n-th hop each is on its owner.
         dq, dk, dv = grads
-        grads = (dq, *_pass_on(ring, (dk, dv)))
-        block = incoming
-    return grads
+        return (dq, *_pass_on(ring, (dk, dv)))
+
+    return _round_the_ring(ring, functools.partial(_backward_calls, ring), grads,
+                           (k, v, kv_ids), (q_ids, q, out, lse, d_out, delta), after_step=hop)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -373,7 +396,19 @@ def _ring_bwd(ring: _Ring, residuals, cotangents):
     delta = row_delta(out, lse, d_out, d_lse)
     dq, dk, dv = _ring_backward(ring, q, k, v, q_ids, kv_ids, out, lse,
                                 d_out.astype(q.dtype), delta)
-    d_sinks = None if sinks is None else sinks_grad(sinks, lse, delta)
+    d_sinks = None
+    if sinks is not None:
+        # Every row of the global sequence adds to a sink's gradient: summed over the ring
+        # (one all-reduce of [heads]), and over the other axes the rows vary along (batch
+        # shards, under check_vma), unless the sinks themselves vary along them.
+        d_sinks = sinks_grad(sinks, lse, delta)
+        ring_axes = ring.axis_name if isinstance(ring.axis_name, tuple) else (ring.axis_name,)
+        rows_vary = jax.typeof(d_sinks).manual_axis_type.varying
+        sinks_vary = jax.typeof(sinks).manual_axis_type.varying
+        summed = tuple(a for a in jax.sharding.get_abstract_mesh().axis_names
+                       if (a in ring_axes or a in rows_vary) and a not in sinks_vary)
+        if summed:
+            d_sinks = lax.psum(d_sinks, summed)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, d_sinks
 
 
@@ -442,7 +477,7 @@ def ring_attention(
       return_residual: also return ``[batch, seq_q / n, heads]`` log-sum-exp of each row
         (in the input dtype, no gradient), as ``attention``.
       implementation: the backend of every step's kernels (``"mosaic"``, ``"triton"``,
-        ``"xla"``; None picks as ``attention`` does, for the local shapes).
+        ``"xla"``); None picks as ``attention`` does, for each kernel call's shape.
       interpret: run Pallas kernels in interpret mode (CPU testing; Mosaic's interpreter
         supports one device only and is refused on a ring of several).
       config: a config of the chosen backend for every step (None: each call's
@@ -456,15 +491,47 @@ def ring_attention(
         ``layout``, local q and k/v lengths that the layout cannot pair, an odd local length
         under ``"zigzag"``, or any argument ``attention`` would refuse.
     """
+    dispatch.check_arrays(query, key, value)
+    return _attend(query, key, value, _axis_size(axis_name), axis_name=axis_name,
+                   is_causal=is_causal, layout=layout, scale=scale,
+                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                   local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+                   sinks=sinks, return_residual=return_residual,
+                   implementation=implementation, interpret=interpret, config=config)
+
+
+def simulated_ring_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
+                             num_steps: int, axis_name: str, **kwargs
+                             ) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """For benchmarks on one device: every step of a ring of ``num_steps`` devices, as
+    device 0 of that ring runs them, on a mesh axis ``axis_name`` of size 1.
+
+    The shards are device 0's (``[batch, seq / num_steps, ...]`` of a sequence
+    ``num_steps`` times longer), and each step's "incoming" block is the local one passed
+    to itself with the same ``ppermute`` (a collective-permute from the device to
+    itself), so the program is the ring's: the loop, the plan switch, the kernels, the
+    merges. The result is not attention over any sequence (every step sees the same
+    K/V); the time is that of ``num_steps`` ring steps. ``kwargs``: as
+    :func:`ring_attention`.
+    """
+    dispatch.check_arrays(query, key, value)
+    if _axis_size(axis_name) != 1:
+        raise ValueError(f"simulated_ring_attention runs on a mesh axis of size 1, got "
+                         f"axis {axis_name!r} of size {lax.axis_size(axis_name)}")
+    if not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"num_steps must be a positive int, got {num_steps!r}")
+    return _attend(query, key, value, num_steps, axis_name=axis_name, **kwargs)
+
+
+def _attend(query, key, value, size: int, *, axis_name, is_causal=False, layout="zigzag",
+            scale=None, q_segment_ids=None, kv_segment_ids=None, local_window_size=None,
+            logits_soft_cap=None, sinks=None, return_residual=False, implementation=None,
+            interpret=False, config=None):
+    """:func:`ring_attention` on a ring of ``size`` steps (checked arrays)."""
     if implementation is not None:
-        dispatch.backend(implementation)  # a bad name raises before anything else
-        if implementation == "cudnn":
-            raise ValueError("implementation='cudnn' cannot run ring attention (it returns no "
-                             "log-sum-exp to merge by); use 'mosaic', 'triton' or 'xla'")
+        dispatch.backend(implementation)  # a bad name (or "cudnn": no lse) raises first
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    dispatch.check_arrays(query, key, value)
-    size = _axis_size(axis_name)
     batch, seq_q, heads, head_dim = query.shape
     seq_kv = key.shape[1]
     if min(seq_q, seq_kv) == 0:
@@ -490,16 +557,16 @@ def ring_attention(
     segment_ids = canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv)
     features = dispatch.Features(has_segments=segment_ids is not None, softcap=softcap)
     local_mask = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, is_causal=is_causal, window=window)
-    if implementation is None:
-        implementation = dispatch.choose(query.shape, key.shape, query.dtype, local_mask,
-                                         features, interpret=interpret)
-    if implementation == "mosaic" and interpret and size > 1:
+    chosen = implementation or dispatch.choose(query.shape, key.shape, query.dtype,
+                                               local_mask, features, interpret=interpret)
+    if chosen == "mosaic" and interpret and size > 1:
         raise ValueError(
             f"implementation='mosaic' with interpret=True runs on one device only, got a "
             f"ring of {size} devices over axis {axis_name!r}: Mosaic GPU's interpreter does "
             "not support several devices in one process; use implementation='triton' or "
             "'xla' to test ring attention on the CPU")
-    if config is not None:
+    if config is not None:  # a config is one backend's: every call runs on it
+        implementation = chosen
         config = resolve_config(config, implementation, query, key, value, local_mask,
                                 interpret)
     chunks = 2 if layout == "zigzag" else 1

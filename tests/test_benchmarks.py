@@ -14,6 +14,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from support import random_qkv, rel_err
 
 from benchmarks import lowered_modules, mosaic_bwd_probe, report, suite
+from benchmarks import ring as ring_bench
 from benchmarks.flops import attention_flops, problem_shape, tflops_per_s
 from benchmarks.implementations import IMPLEMENTATIONS, Implementation, error_summary
 from benchmarks.timing import time_fn
@@ -290,6 +291,18 @@ def test_suite_main_quick_on_cpu(tmp_path, capsys):
     assert point["impl"] == "xla" and point["error"] is None and point["tflops"] > 0
     out = capsys.readouterr().out
     assert "fwd     64 no         64 |" in out
+
+
+def test_ring_main_quick_on_cpu(tmp_path, capsys):
+    """benchmarks/ring.py --quick: every variant runs, ring1 equals plain, JSON + table."""
+    assert ring_bench.main(["--quick", "--passes", "fwd", "--causal", "yes",
+                            "--out", str(tmp_path)]) == 0
+    (json_path,) = tmp_path.glob("ring-*.json")
+    (row,) = json.loads(json_path.read_text())["rows"]
+    assert row["errors"] == {} and set(row["ms"]) == {"plain", "ring1", "sim2", "calls2"}
+    assert row["ring1_max_abs_diff"] < 1e-5 and row["sim_over_calls"] > 0
+    assert json_path.with_suffix(".md").exists()
+    assert "| fwd | yes | 64 |" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("only", ["dkdv", "dq"])
