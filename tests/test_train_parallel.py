@@ -10,6 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from test_sharding import collectives
 
 from models import data
 from models import train as training
@@ -40,7 +41,8 @@ def _rows() -> data.PackedRows:
 
 
 def _steps(data_parallel: int, context_parallel: int = 1):
-    """Losses of STEPS training steps and the parameters after them, on a mesh."""
+    """Losses of STEPS training steps, the parameters after them, and the collectives of
+    the compiled step ({op: count}), on a mesh."""
     args = parse_args(["--seq-len", str(CONFIG.seq_len), "--batch-size", "8", "--steps", "10",
                        "--warmup-steps", "1", "--data-parallel", str(data_parallel),
                        "--context-parallel", str(context_parallel)])
@@ -48,14 +50,16 @@ def _steps(data_parallel: int, context_parallel: int = 1):
     assert dict(mesh.shape) == {DATA: data_parallel, CONTEXT: context_parallel}
     _, (params, opt_state), (train_step, _) = init_training(args, CONFIG, mesh)
     place, rows = batch_placer(mesh, CONFIG.seq_len), _rows()
+    batches = [place(data.train_batch(rows, args.batch_size, args.seed, step))
+               for step in range(1, STEPS + 1)]
+    compiled = train_step.lower(params, opt_state, batches[0]).compile()
     losses = []
-    for step in range(1, STEPS + 1):
-        batch = place(data.train_batch(rows, args.batch_size, args.seed, step))
-        params, opt_state, loss = train_step(params, opt_state, batch)
+    for batch in batches:
+        params, opt_state, loss = compiled(params, opt_state, batch)
         losses.append(float(loss))
     for leaf in jax.tree.leaves(params):   # replicated over the mesh, not gathered to one
         assert leaf.sharding.mesh == mesh and leaf.sharding.is_fully_replicated
-    return np.array(losses), jax.device_get(params)
+    return np.array(losses), jax.device_get(params), collectives(compiled.as_text())
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +77,17 @@ def test_data_parallel_steps_match_one_device(one_device):
     got = _steps(4)
     assert got[0][-1] < got[0][0]          # the steps trained something
     _assert_same_run(got, one_device)
+    # The loss terms and the gradient are all-reduced; no activation is gathered.
+    assert one_device[2] == {} and set(got[2]) == {"all-reduce"}
 
 
 @pytest.mark.parametrize(("data_parallel", "context_parallel"), [(2, 2)])
 def test_context_parallel_steps_match_one_device(one_device, data_parallel,
                                                  context_parallel):
-    _assert_same_run(_steps(data_parallel, context_parallel), one_device)
+    got = _steps(data_parallel, context_parallel)
+    _assert_same_run(got, one_device)
+    # K/V go round the ring; the sequence is never gathered.
+    assert set(got[2]) == {"all-reduce", "collective-permute"}
 
 
 def test_targets_skip_document_starts_padding_and_the_last_column():
