@@ -255,9 +255,14 @@ class _Ring:
                 slice(k0 * self.chunk_kv, k1 * self.chunk_kv))
 
 
-def _forward_calls(ring: _Ring, plan, acc, k, v, kv_ids, q_ids, q):
-    """``acc = (out [B, T, N, D] float32, lse [B, N, T])`` with the plan's calls merged in."""
+def _forward_calls(ring: _Ring, plan, first: bool, acc, k, v, kv_ids, q_ids, q):
+    """``acc = (out [B, T, N, D] float32, lse [B, N, T])`` with the plan's calls merged in.
+
+    ``first``: ``acc`` is still empty (step 0): a call's rows that no earlier call of the
+    plan wrote take its result as it is, with no merge (n = 1 is then the plain call).
+    """
     out_acc, lse_acc = acc
+    written = _Written()
     for call in plan:
         rows, cols = ring.slices(call)
         segment_ids = None if q_ids is None else (q_ids[:, rows], kv_ids[:, cols])
@@ -265,19 +270,22 @@ def _forward_calls(ring: _Ring, plan, acc, k, v, kv_ids, q_ids, q):
                                       segment_ids)
         static = ring.static(call.mask, qs, ks, has_segments=segment_ids is not None)
         out, lse = sharding.forward(static, qs, ks, vs, segment_ids, None, None)
-        # The exact join of two partial softmaxes over disjoint keys (split-KV decode's).
-        out, lse = merge_splits(jnp.stack([out_acc[:, rows], out.astype(out_acc.dtype)], 1),
-                                jnp.stack([lse_acc[:, :, rows], lse.astype(lse_acc.dtype)], 1))
+        out, lse = out.astype(out_acc.dtype), lse.astype(lse_acc.dtype)
+        if not (first and written.fresh(rows)):
+            # The exact join of two partial softmaxes over disjoint keys (split-KV decode's).
+            out, lse = merge_splits(jnp.stack([out_acc[:, rows], out], 1),
+                                    jnp.stack([lse_acc[:, :, rows], lse], 1))
         out_acc = _put(out_acc, out, rows, axis=1)
         lse_acc = _put(lse_acc, lse, rows, axis=2)
     return out_acc, lse_acc
 
 
-def _backward_calls(ring: _Ring, plan, grads, k, v, kv_ids, q_ids, q, out, lse, d_out,
-                    delta):
+def _backward_calls(ring: _Ring, plan, first: bool, grads, k, v, kv_ids, q_ids, q, out,
+                    lse, d_out, delta):
     """``grads = (dq, dk, dv)`` float32 with the plan's calls' gradients added; dk / dv are
-    those of the visiting block."""
+    those of the visiting block. ``first``: the gradients are still zeros (step 0)."""
     dq, dk, dv = grads
+    q_written, kv_written = _Written(), _Written()
     for call in plan:
         rows, cols = ring.slices(call)
         segment_ids = None if q_ids is None else (q_ids[:, rows], kv_ids[:, cols])
@@ -288,10 +296,28 @@ def _backward_calls(ring: _Ring, plan, grads, k, v, kv_ids, q_ids, q, out, lse, 
         dqs, dks, dvs = sharding.backward(
             static, qs, ks, vs, segment_ids, out[:, rows], lse[:, :, rows], d_out[:, rows],
             delta[:, :, rows], None, None, False)
-        dq = _put(dq, dq[:, rows] + dqs.astype(dq.dtype), rows, axis=1)
-        dk = _put(dk, dk[:, cols] + dks.astype(dk.dtype), cols, axis=1)
-        dv = _put(dv, dv[:, cols] + dvs.astype(dv.dtype), cols, axis=1)
+        if not (first and q_written.fresh(rows)):
+            dqs = dq[:, rows] + dqs.astype(dq.dtype)
+        if not (first and kv_written.fresh(cols)):
+            dks = dk[:, cols] + dks.astype(dk.dtype)
+            dvs = dv[:, cols] + dvs.astype(dv.dtype)
+        dq = _put(dq, dqs, rows, axis=1)
+        dk = _put(dk, dks, cols, axis=1)
+        dv = _put(dv, dvs, cols, axis=1)
     return dq, dk, dv
+
+
+class _Written:
+    """The position ranges a plan's calls have written so far (static)."""
+
+    def __init__(self) -> None:
+        self.ranges: list[slice] = []
+
+    def fresh(self, where: slice) -> bool:
+        """Whether no earlier range meets ``where``; records it."""
+        fresh = all(where.stop <= r.start or r.stop <= where.start for r in self.ranges)
+        self.ranges.append(where)
+        return fresh
 
 
 def _put(x: jax.Array, part: jax.Array, where: slice, axis: int) -> jax.Array:
@@ -301,6 +327,8 @@ def _put(x: jax.Array, part: jax.Array, where: slice, axis: int) -> jax.Array:
     with an empty index operand, which XLA's CPU compiler (jax 0.11.2) crashes on
     (segmentation fault) inside ``shard_map`` next to a ``collective-permute``.
     """
+    if where.start == 0 and where.stop == x.shape[axis]:
+        return part.astype(x.dtype)
     return lax.dynamic_update_slice_in_dim(x, part.astype(x.dtype), where.start, axis)
 
 
@@ -324,34 +352,48 @@ def _round_the_ring(ring: _Ring, run, carry, block, operands, after_step=None):
     The steps are a ``fori_loop``, not a Python loop: unrolled, XLA is free to issue every
     collective-permute of the chain up front and keep all ``n`` blocks alive at once
     (measured: per-device temp memory grew with ``n``, as under an all-gather); a loop
-    carry holds two (the current block and the incoming one). The last step passes its
-    block on too, a transfer nobody reads (it runs behind that step's kernels): peeling
-    that step out of the loop would compile every kernel of the ring twice. Each step's
-    plan depends on (device, step), both traced in the loop: the distinct plans of all
-    steps are the branches of one ``lax.switch`` indexed by a static ``[step, device]``
-    table, so only the taken branch runs and a fully masked step launches no kernel.
+    carry holds two (the current block and the incoming one). Step 0 runs before the
+    loop (its results are written, not merged, into the empty carry); the last step
+    passes its block on too, a transfer nobody reads (it runs behind that step's
+    kernels): peeling that step out of the loop as well would compile the later steps'
+    kernels twice. Each step's plan depends on (device, step), both traced in the loop:
+    the distinct plans of the later steps are the branches of one ``lax.switch`` indexed
+    by a static ``[step, device]`` table, so only the taken branch runs and a fully
+    masked step launches no kernel.
     """
     plans = [[ring.plan(device, step) for device in range(ring.size)]
              for step in range(ring.size)]
-    distinct = list(dict.fromkeys(p for row in plans for p in row))
-    table = jnp.asarray([[distinct.index(p) for p in row] for row in plans], jnp.int32)
     device = lax.axis_index(ring.axis_name)
     after_step = after_step or (lambda c: c)
+
+    def switch(rows, first: bool):
+        """``(row, carry, block) -> carry`` running this device's plan of ``rows[row]``."""
+        distinct = list(dict.fromkeys(p for row in rows for p in row))
+        table = jnp.asarray([[distinct.index(p) for p in row] for row in rows], jnp.int32)
+        branches = [functools.partial(run, plan, first) for plan in distinct]
+
+        def step_fn(row, carry, block):
+            if len(branches) == 1:
+                return branches[0](carry, *block, *operands)
+            return lax.switch(table[row, device], branches, carry, *block, *operands)
+        return step_fn
+
+    first_step, later_steps = switch(plans[:1], first=True), switch(plans[1:], first=False)
 
     def body(step, state):
         carry, block = state
         # The next block's transfer is issued before this step's kernels, and nothing in
         # them depends on it: the collective-permute can run behind the compute.
         incoming = _pass_on(ring, block)
-        if len(distinct) == 1:
-            carry = run(distinct[0], carry, *block, *operands)
-        else:
-            carry = lax.switch(table[step, device],
-                               [functools.partial(run, plan) for plan in distinct],
-                               carry, *block, *operands)
-        return after_step(carry), incoming
+        return after_step(later_steps(step - 1, carry, block)), incoming
 
-    return lax.fori_loop(0, ring.size, body, (carry, block))[0]
+    # Step 0 (each device's own block) on its own: its results need no merge with the
+    # still-empty carry (that merge would be most of a ring of one's overhead).
+    incoming = _pass_on(ring, block)
+    carry = after_step(first_step(0, carry, block))
+    if ring.size == 1:
+        return carry
+    return lax.fori_loop(1, ring.size, body, (carry, incoming))[0]
 
 
 def _ring_forward(ring: _Ring, q, k, v, q_ids, kv_ids):
