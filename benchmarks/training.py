@@ -34,7 +34,7 @@ DEFAULT_IMPLEMENTATIONS = ("ours", "cudnn", "xla_dense")
 def _train_args(impl: str, args: argparse.Namespace, out: Path) -> argparse.Namespace:
     flags = ["--preset", args.preset, "--steps", str(args.steps), "--out", str(out),
              "--overwrite", "--sample-tokens", "0", "--seed", str(args.seed),
-             "--eval-every", str(max(1, args.steps // 5))]
+             "--eval-every", str(max(1, args.steps // 5)), "--data-parallel", "1"]
     for name in ("seq_len", "batch_size", "warmup_steps"):
         if getattr(args, name) is not None:
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]

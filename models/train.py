@@ -1,16 +1,20 @@
 """Train the byte-level transformer of :mod:`models.transformer` on real text.
 
     python -m models.train --preset tiny                 # ~2 minutes on a laptop CPU
-    python -m models.train --preset small --seq-len 4096 # one GPU
+    python -m models.train --preset small --seq-len 4096 # every local GPU, data parallel
+    python -m models.train --preset small --seq-len 32768 --context-parallel 4
 
-Writes ``<out>/loss.png``, ``<out>/metrics.json`` and orbax checkpoints under
-``<out>/checkpoints``; ``--resume`` continues from the latest one (``--overwrite`` starts
+Data parallel over all local devices by default (``--data-parallel``); each row can also be
+split over ``--context-parallel`` devices (zigzag order, ring attention). Writes
+``<out>/loss.png``, ``<out>/metrics.json`` and orbax checkpoints under ``<out>/checkpoints``;
+``--resume`` continues from the latest one (``--overwrite`` starts
 afresh in a folder that already holds a run).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import shutil
@@ -25,6 +29,8 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from models import data
@@ -33,10 +39,16 @@ from models.transformer import (
     OUR_IMPLEMENTATIONS,
     PRESETS,
     Transformer,
+    TransformerConfig,
     attention_kwargs,
     count_params,
     generate,
 )
+from pallas_flash import to_zigzag
+from pallas_flash.dispatch import available_implementations
+
+# The training mesh: the batch is split over DATA, each row's tokens over CONTEXT.
+DATA, CONTEXT = "data", "context"
 
 # Per-preset defaults of the optimisation flags (the architecture is in PRESETS).
 TRAIN_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -87,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=(*OUR_IMPLEMENTATIONS, *BASELINE_IMPLEMENTATIONS),
                    help="attention: ours (mosaic, triton, xla) or a jax.nn.dot_product_attention "
                         "baseline (cudnn, xla_dense); default: fastest of ours available")
+    p.add_argument("--data-parallel", type=int, metavar="N",
+                   help="devices the batch is split over (parameters replicated); default: "
+                        "every local device not used by --context-parallel")
+    p.add_argument("--context-parallel", type=int, default=1, metavar="N",
+                   help="devices each row is split over, in zigzag order, attention through "
+                        "pallas_flash.ring_attention (--seq-len: a multiple of 2N)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="compute dtype; auto = bfloat16 on GPU, float32 elsewhere "
                         "(parameters are always float32)")
@@ -139,6 +157,62 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def make_mesh(args: argparse.Namespace) -> Mesh:
+    """The ``(data, context)`` mesh of ``--data-parallel`` x ``--context-parallel``.
+
+    Checks the flags against the local devices, the batch, the sequence and the attention
+    implementation first, so that a bad combination fails before any work, naming its flag.
+    ``--data-parallel`` defaults to every local device that ``--context-parallel`` leaves
+    (``jax.local_device_count() // context_parallel``).
+    """
+    if jax.process_count() > 1:
+        raise ValueError(f"models.train runs in one process; this is one of "
+                         f"{jax.process_count()} (jax.distributed): multi-host training is "
+                         "not supported")
+    devices = jax.local_devices()
+    context = args.context_parallel
+    if context < 1:
+        raise ValueError(f"--context-parallel must be at least 1, got {context}")
+    data_parallel = args.data_parallel
+    if data_parallel is None:
+        data_parallel = max(1, len(devices) // context)
+        default = (f" (the default: the {len(devices)} local device(s) over --context-parallel "
+                   f"{context}; pass --data-parallel to choose)")
+    else:
+        default = ""
+        if data_parallel < 1:
+            raise ValueError(f"--data-parallel must be at least 1, got {data_parallel}")
+    if data_parallel * context > len(devices):
+        raise ValueError(
+            f"--data-parallel {data_parallel} x --context-parallel {context} needs "
+            f"{data_parallel * context} devices; there are {len(devices)} local "
+            f"{devices[0].platform} device(s)")
+    if args.batch_size % data_parallel:
+        raise ValueError(f"--batch-size {args.batch_size} does not split over --data-parallel "
+                         f"{data_parallel}{default}: it must be a multiple")
+    if context > 1:
+        if args.seq_len % (2 * context):
+            raise ValueError(
+                f"--seq-len {args.seq_len} does not split over --context-parallel {context}: "
+                f"zigzag order cuts each row into 2 x {context} equal chunks, so it must be "
+                f"a multiple of {2 * context}")
+        if args.implementation in BASELINE_IMPLEMENTATIONS:
+            raise ValueError(
+                f"--context-parallel {context} runs attention through "
+                f"pallas_flash.ring_attention, which --implementation {args.implementation} "
+                f"(a jax.nn.dot_product_attention baseline) cannot: use one of "
+                f"{', '.join(OUR_IMPLEMENTATIONS)}")
+    if args.implementation in OUR_IMPLEMENTATIONS and (
+            args.implementation not in available_implementations()):
+        raise ValueError(
+            f"--implementation {args.implementation} cannot run on the "
+            f"{devices[0].platform} devices here (available: "
+            f"{', '.join(available_implementations())})")
+    return jax.make_mesh((data_parallel, context), (DATA, CONTEXT),
+                         axis_types=(AxisType.Auto, AxisType.Auto),
+                         devices=devices[:data_parallel * context])
+
+
 def compute_dtype(name: str) -> Any:
     """``--dtype`` -> a jnp dtype."""
     if name == "auto":
@@ -175,29 +249,80 @@ def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
                     mask=decay_mask))
 
 
-def next_token_loss(model: Transformer, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean cross-entropy of predicting each byte from the bytes before it.
+def with_targets(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``batch`` plus each token's next-token ``targets`` and loss ``weights`` ([batch, seq]).
 
-    Targets that start a new segment (a different document) or fall on padding are
-    excluded: nothing in the row before them is allowed to predict them.
+    A target that starts a new segment (a different document) or falls on padding has
+    weight 0: nothing in the row before it is allowed to predict it; so has the last column,
+    which has no next token. Computed on whole rows, before a row is split over devices, so
+    that a shard needs nothing of its neighbour's.
     """
     tokens, segments = batch["tokens"], batch["segment_ids"]
-    logits = model(tokens, positions=batch["positions"], segment_ids=segments)[:, :-1]
-    targets = tokens[:, 1:]
-    weights = ((segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)).astype(
-        jnp.float32)
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+    targets = np.zeros_like(tokens)
+    targets[:, :-1] = tokens[:, 1:]
+    weights = np.zeros(tokens.shape, np.float32)
+    weights[:, :-1] = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)
+    return {**batch, "targets": targets, "weights": weights}
 
 
-def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation):
+def loss_terms(model: Transformer, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """``(sum of weighted cross-entropies, sum of weights)`` over the tokens of ``batch`` (a
+    batch of :func:`with_targets`, or a shard of one). The loss, the mean cross-entropy of
+    predicting each byte from the bytes before it, is their ratio over all shards."""
+    logits = model(batch["tokens"], positions=batch["positions"],
+                   segment_ids=batch["segment_ids"])
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    return jnp.sum(nll * batch["weights"]), jnp.sum(batch["weights"])
+
+
+def batch_placer(mesh: Mesh, seq_len: int):
+    """``place(rows) -> batch on the mesh``: adds the targets, reorders each row into zigzag
+    order (:func:`pallas_flash.to_zigzag`) when the context axis splits it, and splits rows
+    over ``data`` and tokens over ``context``. Positions and segment ids move with their
+    tokens, so RoPE and the document masks see each token's place in the whole row."""
+    sharding = NamedSharding(mesh, P(DATA, CONTEXT))
+    context = mesh.shape[CONTEXT]
+    order = None
+    if context > 1:
+        order = np.asarray(to_zigzag(np.arange(seq_len), context, axis=0))
+
+    def place(rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        batch = with_targets(rows)
+        if order is not None:
+            batch = {name: x[:, order] for name, x in batch.items()}
+        return jax.device_put(batch, sharding)
+
+    return place
+
+
+def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, mesh: Mesh):
     """Jitted ``train_step(params, opt_state, batch) -> (params, opt_state, loss)`` and
-    ``eval_step(params, batch) -> loss`` on the model's parameter state."""
+    ``eval_step(params, batch) -> loss`` on the model's parameter state, for parameters
+    replicated over ``mesh`` and batches placed by :func:`batch_placer`.
+
+    On more than one device the model runs on each device's shard inside ``jax.shard_map``
+    and the loss terms are summed over the mesh (a mean over the global tokens); the
+    gradient of the replicated parameters is then summed over the mesh by ``shard_map``'s
+    transpose. ``train_step`` donates the parameters and optimizer state it is given
+    (their buffers become the new ones': one copy of the training state per device).
+    """
+
+    def local_terms(params, batch):
+        return loss_terms(nnx.merge(graphdef, params), batch)
+
+    terms = local_terms
+    if mesh.size > 1:
+        def summed_terms(params, batch):
+            return jax.lax.psum(local_terms(params, batch), (DATA, CONTEXT))
+
+        terms = jax.shard_map(summed_terms, mesh=mesh, in_specs=(P(), P(DATA, CONTEXT)),
+                              out_specs=P())
 
     def loss_of(params, batch):
-        return next_token_loss(nnx.merge(graphdef, params), batch)
+        total, count = terms(params, batch)
+        return total / jnp.maximum(count, 1.0)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
     def train_step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_of)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -206,10 +331,27 @@ def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation):
     return train_step, jax.jit(loss_of)
 
 
-def evaluate(eval_step, params, val: data.PackedRows, batch_size: int, rows: int) -> float:
-    """Mean loss over the first ``rows`` validation rows (wrapping around a short split)."""
+def init_training(args: argparse.Namespace, config: TransformerConfig, mesh: Mesh):
+    """``(model, (params, opt_state), (train_step, eval_step))`` of a fresh run: the model
+    (attention through ring attention over ``context`` when the mesh splits rows), its
+    parameters and optimizer state replicated over ``mesh``, and :func:`make_steps`."""
+    context_axis = CONTEXT if mesh.shape[CONTEXT] > 1 else None
+    model = Transformer(config, dtype=compute_dtype(args.dtype), rngs=nnx.Rngs(args.seed),
+                        **attention_kwargs(args.implementation, context_axis=context_axis))
+    tx = make_optimizer(args)
+    graphdef, params = nnx.split(model, nnx.Param)
+    replicated = NamedSharding(mesh, P())
+    params = jax.device_put(params, replicated)
+    opt_state = jax.device_put(tx.init(params), replicated)
+    return model, (params, opt_state), make_steps(graphdef, tx, mesh)
+
+
+def evaluate(eval_step, params, val: data.PackedRows, batch_size: int, rows: int,
+             place) -> float:
+    """Mean loss over the first ``rows`` validation rows (wrapping around a short split);
+    ``place`` (:func:`batch_placer`) puts each batch on the devices."""
     index = np.arange(max(batch_size, rows - rows % batch_size)) % len(val)
-    losses = [eval_step(params, val.rows(index[i:i + batch_size]))
+    losses = [eval_step(params, place(val.rows(index[i:i + batch_size])))
               for i in range(0, len(index), batch_size)]
     return float(np.mean(jax.device_get(losses)))
 
@@ -307,21 +449,19 @@ def train(args: argparse.Namespace) -> dict[str, list]:
     ``rate_step``/``tokens_per_s``: throughput of the training steps alone over each
     logging interval (evaluation and checkpointing excluded), with the step it ends at."""
     config = PRESETS[args.preset]
+    mesh = make_mesh(args)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     manager = open_checkpoints(out, args.resume, args.overwrite)
     check_schedule(args, out, manager.latest_step() if args.resume else None)
     train_rows, val_rows = data.load_corpus(args.seq_len, args.data, args.val_fraction)
-    model = Transformer(config, dtype=compute_dtype(args.dtype), rngs=nnx.Rngs(args.seed),
-                        **attention_kwargs(args.implementation))
+    model, (params, opt_state), (train_step, eval_step) = init_training(args, config, mesh)
     print(f"{args.preset}: {count_params(model) / 1e6:.2f}M parameters, "
           f"{len(train_rows)} train / {len(val_rows)} validation rows of {args.seq_len} bytes, "
-          f"{jax.default_backend()}")
+          f"{jax.default_backend()}, data parallel {mesh.shape[DATA]} x context parallel "
+          f"{mesh.shape[CONTEXT]}")
 
-    tx = make_optimizer(args)
-    graphdef, params = nnx.split(model, nnx.Param)
-    opt_state = tx.init(params)
-    train_step, eval_step = make_steps(graphdef, tx)
+    place = batch_placer(mesh, args.seq_len)
     history: dict[str, list] = {name: [] for series in _SERIES for name in series}
     history_path = out / "metrics.json"
     start = 0
@@ -331,7 +471,7 @@ def train(args: argparse.Namespace) -> dict[str, list]:
     else:
         history["val_step"].append(0)
         history["val_loss"].append(
-            evaluate(eval_step, params, val_rows, args.batch_size, args.eval_rows))
+            evaluate(eval_step, params, val_rows, args.batch_size, args.eval_rows, place))
         print(f"step 0: validation {history['val_loss'][0]:.3f}")
 
     def save(step):
@@ -345,7 +485,7 @@ def train(args: argparse.Namespace) -> dict[str, list]:
                unit="step", dynamic_ncols=True, file=sys.stderr)   # results go to stdout
     tick, ticked = time.perf_counter(), start
     for step in bar:
-        batch = data.train_batch(train_rows, args.batch_size, args.seed, step)
+        batch = place(data.train_batch(train_rows, args.batch_size, args.seed, step))
         params, opt_state, loss = train_step(params, opt_state, batch)
         pending.append((step, loss))
         last = step == args.steps
@@ -361,7 +501,7 @@ def train(args: argparse.Namespace) -> dict[str, list]:
         if evaluating or last:
             history["val_step"].append(step)
             history["val_loss"].append(
-                evaluate(eval_step, params, val_rows, args.batch_size, args.eval_rows))
+                evaluate(eval_step, params, val_rows, args.batch_size, args.eval_rows, place))
             bar.write(f"step {step}: train {history['loss'][-1]:.3f}  "
                       f"validation {history['val_loss'][-1]:.3f}")
         if saving or last:

@@ -7,12 +7,14 @@ tied or untied input/output embeddings. Byte-level by default (``vocab_size=256`
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_flash import ring_attention
 from pallas_flash.masking import segments_visible
 from pallas_flash.nn import AttentionFn, FlashSelfAttention
 
@@ -65,8 +67,24 @@ def baseline_attention_fn(implementation: str) -> AttentionFn:
     return attention_fn
 
 
-def attention_kwargs(implementation: str | None) -> dict[str, Any]:
-    """Keyword arguments of :class:`Transformer` selecting an attention implementation."""
+def ring_attention_fn(axis_name: str, implementation: str | None = None) -> AttentionFn:
+    """An :data:`~pallas_flash.nn.AttentionFn` running :func:`pallas_flash.ring_attention`
+    over mesh axis ``axis_name``, for a model called inside ``jax.shard_map`` on rows split
+    over that axis in zigzag order (:func:`pallas_flash.to_zigzag`), their positions and
+    segment ids split the same way."""
+    return functools.partial(ring_attention, axis_name=axis_name, layout="zigzag",
+                             implementation=implementation)
+
+
+def attention_kwargs(implementation: str | None, *,
+                     context_axis: str | None = None) -> dict[str, Any]:
+    """Keyword arguments of :class:`Transformer` selecting an attention implementation;
+    with ``context_axis``, ring attention over that mesh axis (:func:`ring_attention_fn`)."""
+    if context_axis is not None:
+        if implementation not in (None, *OUR_IMPLEMENTATIONS):
+            raise ValueError(f"ring attention runs {OUR_IMPLEMENTATIONS} or None, got "
+                             f"{implementation!r}")
+        return {"attention_fn": ring_attention_fn(context_axis, implementation)}
     if implementation in BASELINE_IMPLEMENTATIONS:
         return {"attention_fn": baseline_attention_fn(BASELINE_IMPLEMENTATIONS[implementation])}
     if implementation is None or implementation in OUR_IMPLEMENTATIONS:

@@ -26,7 +26,7 @@ def corpus(tmp_path_factory) -> Path:
 def _args(corpus: Path, out: Path, *extra: str):
     return parse_args(["--data", str(corpus), "--out", str(out), "--seq-len", "32",
                        "--batch-size", "8", "--eval-rows", "8", "--warmup-steps", "3",
-                       "--val-fraction", "0.25", *extra])
+                       "--val-fraction", "0.25", "--data-parallel", "1", *extra])
 
 
 def test_a_few_steps_reduce_the_loss(corpus, tmp_path, capsys):
@@ -75,7 +75,8 @@ def test_resume_gives_the_same_next_losses(corpus, tmp_path):
 def test_help_describes_every_option():
     text = build_parser().format_help()
     for flag in ("--preset", "--steps", "--batch-size", "--seq-len", "--implementation",
-                 "--out", "--seed", "--resume", "--data", "cudnn", "xla_dense"):
+                 "--out", "--seed", "--resume", "--data", "cudnn", "xla_dense",
+                 "--data-parallel", "--context-parallel"):
         assert flag in text
     args = parse_args(["--preset", "small"])
     assert (args.seq_len, str(args.out)) == (4096, "runs/small")
