@@ -1,28 +1,38 @@
-"""The custom VJP shared by every implementation.
+"""The derivatives shared by every implementation: one ``jax.custom_jvp``.
 
 FlashAttention's backward never stores P: it keeps only (q, k, v, out, lse) and
 recomputes P = exp(S - lse) tile by tile (FlashAttention paper, Sec. 3.1 "recomputation").
 Each implementation supplies a ``forward`` and a ``backward`` with the signatures of
-:class:`Kernels`; this module wires them into one ``jax.custom_vjp`` so that they all
+:class:`Kernels`; this module wires them into one ``jax.custom_jvp`` so that they all
 share the same residuals and the same ``delta = rowsum(dO ∘ O)``.
 
-The VJP is defined with ``symbolic_zeros=True``: the forward rule then learns which inputs
-are differentiated (``CustomVJPPrimal.perturbed``), and the backward computes the bias
-gradient only when the caller asks for it (a bias used as an additive mask never is).
+The JVP rule runs the forward kernels for the primal and returns the tangent as a
+``jax.custom_derivatives.linear_call``: :func:`_tangent` computes it (forward mode:
+``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``) in plain JAX from the residuals, with the
+XLA path's O(seq_q · block_kv) memory (:func:`pallas_flash.xla.tangent`), and its
+transpose, :func:`_transpose`, is the backend's backward kernels (reverse mode: ``jax.grad``,
+``jax.vjp``, ``jax.jacrev``). A ``custom_vjp`` would give reverse mode alone (JAX refuses
+``jax.jvp`` of one).
+
+The rule is defined with ``symbolic_zeros=True``: an input that is not differentiated has a
+``SymbolicZero`` tangent and is no linear argument, so the transpose computes no cotangent
+for it (the bias gradient only for a perturbed bias; a bias used as an additive mask never
+is). Segment ids (integers) and the mask (boolean) have no tangent.
 
 The backward need not run on the forward's backend: :func:`pallas_flash.dispatch.
-choose_backward` picks it in the backward rule, where ``bias_grad`` is known, and a backend
+choose_backward` picks it in the transpose, where ``bias_grad`` is known, and a backend
 other than the forward's runs with its default config.
 
 Second-order AD (``jax.hessian``, ``jax.jvp`` / ``jax.grad`` of ``jax.grad``) differentiates
-the forward and backward rules themselves. The Pallas kernels have no forward-mode rule, so
-a pass whose inputs are being differentiated runs on the XLA path (plain JAX, the same
-function): :func:`_kernel_pass`. First-order forward mode of the custom VJP itself is
-refused by JAX (``jax.jvp`` of a ``custom_vjp`` function).
+the rule itself. The Pallas kernels have no forward-mode rule, and ``linear_call`` none for
+differentiated residuals, so a rule whose primal inputs are being differentiated runs the
+forward on the XLA path (plain JAX, the same function, :func:`_pass_static`) and returns
+:func:`_tangent` itself, which JAX differentiates and transposes to any order.
 
 The cotangent of lse folds into delta: ``∂lse_i/∂s_ij = P_ij``, so
 ``dS = P ∘ (dP - delta) + P ∘ dlse = P ∘ (dP - (delta - dlse))``. Every backend gets
-gradients through ``lse`` for free by receiving ``delta - dlse``.
+gradients through ``lse`` for free by receiving ``delta - dlse``; in forward mode,
+``dlse = rowsum(P ∘ dS)``.
 """
 
 from __future__ import annotations
@@ -32,14 +42,17 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax._src import core as jax_core
+from jax._src import custom_derivatives
 from jax._src.interpreters import ad, batching
-from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+from jax._src.interpreters import partial_eval as pe
+from jax.custom_derivatives import SymbolicZero
 
 from pallas_flash import dispatch, sharding
 from pallas_flash.kernel_args import StaticArgs
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(7,))
 def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, sinks, bias,
                        attn_mask, static: StaticArgs):
     """Returns ``(out [B, T, N, D], lse [B, N, T] float32)`` computed by ``static.kernels``.
@@ -57,15 +70,15 @@ def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, si
 
 
 def _pass_static(static: StaticArgs, operands) -> StaticArgs:
-    """``static`` for one kernel pass (forward or backward) over ``operands``: the same,
-    or the XLA path's when the pass itself is differentiated.
+    """``static`` for the forward pass over ``operands``: the same, or the XLA path's
+    when the pass itself is differentiated.
 
-    The kernels' inputs in the forward and backward rules are differentiated only under
-    second-order AD (``jax.hessian``, ``jax.jvp`` or ``jax.grad`` of ``jax.grad``). The XLA
-    path is plain JAX; a Pallas kernel (Triton, Mosaic) has no forward-mode or linearize
-    rule, so such a pass runs on the XLA path, which computes the same function. (A
-    ``custom_jvp`` around the kernel would not do: the Mosaic backward's ``jax.new_ref``
-    accumulator cannot be discharged through ``custom_jvp_call`` under ``jax.jit``.)
+    The forward's inputs are differentiated inside the JVP rule only under second-order AD
+    (``jax.hessian``, ``jax.jvp`` or ``jax.grad`` of ``jax.grad``). The XLA path is plain
+    JAX; a Pallas kernel (Triton, Mosaic) has no forward-mode or linearize rule, so such a
+    pass runs on the XLA path, which computes the same function. (A ``custom_jvp`` around
+    the kernel would not do: the Mosaic backward's ``jax.new_ref`` accumulator cannot be
+    discharged through ``custom_jvp_call`` under ``jax.jit``.)
     """
     if static.kernels.name == "xla" or not _differentiated(operands):
         return static
@@ -113,20 +126,59 @@ def add_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array
     return (out * jnp.swapaxes(share, 1, 2)[..., None]).astype(out.dtype), full_lse
 
 
-def _fwd_rule(q, k, v, segment_ids, sinks, bias, attn_mask, static: StaticArgs):
-    # symbolic_zeros=True wraps every array leaf in CustomVJPPrimal(value, perturbed).
-    bias_grad = bias is not None and bias.perturbed
-    arrays = jax.tree.map(lambda x: x.value, (q, k, v, segment_ids, sinks, bias, attn_mask),
-                          is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
-    out, lse = _forward(*arrays, static)
-    return (out, lse), (*arrays, out, lse, bias_grad)
+# The differentiable inputs, in the order of attention_with_lse's arguments: segment ids
+# (integers) and attn_mask (boolean) have no tangent.
+_DIFFERENTIABLE = ("q", "k", "v", "sinks", "bias")
 
 
-def _dense(cotangent, like: jax.Array) -> jax.Array:
-    """A cotangent as an array (symbolic_zeros=True may hand over a SymbolicZero)."""
-    if isinstance(cotangent, SymbolicZero):
-        return jnp.zeros(like.shape, like.dtype)
-    return cotangent
+def _jvp_rule(static: StaticArgs, primals, tangents):
+    """Primal by the kernels, tangent by :func:`_tangent`, transposed by :func:`_transpose`.
+
+    ``symbolic_zeros=True``: an input that is not differentiated has a ``SymbolicZero``
+    tangent and is left out of the linear arguments, so that the transpose computes no
+    cotangent for it (the bias gradient only for a perturbed bias).
+    """
+    q, k, v, segment_ids, sinks, bias, attn_mask = primals
+    out, lse = _forward(*primals, static)
+    named = dict(zip(_DIFFERENTIABLE, (tangents[0], tangents[1], tangents[2], tangents[4],
+                                       tangents[5]), strict=True))
+    linear = {name: t for name, t in named.items()
+              if t is not None and not isinstance(t, SymbolicZero)}
+    residuals = (q, k, v, segment_ids, sinks, bias, attn_mask, out, lse)
+    tangent = functools.partial(_tangent, static)
+    if _differentiated(primals):
+        # Second-order AD differentiates the tangent itself: plain JAX (the XLA path's
+        # formulation), which JAX differentiates and transposes to any order. linear_call's
+        # JVP rule requires residuals that are not differentiated.
+        d_out, d_lse = tangent(residuals, linear)
+    else:
+        d_out, d_lse = jax.custom_derivatives.linear_call(
+            tangent, functools.partial(_transpose, static, tuple(linear)), residuals, linear)
+    return (out, lse), (d_out, d_lse)
+
+
+attention_with_lse.defjvp(_jvp_rule, symbolic_zeros=True)
+
+
+def _tangent(static: StaticArgs, residuals, linear: dict):
+    """``(d_out, d_lse)``: the tangent of attention, linear in ``linear`` (the tangents of
+    ``_DIFFERENTIABLE`` inputs that are not zero), in plain JAX with O(seq_q · block_kv)
+    memory per head (:func:`pallas_flash.xla.tangent`) on every backend: Pallas kernels have
+    no forward-mode rule, and forward mode is rare enough not to need one."""
+    q, k, v, segment_ids, sinks, bias, attn_mask, out, lse = residuals
+    xla = dispatch.backend("xla")
+    config = (static.config if static.kernels.name == "xla"
+              else xla.default_config(q.shape, k.shape, q.dtype, static.mask))
+    pv, d_lse = xla.tangent(
+        q, k, v, segment_ids, lse, linear.get("q"), linear.get("k"), linear.get("v"),
+        linear.get("bias"), mask=static.mask, scale=static.scale, config=config,
+        softcap=static.softcap, bias=bias, attn_mask=attn_mask)
+    if "sinks" in linear:
+        # A sink is one more logit, with a zero value: its tangent moves lse alone.
+        p_sink = jnp.exp(sinks.astype(lse.dtype)[None, :, None] - lse)
+        d_lse = d_lse + p_sink * linear["sinks"].astype(lse.dtype)[None, :, None]
+    d_out = pv - jnp.swapaxes(d_lse, 1, 2)[..., None] * out.astype(pv.dtype)
+    return d_out.astype(out.dtype), d_lse.astype(lse.dtype)
 
 
 def _backward_static(static: StaticArgs, q, k, features: dispatch.Features,
@@ -159,24 +211,81 @@ def sinks_grad(sinks: jax.Array, lse: jax.Array, delta: jax.Array) -> jax.Array:
     return (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
 
 
-def _bwd_rule(static: StaticArgs, residuals, cotangents):
-    q, k, v, segment_ids, sinks, bias, attn_mask, out, lse, bias_grad = residuals
+def _transpose(static: StaticArgs, wanted: tuple[str, ...], residuals, cotangents) -> dict:
+    """The transpose of :func:`_tangent`: the backend's backward kernels (``jax.grad``,
+    ``jax.vjp``), cotangents for the ``wanted`` inputs (the linear arguments' keys)."""
+    q, k, v, segment_ids, sinks, bias, attn_mask, out, lse = residuals
     d_out, d_lse = cotangents
-    d_out = _dense(d_out, out)
-    delta = row_delta(out, lse, d_out, None if isinstance(d_lse, SymbolicZero) else d_lse)
+    bias_grad = "bias" in wanted
+    delta = row_delta(out, lse, d_out, d_lse)
     features = dispatch.Features(has_segments=segment_ids is not None, softcap=static.softcap,
                                  has_bias=bias is not None, has_mask=attn_mask is not None)
     static = _backward_static(static, q, k, features, bias_grad)
-    static = _pass_static(
-        static, (q, k, v, segment_ids, out, lse, d_out, delta, bias, attn_mask))
     dq, dk, dv, *d_bias = sharding.backward(
         static, q, k, v, segment_ids, out, lse, d_out.astype(q.dtype), delta, bias, attn_mask,
         bias_grad)
-    d_bias = d_bias[0].astype(bias.dtype) if bias_grad else None
-    d_sinks = None if sinks is None else sinks_grad(sinks, lse, delta)
-    # Segment ids are integers and the mask is boolean: no cotangent.
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, d_sinks,
-            d_bias, None)
+    grads = dict(q=dq.astype(q.dtype), k=dk.astype(k.dtype), v=dv.astype(v.dtype))
+    if bias_grad:
+        grads["bias"] = d_bias[0].astype(bias.dtype)
+    if "sinks" in wanted:
+        grads["sinks"] = sinks_grad(sinks, lse, delta)
+    return {name: grads[name] for name in wanted}
 
 
-attention_with_lse.defvjp(_fwd_rule, _bwd_rule, symbolic_zeros=True)
+# --- jax.custom_derivatives.linear_call: the two rules jax 0.11 lacks ----------------------
+# The transpose of the tangent is the backward kernels through ``linear_call``. JAX's
+# ``linear_call_p`` drops its callee's effects from its type and has no batching rule: with
+# both, ``jax.jit`` of the transposed call lowers when the backward has effects (the
+# ordered callbacks of Mosaic GPU's interpreter), and ``jax.vmap`` of ``jax.grad`` /
+# ``jax.jvp`` works. Registered here, for every ``linear_call`` of the process.
+
+
+def _linear_call_abstract_eval(*args, callee, **params):
+    del args, params
+    # A jax.new_ref inside the callee (the Mosaic backward's dQ accumulator) stays inside:
+    # the lowering (mlir.lower_fun) discharges it. Declaring it here would make jax.jit
+    # discharge the caller's jaxpr, which has no rule for linear_call.
+    return callee.out_avals, {e for e in callee.effects
+                              if not isinstance(e, jax_core.InternalMutableArrayEffect)}
+
+
+def _batch_jaxpr(jaxpr, axis_data, in_batched):
+    """``jaxpr`` batched along axis 0 of the ``in_batched`` inputs, every output batched;
+    as linear_call's (jaxpr, consts): its new consts detached as leading inputs."""
+    batched, _ = batching.batch_jaxpr(jaxpr, axis_data, in_batched, instantiate=True)
+    return pe.convert_constvars_jaxpr(batched), list(batched.consts)
+
+
+def _linear_call_batcher(axis_data, args, dims, *, callee, transpose_thunk,
+                         num_callee_consts, num_res):
+    """Batches the callee and, lazily, its transpose. Every linear input and output is
+    batched (an unbatched linear input is broadcast), so that the transpose's cotangents
+    have the linear inputs' types."""
+    num_fixed = num_callee_consts + num_res
+    args = [x if d is None else batching.moveaxis(x, d, 0)
+            for x, d in zip(args, dims, strict=True)]
+    args[num_fixed:] = [x if d is not None else batching.broadcast(
+        x, axis_data.size, 0, axis_data.explicit_mesh_axis)
+        for x, d in zip(args[num_fixed:], dims[num_fixed:], strict=True)]
+    fixed_batched = [d is not None for d in dims[:num_fixed]]
+    callee_b, new_consts = _batch_jaxpr(
+        callee, axis_data, fixed_batched + [True] * (len(args) - num_fixed))
+    res_batched = fixed_batched[num_callee_consts:]
+
+    @functools.cache
+    def batched_transpose():
+        transpose, t_consts = transpose_thunk()
+        transpose_b, t_new_consts = _batch_jaxpr(
+            transpose, axis_data,
+            [False] * len(t_consts) + res_batched + [True] * len(callee.out_avals))
+        return transpose_b, [*t_new_consts, *t_consts]
+
+    outs = custom_derivatives.linear_call_p.bind(
+        *new_consts, *args, callee=callee_b, transpose_thunk=batched_transpose,
+        num_callee_consts=len(new_consts) + num_callee_consts, num_res=num_res)
+    return outs, [0] * len(outs)
+
+
+custom_derivatives.linear_call_p.def_effectful_abstract_eval(_linear_call_abstract_eval)
+batching.fancy_primitive_batchers.setdefault(custom_derivatives.linear_call_p,
+                                             _linear_call_batcher)

@@ -235,6 +235,74 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
     return dq, unchunk(dk), unchunk(dv), d_bias.reshape(bias_shape)
 
 
+def tangent(q, k, v, segment_ids, lse, dq, dk, dv, d_bias, *, mask: MaskSpec, scale: float,
+            config: XlaConfig, softcap: float | None = None, bias=None, attn_mask=None):
+    """Forward-mode derivative of the logits' softmax, from the residuals, per K/V chunk.
+
+    With P = exp(S - lse) (recomputed, as the backward does) and dS the tangent of the
+    (biased, capped) logits, ``dlse = rowsum(P ∘ dS)`` and ``dO = (P ∘ dS)·V + P·dV -
+    dlse ∘ O``. Returns ``(P∘dS)·V + P·dV`` as ``[B, T, N, D]`` and ``dlse [B, N, T]``, both
+    in the accumulator dtype; the caller subtracts ``dlse ∘ O`` (after adding the sinks'
+    share of ``dlse``). ``dq``, ``dk``, ``dv``, ``d_bias``: tangents, or None for zero.
+    """
+    acc = _accumulator(q.dtype)
+    batch, seq_q, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    group = heads // kv_heads
+    block = min(config.block_kv, k.shape[1])
+    prec = _precision(q.dtype)
+    q_g = _grouped(q, kv_heads)
+    dq_g = None if dq is None else _grouped(dq, kv_heads)
+    lse_g = lse.reshape(batch, kv_heads, group, seq_q)
+    q_seg, kv_seg_chunks = _segment_chunks(segment_ids, block)
+    k_chunks, v_chunks = _chunks(k, block), _chunks(v, block)
+    num_chunks = k_chunks.shape[0]
+    dk_chunks, dv_chunks = (None if x is None else _chunks(x, block) for x in (dk, dv))
+    bias, attn_mask, d_bias = (_padded_keys(x, num_chunks, block)
+                               for x in (bias, attn_mask, d_bias))
+    logits_move = dq is not None or dk is not None or d_bias is not None
+
+    def step(carry, xs):
+        pv, d_lse = carry
+        index, k_j, v_j, kv_seg, dk_j, dv_j = xs
+        segments = None if q_seg is None else (q_seg, kv_seg)
+        s, visible, slope = _scores(q_g, k_j, scale, softcap, mask, index * block, block,
+                                    segments, _chunk(bias, index, block, kv_heads),
+                                    _chunk(attn_mask, index, block, kv_heads))
+        p = jnp.where(visible, jnp.exp(s - lse_g[..., None]), 0.0)
+        if dv_j is not None:
+            pv = pv + jnp.einsum("bkgts,bskd->bkgtd", p.astype(dv_j.dtype), dv_j,
+                                 preferred_element_type=acc, precision=prec)
+        if not logits_move:
+            return (pv, d_lse), None
+        ds = 0.0
+        if dq_g is not None:
+            ds = ds + jnp.einsum("btkgd,bskd->bkgts", dq_g, k_j,
+                                 preferred_element_type=acc, precision=prec)
+        if dk_j is not None:
+            ds = ds + jnp.einsum("btkgd,bskd->bkgts", q_g, dk_j,
+                                 preferred_element_type=acc, precision=prec)
+        ds = ds * scale
+        if slope is not None:  # chain rule through c·tanh(x/c)
+            ds = ds * slope
+        if d_bias is not None:
+            ds = ds + _chunk(d_bias, index, block, kv_heads).astype(acc)
+        pds = p * ds  # 0 where hidden: P is
+        pv = pv + jnp.einsum("bkgts,bskd->bkgtd", pds.astype(v_j.dtype), v_j,
+                             preferred_element_type=acc, precision=prec)
+        return (pv, d_lse + jnp.sum(pds, axis=-1)), None
+
+    init = tuple(varying_like(x, q) for x in (
+        jnp.zeros((batch, kv_heads, group, seq_q, head_dim), acc),
+        jnp.zeros((batch, kv_heads, group, seq_q), acc),
+    ))
+    indices = jnp.arange(num_chunks)
+    (pv, d_lse), _ = lax.scan(step, init, (indices, k_chunks, v_chunks, kv_seg_chunks,
+                                           dk_chunks, dv_chunks))
+    pv = jnp.transpose(pv.reshape(batch, heads, seq_q, head_dim), (0, 2, 1, 3))
+    return pv, d_lse.reshape(batch, heads, seq_q)
+
+
 KERNELS = Kernels(name="xla", forward=forward, backward=backward)
 
 

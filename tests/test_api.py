@@ -199,9 +199,10 @@ def test_a_fake_backend_without_a_backward_gets_the_fastest_other(monkeypatch):
 
 
 def test_kernels_run_first_order_and_xla_second_order(monkeypatch):
-    """jax.grad (also under jax.vmap) runs the chosen kernels; the passes that second-order
-    AD differentiates (here jax.jvp of jax.grad) run on the XLA path, which has the
-    forward-mode rules Pallas kernels lack."""
+    """jax.grad (also under jax.vmap, and of a vmapped call) runs the chosen kernels, and
+    so does jax.jvp's primal (its tangent is plain JAX, no kernel pass); the forward that
+    second-order AD differentiates (here jax.jvp of jax.grad) runs on the XLA path, which
+    has the forward-mode rules Pallas kernels lack, and JAX transposes the tangent."""
     ran = _record_passes(monkeypatch, "triton", "xla")
     q = _random((2, 8, 1, 16), 7)
 
@@ -210,10 +211,14 @@ def test_kernels_run_first_order_and_xla_second_order(monkeypatch):
 
     jax.grad(loss)(q)
     jax.vmap(jax.grad(loss))(q[:, None])
-    assert ran == [("triton", "forward"), ("triton", "backward")] * 2
+    jax.grad(lambda q: jnp.sum(jax.vmap(loss)(q)))(q[:, None])
+    assert ran == [("triton", "forward"), ("triton", "backward")] * 3
+    ran.clear()
+    jax.jvp(loss, (q,), (q,))
+    assert ran == [("triton", "forward")]
     ran.clear()
     jax.jvp(jax.grad(loss), (q,), (q,))
-    assert ran == [("xla", "forward"), ("xla", "backward")]
+    assert ran == [("xla", "forward")]
 
 
 def test_choose_backward():

@@ -323,9 +323,18 @@ def test_second_order_as_jax_nn(backend, mode):
     assert rel_err(got, want) < 4 * tolerance(dtype), rel_err(got, want)
 
 
-def test_forward_mode_of_attention_is_refused_by_jax():
-    """First-order forward mode (jax.jvp, jax.jacfwd) of the custom VJP is refused by JAX
-    with its own TypeError (documented in docs/api.md: use jax.jacrev / jax.grad)."""
-    q = _normal(fresh_key(), (1, 4, 1, 4))
-    with pytest.raises(TypeError, match="forward-mode autodiff"):
-        jax.jvp(lambda q: pf.attention(q, q, q), (q,), (q,))
+@pytest.mark.parametrize("backend", backends(), ids=str)
+def test_first_order_forward_mode_as_jax_nn(backend):
+    """jax.jvp of attention (the custom JVP's tangent, plain JAX on every backend) matches
+    jax.nn's, and jax.jacfwd equals jax.jacrev (the backward kernels)."""
+    shape = (1, 4, 1, 4)
+    keys = jax.random.split(fresh_key(), 6)
+    q, k, v, tq, tk, tv = (_normal(key, shape).astype(backend.dtype) for key in keys)
+    kwargs = dict(is_causal=True)
+    _, got = jax.jvp(lambda *a: backend.attention(*a, **kwargs), (q, k, v), (tq, tk, tv))
+    _, want = jax.jvp(lambda *a: jax.nn.dot_product_attention(*a, **kwargs),
+                      *(tuple(x.astype(F32) for x in xs) for xs in ((q, k, v), (tq, tk, tv))))
+    assert rel_err(got, want) < 2 * tolerance(backend.dtype), rel_err(got, want)
+    forward, reverse = (jax.jit(jacobian(lambda q: backend.attention(q, k, v, **kwargs)))(q)
+                        for jacobian in (jax.jacfwd, jax.jacrev))
+    assert rel_err(forward, reverse) < 2 * tolerance(backend.dtype), rel_err(forward, reverse)

@@ -1,0 +1,243 @@
+"""First-order forward-mode AD of ``pallas_flash.attention``: ``jax.jvp``, ``jax.jacfwd``,
+``jax.linearize`` on every backend (``pallas_flash.autodiff``: a ``custom_jvp`` whose tangent
+is a ``linear_call`` transposed by the backward kernels).
+
+Tangents are checked against central differences of the float64 oracle (whose rounding is
+far below float32's), and against the backward kernels (jacfwd vs jacrev, <ct, J·t> vs
+<Jᵀ·ct, t>). The Mosaic case also runs ``jax.jit(jax.grad)`` through the fused dQ, whose
+``jax.new_ref`` accumulator now sits in the transpose of a ``linear_call``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import pallas_flash as pf
+from pallas_flash.masking import MaskSpec
+from pallas_flash.reference import attention_float64
+from tests.support import BACKENDS, F32, fresh_key, rel_err, tolerance
+
+# The differentiable inputs of a case, in this order.
+NAMES = ("q", "k", "v", "sinks", "bias")
+
+
+def _normal(shape, dtype=jnp.float32):
+    return jax.random.normal(fresh_key(), shape, jnp.float32).astype(dtype)
+
+
+def _case(batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype):
+    """Primals and tangents of every differentiable input (a [1, N, T, S] bias)."""
+    shapes = dict(q=(batch, seq_q, heads, head_dim), k=(batch, seq_kv, kv_heads, head_dim),
+                  v=(batch, seq_kv, kv_heads, head_dim), sinks=(heads,),
+                  bias=(1, heads, seq_q, seq_kv))
+    dtypes = dict(q=dtype, k=dtype, v=dtype, sinks=jnp.float32, bias=jnp.float32)
+    primals = {n: _normal(shapes[n], dtypes[n]) for n in NAMES}
+    tangents = {n: _normal(shapes[n], dtypes[n]) for n in NAMES}
+    return primals, tangents
+
+
+def _oracle_jvp(primals, tangents, *, eps=1e-6, **kwargs):
+    """(out, lse [B, T, N]) and their tangents: central differences of the float64 oracle
+    at the (rounded) inputs."""
+    def f(x):
+        out, lse = attention_float64(x["q"], x["k"], x["v"], sinks=x["sinks"],
+                                     bias=x["bias"], **kwargs)
+        return out, np.swapaxes(lse, 1, 2)
+
+    x0 = {n: np.asarray(a, np.float64) for n, a in primals.items()}
+    t = {n: np.asarray(a, np.float64) for n, a in tangents.items()}
+    plus, minus = (f({n: x0[n] + s * eps * t[n] for n in x0}) for s in (1, -1))
+    return f(x0), tuple((a - b) / (2 * eps) for a, b in zip(plus, minus, strict=True))
+
+
+def _assert_close(got, want, dtype, what):
+    err = rel_err(got, want)
+    assert err < 2 * tolerance(dtype), (what, err)  # tangents: twice out's, as gradients
+
+
+@pytest.mark.parametrize("backend", [BACKENDS["xla"], BACKENDS["triton"]], ids=str)
+def test_jvp_matches_float64_oracle(backend):
+    """jax.jvp and jax.linearize in every input at once (GQA, causal bottom-right, segment
+    ids with a query length that empties rows, soft-cap, sinks, a bias), out and lse."""
+    primals, tangents = _case(2, 24, 40, 4, 2, 16, F32)
+    ids = jnp.array([[0] * 10 + [1] * 30, [0] * 40], jnp.int32)
+    q_ids = ids[:, :24]
+    lengths = jnp.array([24, 20])
+    kwargs = dict(is_causal=True, causal_alignment="bottom_right", logits_soft_cap=4.0,
+                  q_segment_ids=q_ids, kv_segment_ids=ids, query_seq_lengths=lengths)
+
+    def f(q, k, v, sinks, bias):
+        return backend.attention(q, k, v, bias=bias, sinks=sinks, return_lse=True, **kwargs)
+
+    args = tuple(primals[n] for n in NAMES)
+    dirs = tuple(tangents[n] for n in NAMES)
+    (out, lse), (d_out, d_lse) = jax.jit(lambda p, t: jax.jvp(f, p, t))(args, dirs)
+    _, linear = jax.linearize(f, *args)
+    d_out_lin, d_lse_lin = linear(*dirs)
+    # The oracle masks with segment ids; the query lengths become ids of their own.
+    q_oracle = np.where(np.arange(24)[None] < np.asarray(lengths)[:, None], q_ids, -2)
+    (want_out, want_lse), (want_d_out, want_d_lse) = _oracle_jvp(
+        primals, tangents, scale=16 ** -0.5, softcap=4.0, segment_ids=(q_oracle, ids),
+        mask=MaskSpec(24, 40, is_causal=True, causal_alignment="bottom_right"))
+    _assert_close(out, want_out, F32, "out")
+    _assert_close(d_out, want_d_out, F32, "d_out")
+    _assert_close(d_lse, want_d_lse, F32, "d_lse")
+    np.testing.assert_array_equal(d_out_lin, d_out)
+    np.testing.assert_array_equal(d_lse_lin, d_lse)
+    empty = np.asarray(lengths)[:, None] <= np.arange(24)[None]  # rows that see no key
+    assert np.all(np.asarray(d_out)[empty] == 0) and np.all(np.asarray(d_lse)[empty] == 0)
+
+
+@pytest.mark.parametrize("backend", [BACKENDS["xla"], BACKENDS["triton"]], ids=str)
+def test_jacfwd_equals_jacrev(backend):
+    """The tangent (plain JAX) and its transpose (the backend's backward kernels) are one
+    linear map: jacfwd and jacrev agree in every differentiable input."""
+    primals, _ = _case(1, 4, 6, 2, 1, 4, F32)
+
+    def f(*args):
+        x = dict(zip(NAMES, args, strict=True))
+        return backend.attention(x["q"], x["k"], x["v"], sinks=x["sinks"], bias=x["bias"],
+                                 is_causal=True, causal_alignment="bottom_right",
+                                 return_lse=True)
+
+    args = tuple(primals[n] for n in NAMES)
+    argnums = tuple(range(len(NAMES)))
+    forward = jax.jit(jax.jacfwd(f, argnums=argnums))(*args)
+    reverse = jax.jit(jax.jacrev(f, argnums=argnums))(*args)
+    for got, want in zip(jax.tree.leaves(forward), jax.tree.leaves(reverse), strict=True):
+        assert rel_err(got, want) < 1e-5, rel_err(got, want)
+
+
+def test_jvp_and_jit_grad_on_mosaic():
+    """Mosaic GPU (interpret mode, 16-bit): jax.jit of jax.jvp vs the oracle, and
+    jax.jit(jax.grad) through the fused dQ (its jax.new_ref accumulator is discharged in
+    the lowering of the linear_call transpose) vs the oracle's gradients; <ct, J·t> equals
+    <Jᵀ·ct, t> to float32 rounding."""
+    from pallas_flash.mosaic import default_backward_config
+
+    backend = BACKENDS["mosaic"]
+    dtype = backend.dtype
+    primals, tangents = _case(1, 128, 128, 2, 1, 64, dtype)
+    mask = MaskSpec(128, 128)
+    assert not default_backward_config((1, 128, 2, 64), (1, 128, 1, 64), dtype,
+                                       mask).deterministic  # the fused dQ
+
+    def f(q, k, v, sinks):
+        return backend.attention(q, k, v, sinks=sinks, return_lse=True)
+
+    args = tuple(primals[n] for n in NAMES[:4])
+    dirs = tuple(tangents[n] for n in NAMES[:4])
+    (out, lse), (d_out, d_lse) = jax.jit(lambda p, t: jax.jvp(f, p, t))(args, dirs)
+    primals.update(bias=np.zeros((1, 1, 1, 1))), tangents.update(bias=np.zeros((1, 1, 1, 1)))
+    _, (want_d_out, want_d_lse) = _oracle_jvp(primals, tangents, scale=64 ** -0.5, mask=mask)
+    _assert_close(d_out, want_d_out, dtype, "d_out")
+    _assert_close(d_lse, want_d_lse, jnp.float32, "d_lse")
+
+    ct = _normal(out.shape, jnp.float32)
+
+    def loss(*args):
+        return jnp.sum(f(*args)[0].astype(jnp.float32) * ct)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
+    x = {n: np.asarray(a, np.float64) for n, a in primals.items()}
+    _, _, want = attention_float64(x["q"], x["k"], x["v"], scale=64 ** -0.5, mask=mask,
+                                   sinks=x["sinks"], d_out=np.asarray(ct, np.float64))
+    for name, got, ref in zip(NAMES, grads, want, strict=True):
+        _assert_close(got, ref, dtype, name)
+    # One linear map: the transpose (backward kernels) of the tangent (plain JAX).
+    forward = float(jnp.sum(d_out.astype(jnp.float32) * ct))
+    reverse = sum(float(jnp.sum(g.astype(jnp.float32) * t.astype(jnp.float32)))
+                  for g, t in zip(grads, dirs, strict=True))
+    assert abs(forward - reverse) < 2e-2 * abs(forward), (forward, reverse)
+
+
+def test_only_perturbed_inputs_get_tangents_and_cotangents(monkeypatch):
+    """Tangents in one input at a time (the others, the integer segment ids among them,
+    closed over or with float0 tangents) match the oracle; jax.vmap of jax.jvp and
+    jax.jvp of jax.vmap too."""
+    primals, tangents = _case(2, 8, 8, 2, 2, 8, F32)
+    ids = jnp.array([[0] * 3 + [1] * 5, [0] * 8], jnp.int32)
+
+    def f(q, k, v, sinks, bias, ids):
+        return pf.attention(q, k, v, bias=bias, sinks=sinks, q_segment_ids=ids,
+                            kv_segment_ids=ids, implementation="xla")
+
+    _, (want, _) = _oracle_jvp(primals, tangents, scale=8 ** -0.5, segment_ids=(ids, ids))
+    args = tuple(primals[n] for n in NAMES)
+    float0 = np.zeros(ids.shape, jax.dtypes.float0)
+    zero = {n: jnp.zeros_like(a) for n, a in primals.items()}
+    total = 0
+    for name in NAMES:
+        dirs = tuple(tangents[n] if n == name else zero[n] for n in NAMES)
+        total = total + jax.jvp(f, (*args, ids), (*dirs, float0))[1]
+    _assert_close(total, want, F32, "sum of one-input tangents")
+
+    # vmap over a batch of tangents, and jvp of a vmapped call.
+    dirs = tuple(tangents[n] for n in NAMES)
+    stacked = jax.tree.map(lambda t: jnp.stack([t, -2 * t]), dirs)
+    batched = jax.vmap(lambda t: jax.jvp(lambda *a: f(*a, ids), args, t)[1])(stacked)
+    _assert_close(batched[0], want, F32, "vmap(jvp)")
+    _assert_close(batched[1], -2 * want, F32, "vmap(jvp)")
+    per_row = jax.jvp(jax.vmap(lambda q, k, v, ids: f(q[None], k[None], v[None],
+                                                     args[3], args[4], ids[None])[0]),
+                      (args[0], args[1], args[2], ids),
+                      (dirs[0], dirs[1], dirs[2], float0))[1]
+    _, (want_qkv, _) = _oracle_jvp(primals, {**tangents, "sinks": 0 * tangents["sinks"],
+                                             "bias": 0 * tangents["bias"]},
+                                   scale=8 ** -0.5, segment_ids=(ids, ids))
+    _assert_close(per_row, want_qkv, F32, "jvp(vmap)")
+
+
+def test_jvp_inside_shard_map():
+    """Inside jax.shard_map (8 CPU devices, check_vma=True) the tangent runs on the local
+    shards as the kernels do: equal to the unsharded call's."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    primals, tangents = _case(4, 16, 16, 4, 2, 8, F32)
+    spec = P("data", None, "model", None)
+
+    def f(q, k, v):
+        return pf.attention(q, k, v, is_causal=True, implementation="xla", return_lse=True)
+
+    def jvp(p, t):
+        return jax.jvp(f, p, t)
+
+    names = NAMES[:3]
+    p, t = tuple(primals[n] for n in names), tuple(tangents[n] for n in names)
+    lse_spec = P("data", None, "model")
+    sharded = jax.jit(jax.shard_map(jvp, mesh=mesh, in_specs=((spec,) * 3,) * 2,
+                                    out_specs=((spec, lse_spec),) * 2))(p, t)
+    for got, want in zip(jax.tree.leaves(sharded), jax.tree.leaves(jax.jit(jvp)(p, t)),
+                         strict=True):
+        assert rel_err(got, want) < 1e-6
+
+
+def test_jvp_of_decode_and_paged_attention():
+    """decode_attention and paged_attention run the same custom_jvp: their tangents
+    equal those of attention on the equivalent call."""
+    from pallas_flash import paged
+
+    q = _normal((2, 2, 4, 16))
+    k, v = _normal((2, 32, 2, 16)), _normal((2, 32, 2, 16))
+    tq, tk, tv = _normal(q.shape), _normal(k.shape), _normal(v.shape)
+    lengths = jnp.array([32, 32])
+
+    def reference(q, k, v):
+        return pf.attention(q, k, v, is_causal=True, causal_alignment="bottom_right",
+                            implementation="xla")
+
+    want = jax.jvp(reference, (q, k, v), (tq, tk, tv))[1]
+    decode = jax.jvp(lambda q, k, v: pf.decode_attention(
+        q, k, v, key_value_seq_lengths=lengths, num_splits=2, implementation="xla"),
+        (q, k, v), (tq, tk, tv))[1]
+    assert rel_err(decode, want) < 1e-5
+
+    table = jnp.arange(4, dtype=jnp.int32).reshape(2, 2)
+    pages = lambda x: x.reshape(4, 16, 2, 16)  # noqa: E731  [2, 32] keys -> 4 pages of 16
+    paged_out = jax.jvp(lambda q, k, v: paged.paged_attention(
+        q, pages(k), pages(v), table, lengths, implementation="xla"),
+        (q, k, v), (tq, tk, tv))[1]
+    assert rel_err(paged_out, want) < 1e-5
