@@ -323,10 +323,10 @@ def test_second_order_as_jax_nn(backend, mode):
     assert rel_err(got, want) < 4 * tolerance(dtype), rel_err(got, want)
 
 
-@pytest.mark.parametrize("backend", backends(), ids=str)
+@pytest.mark.parametrize("backend", [BACKENDS["xla"], BACKENDS["triton"]], ids=str)
 def test_first_order_forward_mode_as_jax_nn(backend):
     """jax.jvp of attention (the custom JVP's tangent, plain JAX on every backend) matches
-    jax.nn's, and jax.jacfwd equals jax.jacrev (the backward kernels)."""
+    jax.nn's (every backend and jax.jacfwd: tests/test_forward_mode.py)."""
     shape = (1, 4, 1, 4)
     keys = jax.random.split(fresh_key(), 6)
     q, k, v, tq, tk, tv = (_normal(key, shape).astype(backend.dtype) for key in keys)
@@ -335,6 +335,3 @@ def test_first_order_forward_mode_as_jax_nn(backend):
     _, want = jax.jvp(lambda *a: jax.nn.dot_product_attention(*a, **kwargs),
                       *(tuple(x.astype(F32) for x in xs) for xs in ((q, k, v), (tq, tk, tv))))
     assert rel_err(got, want) < 2 * tolerance(backend.dtype), rel_err(got, want)
-    forward, reverse = (jax.jit(jacobian(lambda q: backend.attention(q, k, v, **kwargs)))(q)
-                        for jacobian in (jax.jacfwd, jax.jacrev))
-    assert rel_err(forward, reverse) < 2 * tolerance(backend.dtype), rel_err(forward, reverse)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import pallas_flash as pf
@@ -75,34 +76,35 @@ def test_jvp_matches_float64_oracle(backend):
 
     args = tuple(primals[n] for n in NAMES)
     dirs = tuple(tangents[n] for n in NAMES)
-    (out, lse), (d_out, d_lse) = jax.jit(lambda p, t: jax.jvp(f, p, t))(args, dirs)
-    _, linear = jax.linearize(f, *args)
-    d_out_lin, d_lse_lin = linear(*dirs)
+    (out, _), (d_out, d_lse) = jax.jit(lambda p, t: jax.jvp(f, p, t))(args, dirs)
     # The oracle masks with segment ids; the query lengths become ids of their own.
     q_oracle = np.where(np.arange(24)[None] < np.asarray(lengths)[:, None], q_ids, -2)
-    (want_out, want_lse), (want_d_out, want_d_lse) = _oracle_jvp(
+    (want_out, _), (want_d_out, want_d_lse) = _oracle_jvp(
         primals, tangents, scale=16 ** -0.5, softcap=4.0, segment_ids=(q_oracle, ids),
         mask=MaskSpec(24, 40, is_causal=True, causal_alignment="bottom_right"))
     _assert_close(out, want_out, F32, "out")
     _assert_close(d_out, want_d_out, F32, "d_out")
     _assert_close(d_lse, want_d_lse, F32, "d_lse")
-    np.testing.assert_array_equal(d_out_lin, d_out)
-    np.testing.assert_array_equal(d_lse_lin, d_lse)
-    empty = np.asarray(lengths)[:, None] <= np.arange(24)[None]  # rows that see no key
-    assert np.all(np.asarray(d_out)[empty] == 0) and np.all(np.asarray(d_lse)[empty] == 0)
+    if backend.name == "xla":  # the same linear map (jit and eager round differently)
+        linear = jax.linearize(f, *args)[1]
+        for got, want in zip(linear(*dirs), (d_out, d_lse), strict=True):
+            assert rel_err(got, want) < 1e-6
+    # Rows that see no key output 0 whatever the inputs; their lse is the sink's.
+    empty = np.asarray(lengths)[:, None] <= np.arange(24)[None]
+    assert np.all(np.asarray(d_out)[empty] == 0)
 
 
-@pytest.mark.parametrize("backend", [BACKENDS["xla"], BACKENDS["triton"]], ids=str)
-def test_jacfwd_equals_jacrev(backend):
+def test_jacfwd_equals_jacrev():
     """The tangent (plain JAX) and its transpose (the backend's backward kernels) are one
     linear map: jacfwd and jacrev agree in every differentiable input."""
+    backend = BACKENDS["triton"]
     primals, _ = _case(1, 4, 6, 2, 1, 4, F32)
 
     def f(*args):
         x = dict(zip(NAMES, args, strict=True))
         return backend.attention(x["q"], x["k"], x["v"], sinks=x["sinks"], bias=x["bias"],
                                  is_causal=True, causal_alignment="bottom_right",
-                                 return_lse=True)
+                                 local_window_size=(3, 0), scale=0.7, return_lse=True)
 
     args = tuple(primals[n] for n in NAMES)
     argnums = tuple(range(len(NAMES)))
@@ -131,8 +133,8 @@ def test_jvp_and_jit_grad_on_mosaic():
 
     args = tuple(primals[n] for n in NAMES[:4])
     dirs = tuple(tangents[n] for n in NAMES[:4])
-    (out, lse), (d_out, d_lse) = jax.jit(lambda p, t: jax.jvp(f, p, t))(args, dirs)
-    primals.update(bias=np.zeros((1, 1, 1, 1))), tangents.update(bias=np.zeros((1, 1, 1, 1)))
+    (out, _), (d_out, d_lse) = jax.jit(lambda p, t: jax.jvp(f, p, t))(args, dirs)
+    primals["bias"] = tangents["bias"] = np.zeros((1, 1, 1, 1))  # no bias
     _, (want_d_out, want_d_lse) = _oracle_jvp(primals, tangents, scale=64 ** -0.5, mask=mask)
     _assert_close(d_out, want_d_out, dtype, "d_out")
     _assert_close(d_lse, want_d_lse, jnp.float32, "d_lse")
@@ -146,7 +148,7 @@ def test_jvp_and_jit_grad_on_mosaic():
     x = {n: np.asarray(a, np.float64) for n, a in primals.items()}
     _, _, want = attention_float64(x["q"], x["k"], x["v"], scale=64 ** -0.5, mask=mask,
                                    sinks=x["sinks"], d_out=np.asarray(ct, np.float64))
-    for name, got, ref in zip(NAMES, grads, want, strict=True):
+    for name, got, ref in zip(NAMES[:4], grads, want, strict=True):
         _assert_close(got, ref, dtype, name)
     # One linear map: the transpose (backward kernels) of the tangent (plain JAX).
     forward = float(jnp.sum(d_out.astype(jnp.float32) * ct))
@@ -155,47 +157,36 @@ def test_jvp_and_jit_grad_on_mosaic():
     assert abs(forward - reverse) < 2e-2 * abs(forward), (forward, reverse)
 
 
-def test_only_perturbed_inputs_get_tangents_and_cotangents(monkeypatch):
-    """Tangents in one input at a time (the others, the integer segment ids among them,
-    closed over or with float0 tangents) match the oracle; jax.vmap of jax.jvp and
-    jax.jvp of jax.vmap too."""
+def test_one_input_at_a_time_and_vmap():
+    """Tangents in one input at a time (the others closed over: symbolic zeros; the integer
+    segment ids with a float0 tangent) add up to the oracle's; jax.vmap of jax.jvp too."""
     primals, tangents = _case(2, 8, 8, 2, 2, 8, F32)
     ids = jnp.array([[0] * 3 + [1] * 5, [0] * 8], jnp.int32)
 
-    def f(q, k, v, sinks, bias, ids):
-        return pf.attention(q, k, v, bias=bias, sinks=sinks, q_segment_ids=ids,
-                            kv_segment_ids=ids, implementation="xla")
+    def f(x, ids):
+        return pf.attention(x["q"], x["k"], x["v"], bias=x["bias"], sinks=x["sinks"],
+                            q_segment_ids=ids, kv_segment_ids=ids, implementation="xla")
+
+    def one_input(name):
+        def g(x_name, ids):
+            return f({**primals, name: x_name}, ids)
+        return lambda t: jax.jvp(g, (primals[name], ids),
+                                 (t, np.zeros(ids.shape, jax.dtypes.float0)))[1]
 
     _, (want, _) = _oracle_jvp(primals, tangents, scale=8 ** -0.5, segment_ids=(ids, ids))
-    args = tuple(primals[n] for n in NAMES)
-    float0 = np.zeros(ids.shape, jax.dtypes.float0)
-    zero = {n: jnp.zeros_like(a) for n, a in primals.items()}
-    total = 0
-    for name in NAMES:
-        dirs = tuple(tangents[n] if n == name else zero[n] for n in NAMES)
-        total = total + jax.jvp(f, (*args, ids), (*dirs, float0))[1]
+    total = sum(jax.jit(one_input(name))(tangents[name]) for name in NAMES)
     _assert_close(total, want, F32, "sum of one-input tangents")
-
-    # vmap over a batch of tangents, and jvp of a vmapped call.
-    dirs = tuple(tangents[n] for n in NAMES)
-    stacked = jax.tree.map(lambda t: jnp.stack([t, -2 * t]), dirs)
-    batched = jax.vmap(lambda t: jax.jvp(lambda *a: f(*a, ids), args, t)[1])(stacked)
+    stacked = jax.tree.map(lambda t: jnp.stack([t, -2 * t]), tangents)
+    batched = jax.jit(jax.vmap(lambda t: jax.jvp(lambda x: f(x, ids), (primals,), (t,))[1]))(
+        stacked)
     _assert_close(batched[0], want, F32, "vmap(jvp)")
     _assert_close(batched[1], -2 * want, F32, "vmap(jvp)")
-    per_row = jax.jvp(jax.vmap(lambda q, k, v, ids: f(q[None], k[None], v[None],
-                                                     args[3], args[4], ids[None])[0]),
-                      (args[0], args[1], args[2], ids),
-                      (dirs[0], dirs[1], dirs[2], float0))[1]
-    _, (want_qkv, _) = _oracle_jvp(primals, {**tangents, "sinks": 0 * tangents["sinks"],
-                                             "bias": 0 * tangents["bias"]},
-                                   scale=8 ** -0.5, segment_ids=(ids, ids))
-    _assert_close(per_row, want_qkv, F32, "jvp(vmap)")
 
 
 def test_jvp_inside_shard_map():
     """Inside jax.shard_map (8 CPU devices, check_vma=True) the tangent runs on the local
     shards as the kernels do: equal to the unsharded call's."""
-    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     primals, tangents = _case(4, 16, 16, 4, 2, 8, F32)
     spec = P("data", None, "model", None)
 
@@ -229,15 +220,16 @@ def test_jvp_of_decode_and_paged_attention():
         return pf.attention(q, k, v, is_causal=True, causal_alignment="bottom_right",
                             implementation="xla")
 
-    want = jax.jvp(reference, (q, k, v), (tq, tk, tv))[1]
-    decode = jax.jvp(lambda q, k, v: pf.decode_attention(
-        q, k, v, key_value_seq_lengths=lengths, num_splits=2, implementation="xla"),
-        (q, k, v), (tq, tk, tv))[1]
+    def tangent(fn):
+        return jax.jit(lambda *p: jax.jvp(fn, p, (tq, tk, tv))[1])(q, k, v)
+
+    want = tangent(reference)
+    decode = tangent(lambda q, k, v: pf.decode_attention(
+        q, k, v, key_value_seq_lengths=lengths, num_splits=2, implementation="xla"))
     assert rel_err(decode, want) < 1e-5
 
     table = jnp.arange(4, dtype=jnp.int32).reshape(2, 2)
     pages = lambda x: x.reshape(4, 16, 2, 16)  # noqa: E731  [2, 32] keys -> 4 pages of 16
-    paged_out = jax.jvp(lambda q, k, v: paged.paged_attention(
-        q, pages(k), pages(v), table, lengths, implementation="xla"),
-        (q, k, v), (tq, tk, tv))[1]
+    paged_out = tangent(lambda q, k, v: paged.paged_attention(
+        q, pages(k), pages(v), table, lengths, implementation="xla"))
     assert rel_err(paged_out, want) < 1e-5
