@@ -86,8 +86,8 @@ def test_jvp_matches_float64_oracle(backend):
     _assert_close(d_out, want_d_out, F32, "d_out")
     _assert_close(d_lse, want_d_lse, F32, "d_lse")
     if backend.name == "xla":  # the same linear map (jit and eager round differently)
-        linear = jax.linearize(f, *args)[1]
-        for got, want in zip(linear(*dirs), (d_out, d_lse), strict=True):
+        linearized = jax.jit(lambda p, t: jax.linearize(f, *p)[1](*t))(args, dirs)
+        for got, want in zip(linearized, (d_out, d_lse), strict=True):
             assert rel_err(got, want) < 1e-6
     # Rows that see no key output 0 whatever the inputs; their lse is the sink's.
     empty = np.asarray(lengths)[:, None] <= np.arange(24)[None]
@@ -233,3 +233,21 @@ def test_jvp_of_decode_and_paged_attention():
     paged_out = tangent(lambda q, k, v: paged.paged_attention(
         q, pages(k), pages(v), table, lengths, implementation="xla"))
     assert rel_err(paged_out, want) < 1e-5
+
+
+def test_compiled_mosaic_grad_and_jvp_lower_for_cuda():
+    """The real Mosaic GPU kernels through the API, lowered for CUDA on the CPU: the fused
+    dQ's jax.new_ref accumulator inside the linear_call transpose is discharged by its
+    lowering (a custom_jvp_call around the kernel could not be), and jax.jvp lowers."""
+    q = jax.ShapeDtypeStruct((2, 1024, 8, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 1024, 2, 64), jnp.bfloat16)
+
+    def f(q, k, v):
+        return pf.attention(q, k, v, implementation="mosaic")
+
+    grad = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2)))
+    traced = grad.trace(q, kv, kv)
+    assert "new_ref" in str(traced.jaxpr)  # the fused dQ (default at head_dim 64, dense)
+    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+    jvp = jax.jit(lambda p, t: jax.jvp(f, p, t)).trace((q, kv, kv), (q, kv, kv))
+    assert "mosaic_gpu" in jvp.lower(lowering_platforms=("cuda",)).as_text()
