@@ -102,7 +102,7 @@ def forward(static, q, k, v, segment_ids, bias, attn_mask) -> tuple[jax.Array, j
 def backward(static, q, k, v, segment_ids, out, lse, d_out, delta, bias, attn_mask,
              bias_grad: bool) -> tuple[jax.Array, ...]:
     """``static.kernels.backward`` on each device's shard: ``(dq, dk, dv)``, and dbias when
-    ``bias_grad``, each sharded as its primal (arguments as ``autodiff._bwd_rule``)."""
+    ``bias_grad``, each sharded as its primal (arguments as ``autodiff._transpose``)."""
     operands = (q, k, v, segment_ids, bias, attn_mask, out, lse, d_out, delta)
     seg_roles = None if segment_ids is None else ((_BATCH, _Q_SEQ), (_BATCH, _KV_SEQ))
     results = (_QUERY_LIKE, _KEY_LIKE, _KEY_LIKE)
