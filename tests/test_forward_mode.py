@@ -55,9 +55,9 @@ def _oracle_jvp(primals, tangents, *, eps=1e-6, **kwargs):
     return f(x0), tuple((a - b) / (2 * eps) for a, b in zip(plus, minus, strict=True))
 
 
-def _assert_close(got, want, dtype, what):
+def _assert_close(got, want, dtype, what, factor=1):
     err = rel_err(got, want)
-    assert err < 2 * tolerance(dtype), (what, err)  # tangents: twice out's, as gradients
+    assert err < factor * tolerance(dtype), (what, err)
 
 
 @pytest.mark.parametrize("backend", [BACKENDS["xla"], BACKENDS["triton"]], ids=str)
@@ -150,7 +150,7 @@ def test_jvp_and_jit_grad_on_mosaic():
     _, _, want = attention_float64(x["q"], x["k"], x["v"], scale=64 ** -0.5, mask=mask,
                                    sinks=x["sinks"], d_out=np.asarray(ct, np.float64))
     for name, got, ref in zip(NAMES[:4], grads, want, strict=True):
-        _assert_close(got, ref, dtype, name)
+        _assert_close(got, ref, dtype, name, factor=2)  # gradients: twice out's
     # One linear map: the transpose (backward kernels) of the tangent (plain JAX).
     forward = float(jnp.sum(d_out.astype(jnp.float32) * ct))
     reverse = sum(float(jnp.sum(g.astype(jnp.float32) * t.astype(jnp.float32)))
