@@ -136,7 +136,10 @@ def _sharded(call: _Call, operands):
                 "jax.shard_map(check_vma=True): Pallas's interpreter re-binds the kernels' "
                 "loop carries, traced invariant, to varying blocks; pass check_vma=False "
                 "(compiled kernels do not go through this interpreter)")
-        return call.run(_vary_together(operands))  # inside shard_map: already local
+        operands = _vary_together(operands)  # inside shard_map: already local
+        # plgpu.kernel (jax 0.11.2) drops the manual axes of its out_type, so the Mosaic
+        # kernels' results come back invariant; they vary as their operands do.
+        return tuple(varying_like(r, operands[0]) for r in call.run(operands))
     if kernels == "xla" or mesh.empty or mesh.size == 1 or context.manual_axes:
         # Plain XLA, which the partitioner splits by itself; one device; or inside
         # shard_map(check_vma=False), where the operands already are the local shards.

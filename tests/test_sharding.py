@@ -208,6 +208,29 @@ def test_mosaic_interpret_refuses_several_devices(axis_type):
         jax.jit(local).lower(*sharded)
 
 
+def test_mosaic_inside_a_one_device_shard_map_varies_and_differentiates():
+    """plgpu.kernel drops the manual axes of its out_type: the results must still vary
+    over the shard_map's axis (check_vma=True), forward and VJP, with the plain values."""
+    mosaic = BACKENDS["mosaic"]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))
+    spec = P(None, "seq")
+    q, k, v, d_out = random_qkv(1, 64, 64, 2, 1, 64, mosaic.dtype)
+
+    def fwd_vjp(q, k, v, d_out):
+        out, vjp = jax.vjp(lambda q, k, v: mosaic.attention(q, k, v, is_causal=True), q, k, v)
+        return (out, *vjp(d_out))
+
+    def checked(*args):
+        results = fwd_vjp(*args)
+        assert all("seq" in jax.typeof(x).manual_axis_type.varying for x in results)
+        return results
+
+    local = jax.jit(jax.shard_map(checked, mesh=mesh, in_specs=(spec,) * 4,
+                                  out_specs=(spec,) * 4))(q, k, v, d_out)
+    for got, want in zip(local, jax.jit(fwd_vjp)(q, k, v, d_out), strict=True):
+        assert rel_err(got, want) < 1e-6
+
+
 SEQUENCE_SPEC = P("data", "model", None, None)
 GATHERED_PARAMS = [
     pytest.param(BACKENDS["xla"], 4, SEQUENCE_SPEC, SEQUENCE_SPEC, id="xla-sequence"),
