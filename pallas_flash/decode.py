@@ -61,16 +61,23 @@ TARGET_WORK_UNITS = 2 * 132
 MIN_SPLIT_KEYS = 256
 
 
-def default_num_splits(batch: int, kv_heads: int, seq_kv: int) -> int:
+def default_num_splits(batch: int, kv_heads: int, seq_kv: int, *, ragged: bool = False
+                       ) -> int:
     """The heuristic number of K/V chunks for a decode call.
 
     One unit of work is a (sequence, kv head, chunk) triple: the packed query rows of one kv
     head are one tile. Returns the smallest ``n`` with ``batch · kv_heads · n >=``
-    :data:`TARGET_WORK_UNITS`, at most ``seq_kv //`` :data:`MIN_SPLIT_KEYS`, then lowered to
-    a divisor of ``seq_kv`` (so that the split is a reshape, not a padded copy); at least 1.
-    E.g. 32 × 8192 with 8 kv heads: 2; 8 × 32768: 4; 1 × 131072: 32.
+    :data:`TARGET_WORK_UNITS` (twice that when ``ragged``: with per-row lengths, about half
+    of the chunks lie past their row's length and cost nothing, so twice as many keep the
+    SMs as busy), at most ``seq_kv //`` :data:`MIN_SPLIT_KEYS`, then lowered to a divisor
+    of ``seq_kv`` (so that the split is a reshape, not a padded copy); at least 1.
+    E.g. 32 × 8192 with 8 kv heads: 2; 8 × 32768: 4 (ragged: 8); 1 × 131072: 32.
+    (measurements: benchmarks/results/decode-sweep-2026-12-02-ragged.json, where 8 × 32768
+    ragged read 2274–2348 GB/s with 8–16 splits against 1684 with 4, and 32 × 8192 ragged
+    was fastest with 2)
     """
-    wanted = math.ceil(TARGET_WORK_UNITS / (batch * kv_heads))
+    target = TARGET_WORK_UNITS * (2 if ragged else 1)
+    wanted = math.ceil(target / (batch * kv_heads))
     n = max(1, min(wanted, seq_kv // MIN_SPLIT_KEYS))
     while seq_kv % n:
         n -= 1
@@ -149,7 +156,7 @@ def decode_attention(
     deterministic = dispatch.deterministic_backward(check_deterministic(deterministic))
     lengths = _check_lengths(key_value_seq_lengths, batch, seq_kv)
     if num_splits is None:
-        num_splits = default_num_splits(batch, kv_heads, seq_kv)
+        num_splits = default_num_splits(batch, kv_heads, seq_kv, ragged=lengths is not None)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
 

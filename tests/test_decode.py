@@ -208,6 +208,14 @@ def test_default_num_splits(batch, kv_heads, seq_kv, expected):
     assert default_num_splits(batch, kv_heads, seq_kv) == expected
 
 
+@pytest.mark.parametrize(("batch", "kv_heads", "seq_kv", "expected"), [
+    (32, 8, 8192, 2),      # 528 units wanted: 3, and 2 the largest divisor below
+    (8, 8, 32768, 8),      # 9 wanted, 8 divides
+])
+def test_default_num_splits_ragged_aims_at_twice_the_units(batch, kv_heads, seq_kv, expected):
+    assert default_num_splits(batch, kv_heads, seq_kv, ragged=True) == expected
+
+
 # --- paged ----------------------------------------------------------------------------
 
 
