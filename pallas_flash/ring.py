@@ -53,6 +53,7 @@ from pallas_flash.arguments import (
     canonical_scale,
     canonical_segments,
     canonical_window,
+    check_deterministic,
     check_sinks,
     check_soft_cap,
     resolve_config,
@@ -151,6 +152,7 @@ class _Ring:
     implementation: str | None
     interpret: bool
     config: Any
+    deterministic: bool
 
     def chunks(self, device: int) -> tuple[int, ...]:
         """Global indices of the chunks ``device`` holds, in storage order."""
@@ -247,7 +249,8 @@ class _Ring:
         if config is None or name != self.implementation:
             config = module.default_config(q.shape, k.shape, q.dtype, mask)
         return StaticArgs(kernels=module.KERNELS, mask=mask, scale=self.scale,
-                          config=config, interpret=self.interpret, softcap=self.softcap)
+                          config=config, interpret=self.interpret, softcap=self.softcap,
+                          deterministic=self.deterministic)
 
     def slices(self, call: _Call) -> tuple[slice, slice]:
         (q0, q1), (k0, k1) = call.q_chunks, call.kv_chunks
@@ -484,6 +487,7 @@ def ring_attention(
     logits_soft_cap: float | None = None,
     sinks: jax.Array | None = None,
     return_residual: bool = False,
+    deterministic: bool = False,
     implementation: Implementation | None = None,
     interpret: bool = False,
     config: Any = None,
@@ -518,6 +522,9 @@ def ring_attention(
       sinks: ``[heads]`` attention-sink logits (replicated over the axis); differentiable.
       return_residual: also return ``[batch, seq_q / n, heads]`` log-sum-exp of each row
         (in the input dtype, no gradient), as ``attention``.
+      deterministic: bitwise-reproducible gradients, as ``attention`` (every step's
+        backward kernels run their reproducible variant; the ring's own sums are in a
+        fixed order).
       implementation: the backend of every step's kernels (``"mosaic"``, ``"triton"``,
         ``"xla"``); None picks as ``attention`` does, for each kernel call's shape.
       interpret: run Pallas kernels in interpret mode (CPU testing; Mosaic's interpreter
@@ -538,7 +545,7 @@ def ring_attention(
                    is_causal=is_causal, layout=layout, scale=scale,
                    q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                    local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
-                   sinks=sinks, return_residual=return_residual,
+                   sinks=sinks, return_residual=return_residual, deterministic=deterministic,
                    implementation=implementation, interpret=interpret, config=config)
 
 
@@ -567,8 +574,8 @@ def simulated_ring_attention(query: jax.Array, key: jax.Array, value: jax.Array,
 
 def _attend(query, key, value, size: int, *, axis_name, is_causal=False, layout="zigzag",
             scale=None, q_segment_ids=None, kv_segment_ids=None, local_window_size=None,
-            logits_soft_cap=None, sinks=None, return_residual=False, implementation=None,
-            interpret=False, config=None):
+            logits_soft_cap=None, sinks=None, return_residual=False, deterministic=False,
+            implementation=None, interpret=False, config=None):
     """:func:`ring_attention` on a ring of ``size`` steps (checked arrays)."""
     if implementation is not None:
         dispatch.backend(implementation)  # a bad name (or "cudnn": no lse) raises first
@@ -617,7 +624,9 @@ def _attend(query, key, value, size: int, *, axis_name, is_causal=False, layout=
     ring = _Ring(axis_name=axis_name, size=size, layout=layout, chunk_q=seq_q // chunks,
                  chunk_kv=seq_kv // chunks, is_causal=is_causal, window=window,
                  band=global_mask.band, scale=scale, softcap=softcap,
-                 implementation=implementation, interpret=interpret, config=config)
+                 implementation=implementation, interpret=interpret, config=config,
+                 deterministic=dispatch.deterministic_backward(
+                     check_deterministic(deterministic)))
     q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids
     out, lse = _ring_attention(query, key, value, q_ids, kv_ids, sinks, ring)
     if not return_residual:

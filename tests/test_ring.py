@@ -312,12 +312,36 @@ def _inside_ring(fn, n: int = 2, seq_q: int = 64, seq_kv: int = 64):
     (dict(axis_name=AXIS, implementation="cudnn"), 32, 32, "implementation must be one of"),
     (dict(axis_name=AXIS, local_window_size=-1), 32, 32, "local_window_size"),
     (dict(axis_name=AXIS, sinks=jnp.zeros(3)), 32, 32, "sinks must have shape"),
+    (dict(axis_name=AXIS, deterministic="yes"), 32, 32, "deterministic must be a bool"),
 ])
 def test_bad_arguments_raise(kwargs, seq_q, seq_kv, match):
     """Local lengths ``seq_q``, ``seq_kv`` on a ring of 2."""
     with pytest.raises(ValueError, match=match):
         _inside_ring(lambda q, k, v: pf.ring_attention(q, k, v, **kwargs),
                      seq_q=seq_q * 2, seq_kv=seq_kv * 2)
+
+
+def test_deterministic_reaches_every_backward_step(monkeypatch):
+    """ring_attention(deterministic=True): each step's backward kernels get it."""
+    from pallas_flash import sharding
+    seen = []
+    real = sharding.backward
+
+    def spy(static, *args, **kwargs):
+        seen.append(static.deterministic)
+        return real(static, *args, **kwargs)
+
+    monkeypatch.setattr(sharding, "backward", spy)
+
+    def loss(q, k, v):
+        return jnp.sum(pf.ring_attention(q, k, v, axis_name=AXIS, is_causal=True,
+                                         deterministic=True, implementation="xla"))
+
+    q = jnp.ones((1, 128, 2, HEAD_DIM), jnp.float32)
+    grad = jax.shard_map(jax.grad(loss), mesh=ring_mesh(2), in_specs=(SEQ_SPEC,) * 3,
+                         out_specs=SEQ_SPEC)
+    jax.jit(grad).trace(q, q, q)
+    assert seen and all(seen)
 
 
 def test_outside_shard_map_raises():
