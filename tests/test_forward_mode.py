@@ -140,7 +140,9 @@ def test_jvp_and_jit_grad_on_mosaic():
     _assert_close(d_out, want_d_out, dtype, "d_out")
     _assert_close(d_lse, want_d_lse, jnp.float32, "d_lse")
 
-    ct = _normal(out.shape, jnp.float32)
+    # A cotangent the 16-bit backward takes exactly (it reads dO in the input dtype), so
+    # the float64 oracle sees the same one.
+    ct = _normal(out.shape, dtype).astype(jnp.float32)
 
     def loss(*args):
         return jnp.sum(f(*args)[0].astype(jnp.float32) * ct)
@@ -152,10 +154,13 @@ def test_jvp_and_jit_grad_on_mosaic():
     for name, got, ref in zip(NAMES[:4], grads, want, strict=True):
         _assert_close(got, ref, dtype, name, factor=2)  # gradients: twice out's
     # One linear map: the transpose (backward kernels) of the tangent (plain JAX).
-    forward = float(jnp.sum(d_out.astype(jnp.float32) * ct))
+    terms = d_out.astype(jnp.float32) * ct
+    forward = float(jnp.sum(terms))
     reverse = sum(float(jnp.sum(g.astype(jnp.float32) * t.astype(jnp.float32)))
                   for g, t in zip(grads, dirs, strict=True))
-    assert abs(forward - reverse) < 2e-2 * abs(forward), (forward, reverse)
+    # The sums cancel heavily (random signs): bound the gap by the magnitude of the terms,
+    # which 16-bit rounding of d_out and the gradients scales, not by the sum itself.
+    assert abs(forward - reverse) < 1e-2 * float(jnp.sum(jnp.abs(terms))), (forward, reverse)
 
 
 def test_one_input_at_a_time_and_vmap():
