@@ -152,7 +152,7 @@ class _Ring:
     implementation: str | None
     interpret: bool
     config: Any
-    deterministic: bool
+    deterministic: bool = False
 
     def chunks(self, device: int) -> tuple[int, ...]:
         """Global indices of the chunks ``device`` holds, in storage order."""
