@@ -35,6 +35,7 @@ except ImportError as error:   # the core package needs only jax; the layers nee
         "pip install 'pallas-flash[flax]'") from error
 
 from pallas_flash.api import Implementation, attention
+from pallas_flash.decode import MAX_DECODE_SEQ_Q, decode_attention
 from pallas_flash.masking import CausalAlignment
 
 #: ``fn(query, key, value, *, is_causal, local_window_size, q_segment_ids, kv_segment_ids)``
@@ -208,10 +209,15 @@ class FlashSelfAttention(nnx.Module):
                                          or deterministic_backward):
             raise ValueError("give either attention_fn or implementation/interpret/"
                              "deterministic_backward, not both")
+        # A decode step (a few new tokens against the cache) runs split-KV decode on the
+        # package's own kernels; with a caller's attention_fn, the cache is attended by
+        # masked_attention (that function cannot take per-step cache lengths).
+        self.decode_fn = None
         if attention_fn is None:
-            attention_fn = functools.partial(attention, implementation=implementation,
-                                             interpret=interpret,
-                                             deterministic=deterministic_backward)
+            options = dict(implementation=implementation, interpret=interpret,
+                           deterministic=deterministic_backward)
+            attention_fn = functools.partial(attention, **options)
+            self.decode_fn = functools.partial(decode_attention, **options)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.is_causal = is_causal
         self.local_window_size = local_window_size
@@ -322,14 +328,24 @@ class FlashSelfAttention(nnx.Module):
         self.cached_key[...], self.cached_value[...] = cached_key, cached_value
         self.cache_index[...] = index + query.shape[1]
 
+        left = self.local_window_size
+        left = left[0] if isinstance(left, (tuple, list)) else left
+        if self.decode_fn is not None and query.shape[1] <= MAX_DECODE_SEQ_Q:
+            # The cache holds index + T tokens, the last T the queries' own: decode's
+            # per-row bottom-right alignment. Slots past them hold zeros or stale (finite)
+            # entries, which the lengths hide.
+            lengths = jnp.full((query.shape[0],), index + query.shape[1], jnp.int32)
+            return self.decode_fn(
+                query, cached_key.astype(query.dtype), cached_value.astype(query.dtype),
+                is_causal=True, key_value_seq_lengths=lengths,
+                local_window_size=None if left is None else (left, 0),
+                **self._score_options())
         # Slots past the newest token hold zeros (or stale entries): the causal mask with
         # the query's absolute position hides them.
         q_pos = index + jnp.arange(query.shape[1])[:, None]
         k_pos = jnp.arange(cached_key.shape[1])[None, :]
         visible = k_pos <= q_pos
-        if self.local_window_size is not None:
-            left = self.local_window_size
-            left = left[0] if isinstance(left, (tuple, list)) else left
+        if left is not None:
             visible &= k_pos >= q_pos - left
         return masked_attention(query, cached_key.astype(query.dtype),
                                 cached_value.astype(query.dtype), visible,

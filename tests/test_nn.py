@@ -126,8 +126,8 @@ def test_cached_decoding_reproduces_full_forward():
 
 
 def test_soft_cap_and_sinks_decode_equals_full_forward():
-    # The full forward runs pallas_flash.attention; decoding runs the layer's own
-    # masked_attention over the cache: two implementations of soft-cap + sinks agree.
+    # The full forward runs pallas_flash.attention; decoding runs decode_attention over the
+    # cache (split-KV, per-step lengths): two paths of soft-cap + sinks agree.
     layer = _layer(num_kv_heads=2, logits_soft_cap=2.0, use_sinks=True)
     layer.sinks[...] = jnp.array([-1.0, 0.0, 0.5, 2.0])
     x = _inputs(seq=10) * 4
@@ -137,6 +137,27 @@ def test_soft_cap_and_sinks_decode_equals_full_forward():
     steps = [layer(x[:, :4], decode=True)]
     steps += [layer(x[:, t:t + 1], decode=True) for t in range(4, 10)]
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_steps_run_decode_attention_unless_an_attention_fn_is_given(monkeypatch):
+    from pallas_flash import nn as pnn
+    lengths = []
+    real = pnn.decode_attention
+
+    def spy(*args, **kwargs):
+        lengths.append(int(kwargs["key_value_seq_lengths"][0]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pnn, "decode_attention", spy)
+    x = _inputs(seq=20)
+    for layer, expected in ((_layer(num_kv_heads=2), [3, 4, 20]),
+                            (_layer(num_kv_heads=2, attention_fn=pnn.attention), [])):
+        lengths.clear()
+        layer.init_cache(batch_size=2, max_length=20)
+        layer(x[:, :3], decode=True)   # a short prefill is a decode step too
+        layer(x[:, 3:4], decode=True)
+        layer(x[:, 4:], decode=True)   # 16 tokens: the longest decode step
+        assert lengths == expected
 
 
 def test_sinks_are_trained():
