@@ -13,8 +13,8 @@ sequence are gathered into a contiguous ``[batch, max_pages_per_seq · page_size
 head_dim]`` cache (one extra read and write of the addressed K/V, so about three times the
 HBM traffic), then attended by :func:`pallas_flash.decode.decode_attention` (``seq_q <=
 16``) or, for longer query chunks (chunked prefill), by :func:`pallas_flash.attention`
-with a per-row causal mask. The gradients of the direct path are those of the gathered
-formulation (its backward gathers).
+with a per-row causal mask. The derivatives of the direct path (forward and reverse mode)
+are those of the gathered formulation (they gather).
 
 Page ids are not range-checked (they cannot be, inside ``jit``): an id outside
 ``[0, num_pages)`` is clamped into it on reads (the gather's ``mode="clip"``) and the write is
@@ -188,7 +188,7 @@ class _DirectOptions:
     deterministic: bool
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
 def _paged_decode(query, key_pages, value_pages, page_table, lengths, options: _DirectOptions):
     """``(out [B, T, H, D], lse [B, H, T])`` of a decode step read from the pages in place."""
     return paged_split_forward(query, key_pages, value_pages, page_table, lengths,
@@ -199,7 +199,7 @@ def _paged_decode(query, key_pages, value_pages, page_table, lengths, options: _
 
 def _gathered_decode(query, key_pages, value_pages, page_table, lengths,
                      options: _DirectOptions):
-    """The same function through the gathered cache: what the backward differentiates."""
+    """The same function through the gathered cache: what differentiation goes through."""
     out, lse = decode_attention(
         query, gather_pages(key_pages, page_table), gather_pages(value_pages, page_table),
         is_causal=True, local_window_size=options.window, key_value_seq_lengths=lengths,
@@ -208,20 +208,16 @@ def _gathered_decode(query, key_pages, value_pages, page_table, lengths,
     return out, jnp.swapaxes(lse, 1, 2)
 
 
-def _paged_decode_fwd(query, key_pages, value_pages, page_table, lengths, options):
-    out = _paged_decode(query, key_pages, value_pages, page_table, lengths, options)
-    return out, (query, key_pages, value_pages, page_table, lengths)
-
-
-def _paged_decode_bwd(options, residuals, cotangents):
-    query, key_pages, value_pages, page_table, lengths = residuals
-    _, vjp = jax.vjp(lambda q, kp, vp: _gathered_decode(q, kp, vp, page_table, lengths,
-                                                        options),
-                     query, key_pages, value_pages)
-    return (*vjp(cotangents), None, None)
-
-
-_paged_decode.defvjp(_paged_decode_fwd, _paged_decode_bwd)
+@_paged_decode.defjvp
+def _paged_decode_jvp(options, primals, tangents):
+    # The value from the pages in place; the tangent (and, transposed, the gradients) from
+    # the gathered formulation, whose attention has forward- and reverse-mode rules. The
+    # page table and lengths are integers: no tangent.
+    query, key_pages, value_pages, page_table, lengths = primals
+    _, tangent = jax.jvp(
+        lambda q, kp, vp: _gathered_decode(q, kp, vp, page_table, lengths, options),
+        (query, key_pages, value_pages), tuple(tangents[:3]))
+    return _paged_decode(*primals, options), tangent
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:

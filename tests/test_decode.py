@@ -286,6 +286,13 @@ def test_paged_reads_pages_in_place_on_triton(seq_q, monkeypatch):
         assert rel_err(got, want) < 1e-5
     unused = np.setdiff1d(np.arange(key_pages.shape[0]), np.asarray(table))
     assert not np.any(np.asarray(dkp)[unused]) and not np.any(np.asarray(dvp)[unused])
+    # Forward mode too: <d_out, J·t> = <Jᵀ·d_out, t> with the gradients above.
+    t_q, t_k = (jax.random.normal(fresh_key(), x.shape, jnp.float32) for x in (q, key_pages))
+    _, (t_out, _) = jax.jvp(lambda q, kp: call(q, kp, value_pages, table, jnp.asarray(lengths),
+                                               sinks=sinks), (q, key_pages), (t_q, t_k))
+    forward = float(jnp.sum(t_out * d_out))
+    reverse = float(jnp.sum(dq * t_q) + jnp.sum(dkp * t_k))
+    assert abs(forward - reverse) < 1e-4 * float(jnp.sum(jnp.abs(t_out * d_out)))
 
 
 def test_out_of_range_page_ids_are_clamped_on_read():
