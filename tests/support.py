@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -201,3 +202,21 @@ def assert_matches(out, lse, grads, ref_out, ref_lse, ref_grads, dtype, *,
     for name, got, want in zip(names, grads, ref_grads, strict=True):
         assert got.shape == want.shape, name
         assert rel_err(got, want) < 2 * tol, (name, rel_err(got, want))
+
+
+# --- sharded programs -------------------------------------------------------------------
+
+COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all",
+               "reduce-scatter")
+
+
+def random_segments(batch: int, seq: int) -> jax.Array:
+    """Sorted ids of 1-4 packed documents per row."""
+    cuts = jax.random.randint(fresh_key(), (batch, 3), 0, seq)
+    return jnp.sum(jnp.arange(seq)[None, :, None] >= cuts[:, None, :], axis=-1, dtype=jnp.int32)
+
+
+def collectives(compiled_text: str) -> dict[str, int]:
+    """How many of each collective op the compiled HLO holds (only the nonzero ones)."""
+    counts = {op: len(re.findall(rf"\b{op}(?:-start)?\(", compiled_text)) for op in COLLECTIVES}
+    return {op: n for op, n in counts.items() if n}

@@ -17,8 +17,15 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
-from support import BACKENDS, assert_matches, fresh_key, random_qkv, rel_err
-from test_sharding import collectives, random_segments
+from support import (
+    BACKENDS,
+    assert_matches,
+    collectives,
+    fresh_key,
+    random_qkv,
+    random_segments,
+    rel_err,
+)
 
 import pallas_flash as pf
 from pallas_flash import ring

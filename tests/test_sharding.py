@@ -10,7 +10,6 @@ for it the tests check that a sharded call is refused rather than left to hang.
 
 from __future__ import annotations
 
-import re
 from typing import NamedTuple
 
 import jax
@@ -19,13 +18,19 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from support import BACKENDS, assert_matches, fresh_key, random_qkv, rel_err
+from support import (
+    BACKENDS,
+    assert_matches,
+    collectives,
+    fresh_key,
+    random_qkv,
+    random_segments,
+    rel_err,
+)
 
 from pallas_flash.masking import MaskSpec
 from pallas_flash.reference import attention_float64
 
-COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all",
-               "reduce-scatter")
 # [batch, seq, heads, head_dim] split over batch (2) and heads (4).
 QKV_SPEC = P("data", None, "model", None)
 
@@ -59,16 +64,6 @@ TRITON_CASES = [
 BATCH, SEQ, HEAD_DIM = 2, 48, 32
 
 
-def random_segments(batch: int, seq: int) -> jax.Array:
-    """Sorted ids of 1-4 packed documents per row."""
-    cuts = jax.random.randint(fresh_key(), (batch, 3), 0, seq)
-    return jnp.sum(jnp.arange(seq)[None, :, None] >= cuts[:, None, :], axis=-1, dtype=jnp.int32)
-
-
-def collectives(compiled_text: str) -> dict[str, int]:
-    """How many of each collective op the compiled HLO holds (only the nonzero ones)."""
-    counts = {op: len(re.findall(rf"\b{op}(?:-start)?\(", compiled_text)) for op in COLLECTIVES}
-    return {op: n for op, n in counts.items() if n}
 
 
 def forward_and_vjp(backend, case: Case, segment_ids):

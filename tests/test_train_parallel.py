@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from test_sharding import collectives
+from support import collectives
 
 from models import data
 from models import train as training
