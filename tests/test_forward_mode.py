@@ -118,8 +118,11 @@ def test_jacfwd_equals_jacrev():
 def test_jvp_and_jit_grad_on_mosaic():
     """Mosaic GPU (interpret mode, 16-bit): jax.jit of jax.jvp vs the oracle, and
     jax.jit(jax.grad) through the fused dQ (its jax.new_ref accumulator is discharged in
-    the lowering of the linear_call transpose) vs the oracle's gradients; <ct, J·t> equals
-    <Jᵀ·ct, t> to float32 rounding."""
+    the lowering of the linear_call transpose) vs the oracle's gradients.
+
+    No <ct, J·t> = <Jᵀ·ct, t> check here: both sides are sums of ~16k bf16-rounded terms
+    that cancel to O(1), so their rounding is not small next to the sum (CI saw 8 %); the
+    float32 backends check that identity as jacfwd == jacrev above."""
     from pallas_flash.mosaic import default_backward_config
 
     backend = BACKENDS["mosaic"]
@@ -153,11 +156,6 @@ def test_jvp_and_jit_grad_on_mosaic():
                                    sinks=x["sinks"], d_out=np.asarray(ct, np.float64))
     for name, got, ref in zip(NAMES[:4], grads, want, strict=True):
         _assert_close(got, ref, dtype, name, factor=2)  # gradients: twice out's
-    # One linear map: the transpose (backward kernels) of the tangent (plain JAX).
-    forward = float(jnp.sum(d_out.astype(jnp.float32) * ct))
-    reverse = sum(float(jnp.sum(g.astype(jnp.float32) * t.astype(jnp.float32)))
-                  for g, t in zip(grads, dirs, strict=True))
-    assert abs(forward - reverse) < 2e-2 * abs(forward), (forward, reverse)
 
 
 def test_one_input_at_a_time_and_vmap():
