@@ -314,7 +314,8 @@ def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
 
 def attention_fp8(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool = False,
                   scale: float | None = None, hadamard_key: jax.Array | None = None,
-                  config: MosaicConfig | None = None, return_residual: bool = False,
+                  config: MosaicConfig | None = None, out_scale: float | jax.Array | None = None,
+                  return_residual: bool = False,
                   implementation: Literal["mosaic", "xla"] | None = None,
                   interpret: bool = False):
     """FP8 (e4m3) attention forward: FlashAttention-3's block-quantized kernel on Hopper.
@@ -333,6 +334,10 @@ def attention_fp8(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool =
         quantized per ``block_q`` rows and K, V per ``block_kv`` keys, whichever
         implementation runs. Default:
         :func:`pallas_flash.mosaic.forward_fp8.default_config`.
+      out_scale: return the output in e4m3 as well: ``out ≈ out_fp8 · out_scale`` (a
+        positive float32 scalar, the delayed scaling of FP8 training recipes; values
+        beyond ``±448 · out_scale`` saturate). The output's ``amax`` (max ``|out|`` before
+        rounding, float32) comes with it, for the caller's next scale.
       return_residual: also return ``lse: [B, T, N]`` float32 (natural log).
       implementation: ``"mosaic"`` (the kernel: sm90, or the CPU with ``interpret=True``),
         ``"xla"`` (:func:`attention_fp8_reference`, any backend, same numerics, slow);
@@ -340,7 +345,8 @@ def attention_fp8(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool =
       interpret: run the kernel in Mosaic GPU interpret mode (CPU).
 
     Returns:
-      ``out: [B, T, N, D]`` bfloat16 (and ``lse`` with ``return_residual``).
+      ``out: [B, T, N, D]`` bfloat16; with ``out_scale``, ``(out_fp8, amax)`` in its place;
+      with ``return_residual``, ``lse`` after them: ``(out, lse)``, ``(out_fp8, amax, lse)``.
 
     The kernel follows the reference's rounding exactly (the same e4m3 operands and scales,
     P rounded as P·448, row sums of the unrounded P) except in one respect: it rounds P
@@ -352,6 +358,7 @@ def attention_fp8(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool =
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     config = forward_fp8.default_config(head_dim) if config is None else config
     forward_fp8.check_config(config, padded_head_dim(head_dim))
+    _check_out_scale(out_scale)
     if _implementation(implementation, interpret) == "xla":
         group = heads // kv_heads
         out, lse = _reference(q, jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2),
@@ -361,11 +368,161 @@ def attention_fp8(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool =
     else:
         operands = quantize_operands(q, k, v, block_q=config.block_q, block_kv=config.block_kv,
                                      hadamard_key=hadamard_key)
-        mask = MaskSpec(seq_q=q.shape[1], seq_kv=k.shape[1], is_causal=is_causal,
-                        causal_alignment="bottom_right")
-        out, lse = forward_fp8.forward(operands, mask=mask, scale=scale, config=config,
-                                       interpret=interpret)
-    return (out, jnp.transpose(lse, (0, 2, 1))) if return_residual else out
+        out, lse = _run_kernel(operands, is_causal=is_causal, scale=scale, config=config,
+                               interpret=interpret)
+    return _results(out, lse, out_scale, return_residual)
+
+
+def attention_fp8_quantized(q: jax.Array, k: jax.Array, v: jax.Array, q_scale: jax.Array,
+                            k_scale: jax.Array, v_scale: jax.Array, *,
+                            scale_blocks: tuple[int, int] | None = None,
+                            v_transposed: bool = False, is_causal: bool = False,
+                            scale: float | None = None, config: MosaicConfig | None = None,
+                            out_scale: float | jax.Array | None = None,
+                            return_residual: bool = False,
+                            implementation: Literal["mosaic", "xla"] | None = None,
+                            interpret: bool = False):
+    """FP8 attention on inputs that are already e4m3, with their scales: no quantization.
+
+    What an FP8 training recipe (per-tensor scales) or an FP8 KV cache (per-block scales)
+    hands over goes to the kernel as it is: no pass over Q, K or V is spent, except V's
+    transpose to ``[B, K, D, S]`` when it comes sequence-major (FP8 wgmma reads only
+    K-major operands, and P·V contracts over keys) — pass ``v_transposed=True`` to skip it.
+
+    Args:
+      q: ``[B, T, N, D]`` float8_e4m3fn; k: ``[B, S, K, D]`` float8_e4m3fn (``N % K == 0``,
+        ``D <= 256``).
+      v: ``[B, S, K, D]`` float8_e4m3fn, or ``[B, K, D, S]`` with ``v_transposed=True``.
+      q_scale, k_scale, v_scale: ``x ≈ x_fp8 · scale``, float32: a scalar (one scale per
+        tensor, as cuDNN's FP8 attention takes them) or ``[B, ceil(L / block), heads]``
+        (one per ``block`` positions of one head, :func:`quantize`'s layout; ``heads`` is
+        N for q and K for k, v).
+      scale_blocks: ``(q_block, kv_block)``, the positions per scale of q and of k, v when
+        the scales are per block. Each must be a multiple of the kernel's tile
+        (``config.block_q``, ``config.block_kv``), whose scales are then repeated; default:
+        the kernel's tiles.
+      v_transposed: v is ``[B, K, D, S]`` (the kernel's layout).
+      is_causal, scale, config, out_scale, return_residual, implementation, interpret: as
+        in :func:`attention_fp8`. A Hadamard rotation (incoherent processing) is the
+        caller's to apply to Q and K before quantizing them.
+
+    Returns:
+      As :func:`attention_fp8`.
+    """
+    for name, x, rank in (("q", q, 4), ("k", k, 4), ("v", v, 4)):
+        if x.ndim != rank or x.dtype != E4M3:
+            raise ValueError(f"{name} must be a 4-d float8_e4m3fn array, got {x.dtype} "
+                             f"{x.shape}")
+    batch, seq_kv, kv_heads, head_dim = k.shape
+    if v.shape != ((batch, kv_heads, head_dim, seq_kv) if v_transposed else k.shape):
+        layout = "[B, K, D, S]" if v_transposed else "[B, S, K, D]"
+        raise ValueError(f"v must be {layout} matching k {k.shape}, got {v.shape}")
+    _check_shapes(q, k, k, is_causal)
+    heads, seq_q = q.shape[2], q.shape[1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    config = forward_fp8.default_config(head_dim) if config is None else config
+    forward_fp8.check_config(config, padded_head_dim(head_dim))
+    _check_out_scale(out_scale)
+    q_block, kv_block = (config.block_q, config.block_kv) if scale_blocks is None \
+        else _check_scale_blocks(scale_blocks, config)
+    q_scale = _kernel_tile_scales(q_scale, "q_scale", (batch, seq_q, heads), q_block,
+                                  config.block_q)
+    k_scale, v_scale = (_kernel_tile_scales(x, name, (batch, seq_kv, kv_heads), kv_block,
+                                            config.block_kv)
+                        for name, x in (("k_scale", k_scale), ("v_scale", v_scale)))
+    if _implementation(implementation, interpret) == "xla":
+        group = heads // kv_heads
+        k_rows = jnp.repeat(k, group, axis=2)
+        v_rows = jnp.transpose(v, (0, 3, 1, 2)) if v_transposed else v
+        v_rows = jnp.repeat(dequantize(v_rows, v_scale, config.block_kv), group, axis=2)
+        out, lse = _reference_quantized(
+            q, q_scale, k_rows, jnp.repeat(k_scale, group, axis=2), v_rows,
+            block_q=config.block_q, block_kv=config.block_kv, scale=scale,
+            is_causal=is_causal, round_p=True)
+    else:
+        vt = v if v_transposed else jnp.transpose(v, (0, 2, 3, 1))
+        operands = Fp8Operands(q=q, q_scale=q_scale, k=k, k_scale=k_scale, vt=vt,
+                               v_scale=v_scale)
+        out, lse = _run_kernel(operands, is_causal=is_causal, scale=scale, config=config,
+                               interpret=interpret)
+    return _results(out, lse, out_scale, return_residual)
+
+
+def _run_kernel(operands: Fp8Operands, *, is_causal: bool, scale: float,
+                config: MosaicConfig, interpret: bool):
+    mask = MaskSpec(seq_q=operands.q.shape[1], seq_kv=operands.k.shape[1],
+                    is_causal=is_causal, causal_alignment="bottom_right")
+    return forward_fp8.forward(operands, mask=mask, scale=scale, config=config,
+                               interpret=interpret)
+
+
+def _results(out, lse, out_scale, return_residual: bool):
+    """The public return value from the kernel's (or reference's) ``out`` and
+    ``lse: [B, N, T]``."""
+    results = (out,) if out_scale is None else quantize_output(out, out_scale)
+    if return_residual:
+        results += (jnp.transpose(lse, (0, 2, 1)),)
+    return results[0] if len(results) == 1 else results
+
+
+def quantize_output(out: jax.Array, out_scale: float | jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``out`` in e4m3 with a given scale (delayed scaling), saturating, and its ``amax``.
+
+    Args:
+      out: any shape, any float dtype.
+      out_scale: a positive float32 scalar; ``out ≈ out_fp8 · out_scale``.
+
+    Returns:
+      ``(out_fp8, amax)``: float8_e4m3fn like ``out`` (values beyond ``±448 · out_scale``
+      clipped to ±448, where a plain cast would give NaN: e4m3fn has no infinity) and the
+      float32 ``max |out|`` before rounding, from which a recipe derives its next scale.
+    """
+    _check_out_scale(out_scale)
+    x = out.astype(jnp.float32)
+    scaled = jnp.clip(x / jnp.asarray(out_scale, jnp.float32), -E4M3_MAX, E4M3_MAX)
+    return scaled.astype(E4M3), jnp.max(jnp.abs(x))
+
+
+def _check_out_scale(out_scale) -> None:
+    if out_scale is None:
+        return
+    if jnp.ndim(out_scale) != 0 or not jnp.issubdtype(jnp.result_type(out_scale), jnp.floating):
+        raise ValueError(f"out_scale must be a positive float scalar or None, got {out_scale!r}")
+    if not isinstance(out_scale, jax.core.Tracer) and not float(out_scale) > 0:
+        raise ValueError(f"out_scale must be a positive float scalar, got {float(out_scale)}")
+
+
+def _check_scale_blocks(scale_blocks, config: MosaicConfig) -> tuple[int, int]:
+    if (not isinstance(scale_blocks, tuple) or len(scale_blocks) != 2
+            or not all(isinstance(b, int) and b > 0 for b in scale_blocks)):
+        raise ValueError("scale_blocks must be (q_block, kv_block), two positive ints, got "
+                         f"{scale_blocks!r}")
+    for name, block, tile in (("q_block", scale_blocks[0], config.block_q),
+                              ("kv_block", scale_blocks[1], config.block_kv)):
+        if block % tile:
+            raise ValueError(f"scale_blocks' {name} ({block}) must be a multiple of the "
+                             f"kernel's tile ({tile}): the kernel applies one scale per tile "
+                             "it loads; quantize again with the kernel's tiles otherwise")
+    return scale_blocks
+
+
+def _kernel_tile_scales(scales: jax.Array, name: str, shape: tuple[int, int, int], block: int,
+                        tile: int) -> jax.Array:
+    """Scales per tensor or per ``block`` positions -> float32 ``[B, ceil(L / tile), H]``
+    (``block`` a multiple of ``tile``: each block's scale repeated over its tiles)."""
+    batch, length, heads = shape
+    tiles = -(-length // tile)
+    scales = jnp.asarray(scales)
+    if not jnp.issubdtype(scales.dtype, jnp.floating):
+        raise ValueError(f"{name} must be float32, got {scales.dtype}")
+    scales = scales.astype(jnp.float32)
+    if scales.ndim == 0:
+        return jnp.broadcast_to(scales, (batch, tiles, heads))
+    want = (batch, -(-length // block), heads)
+    if scales.shape != want:
+        raise ValueError(f"{name} must be a scalar or {want} (one scale per {block} positions "
+                         f"and head; scale_blocks names other blocks), got {scales.shape}")
+    return jnp.repeat(scales, block // tile, axis=1)[:, :tiles]
 
 
 def _check_inputs(q, k, v, is_causal: bool) -> None:
@@ -375,6 +532,10 @@ def _check_inputs(q, k, v, is_causal: bool) -> None:
         if x.dtype != q.dtype or jnp.dtype(x.dtype) not in _INPUT_DTYPES:
             raise ValueError(f"q, k, v must share one dtype of bfloat16, float16, float32; "
                              f"{name} is {x.dtype}")
+    _check_shapes(q, k, v, is_causal)
+
+
+def _check_shapes(q, k, v, is_causal: bool) -> None:
     if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
         raise ValueError(f"k and v must be [batch, seq_kv, kv_heads, head_dim] like q's batch "
                          f"and head_dim, got q {q.shape}, k {k.shape}, v {v.shape}")
@@ -426,17 +587,28 @@ def _reference(q, k, v, *, hadamard_key, block_q, block_kv, scale, is_causal, fp
     ``lse: [batch, heads, seq_q]`` (natural log of the row sums of the dequantized S)."""
     q, k, _ = _rotate(q, k, hadamard_key)
     (q8, sq), (k8, sk) = quantize(q, block_q), quantize(k, block_kv)
+    v = v.astype(jnp.float32)
+    if fp8_pv:
+        v = dequantize(*quantize(v, block_kv), block_kv)
+    return _reference_quantized(q8, sq, k8, sk, v, block_q=block_q, block_kv=block_kv,
+                                scale=scale, is_causal=is_causal, round_p=fp8_pv)
+
+
+def _reference_quantized(q8, q_scale, k8, k_scale, v, *, block_q, block_kv, scale, is_causal,
+                         round_p):
+    """The FP8 arithmetic of :func:`_reference` on quantized Q, K (scales per ``block_q`` /
+    ``block_kv`` tile, or per tensor with ``None``) and a float32 V (already dequantized,
+    or exact with ``round_p=False``): ``(out bf16, lse [batch, heads, seq_q])``."""
     # The FP8 GEMM: exact products of e4m3 values, accumulated in float32.
     s = jnp.einsum("bqhd,bkhd->bhqk", q8.astype(jnp.float32), k8.astype(jnp.float32))
-    s = s * scale * _per_row(sq, block_q, q.shape[1]) * _per_col(sk, block_kv, k.shape[1])
+    s = s * scale * _per_row(q_scale, block_q, q8.shape[1]) * _per_col(k_scale, block_kv,
+                                                                      k8.shape[1])
     if is_causal:
         s = _hide_future(s)
     p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
     row_sum = jnp.sum(p, axis=-1)                                        # [b, h, q]
-    v = v.astype(jnp.float32)
-    if fp8_pv:
+    if round_p:
         p = _round_p(p)
-        v = dequantize(*quantize(v, block_kv), block_kv)
     out = jnp.einsum("bhqk,bkhd->bqhd", p, v) / jnp.transpose(row_sum, (0, 2, 1))[..., None]
     return out.astype(jnp.bfloat16), jnp.max(s, axis=-1) + jnp.log(row_sum)
 
