@@ -28,6 +28,7 @@ kernel of :mod:`pallas_flash.mosaic.forward_fp8` (or the reference where it cann
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -42,6 +43,7 @@ from pallas_flash.mosaic import MosaicConfig, forward_fp8
 from pallas_flash.mosaic.config import MAX_HEAD_DIM, padded_head_dim
 from pallas_flash.mosaic.forward_fp8 import Fp8Operands
 from pallas_flash.padding import pad_axis, round_up
+from pallas_flash.triton import quantize as triton_quantize
 
 E4M3 = jnp.float8_e4m3fn
 #: Largest finite e4m3 value.
@@ -291,25 +293,47 @@ def _round_tiles(x: jax.Array, rows: int | None, cols: int | None) -> jax.Array:
 
 
 def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
-                      block_kv: int, hadamard_key: jax.Array | None = None) -> Fp8Operands:
+                      block_kv: int, hadamard_key: jax.Array | None = None,
+                      implementation: Literal["triton", "xla"] | None = None,
+                      interpret: bool = False) -> Fp8Operands:
     """The FP8 kernel's inputs: block quantization as :func:`attention_fp8_reference` does it.
 
     Args:
       q: ``[batch, seq_q, heads, head_dim]``; k, v: ``[batch, seq_kv, kv_heads, head_dim]``.
       block_q, block_kv: the kernel's tiles, one scale per tile and head.
       hadamard_key: rotate Q and K first (incoherent processing).
+      implementation: ``"triton"``: the fused kernel
+        (:func:`pallas_flash.triton.quantize.quantize_tiles`: one read of each operand,
+        Vᵀ written by the same pass; a CUDA GPU of compute capability >= 8.9, or
+        ``interpret=True``; power-of-two blocks); ``"xla"``: :func:`quantize` (a pass for
+        the tile maxima, another for the rounding); ``None``: xla, until the kernel has
+        been measured on the H200 (it has not run on a GPU yet). Both give the same bits.
+      interpret: run the Triton kernel in Pallas interpret mode (CPU).
 
     Returns:
       :class:`~pallas_flash.mosaic.forward_fp8.Fp8Operands`; V comes transposed to
       ``[batch, kv_heads, head_dim, seq_kv]`` (FP8 wgmma reads only K-major operands, and
-      P·V contracts over keys). XLA fuses the transpose into V's conversion, so it costs
-      no extra pass over V.
+      P·V contracts over keys).
     """
-    q, k, _ = _rotate(q, k, hadamard_key)
-    (q8, q_scale), (k8, k_scale) = quantize(q, block_q), quantize(k, block_kv)
-    v8, v_scale = quantize(v, block_kv)
-    return Fp8Operands(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale,
-                       vt=jnp.transpose(v8, (0, 2, 3, 1)), v_scale=v_scale)
+    if implementation not in (None, "triton", "xla"):
+        raise ValueError(f"implementation must be 'triton', 'xla' or None, got "
+                         f"{implementation!r}")
+    runnable = interpret or triton_quantize.kernel_available()
+    if implementation == "triton" and not runnable:
+        raise ValueError("implementation='triton' needs a CUDA GPU of compute capability "
+                         ">= 8.9 or interpret=True")
+    implementation = implementation or "xla"
+    if hadamard_key is not None:
+        q, k, _ = _rotate(q, k, hadamard_key)
+    if implementation == "xla":
+        (q8, q_scale), (k8, k_scale) = quantize(q, block_q), quantize(k, block_kv)
+        v8, v_scale = quantize(v, block_kv)
+        vt = jnp.transpose(v8, (0, 2, 3, 1))
+    else:  # bf16 / f16 operands are read as they are: the kernel widens them to float32
+        tiles = functools.partial(triton_quantize.quantize_tiles, interpret=interpret)
+        (q8, q_scale), (k8, k_scale) = tiles(q, block_q), tiles(k, block_kv)
+        vt, v_scale = tiles(v, block_kv, transpose=True)
+    return Fp8Operands(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, vt=vt, v_scale=v_scale)
 
 
 def attention_fp8(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool = False,

@@ -16,6 +16,7 @@ import pytest
 from pallas_flash import fp8, reference
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import MosaicConfig, forward_fp8
+from pallas_flash.triton.quantize import quantize_tiles
 
 
 def _is_sm90() -> bool:
@@ -79,3 +80,57 @@ def test_kernel_matches_references(shape, causal, rotate, config):
     # FP8's own error: the emulation is 0.086 from float32 attention at the dense shape
     # (CPU, 2026-11-30); the kernel may add little to it.
     assert _rel(out, exact) < 1.05 * _rel(online, exact) < 0.1
+
+
+def _bits(x) -> np.ndarray:
+    return np.asarray(x.view(jnp.uint8 if x.dtype == fp8.E4M3 else jnp.uint32))
+
+
+def _spread(key, shape, dtype):
+    """Normal values whose magnitude varies over four decades along the sequence, with a
+    few outliers (x100) and the first 256 positions of head 0 all zero."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    x = jax.random.normal(k1, shape, jnp.float32)
+    x = x * 10.0 ** jax.random.uniform(k2, (1, shape[1], 1, 1), minval=-3, maxval=1)
+    x = jnp.where(jax.random.uniform(k3, shape) < 1e-3, x * 100, x)
+    return x.at[:, :256, 0].set(0.0).astype(dtype)
+
+
+@pytest.mark.parametrize(("seq", "head_dim", "block", "dtype"), [
+    (4096, 128, 256, jnp.bfloat16),   # block_kv of the head_dim 128 default
+    (4096, 128, 64, jnp.bfloat16),    # block_q
+    (4096, 256, 128, jnp.bfloat16),   # block_kv of the head_dim 256 default
+    (4096, 64, 128, jnp.float16),
+    (4096, 128, 128, jnp.float32),
+    (4000, 80, 128, jnp.bfloat16),    # tail tile, head_dim padded to 128
+])
+def test_quantize_kernel_is_bitwise_xla(seq, head_dim, block, dtype):
+    """The compiled fused quantization (pallas_flash.triton.quantize) against
+    fp8.quantize in XLA on the same GPU: every e4m3 byte and every scale's bits."""
+    x = _spread(jax.random.key(seq + head_dim + block), (1, seq, 16, head_dim), dtype)
+    want8, want_scales = jax.jit(lambda x: fp8.quantize(x, block))(x)
+    for transpose in (False, True):
+        x8, scales = jax.jit(lambda x, t=transpose: quantize_tiles(x, block, transpose=t))(x)
+        expected = jnp.transpose(want8, (0, 2, 3, 1)) if transpose else want8
+        assert x8.shape == expected.shape and x8.dtype == fp8.E4M3
+        np.testing.assert_array_equal(_bits(x8), _bits(expected))
+        np.testing.assert_array_equal(_bits(scales), _bits(want_scales))
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_quantize_operands_kernel_matches_xla(rotate):
+    """fp8.quantize_operands' fused kernel (implementation="triton") against its XLA
+    formulation: GQA, lengths that are no multiple of the tiles."""
+    keys = jax.random.split(jax.random.key(7), 4)
+    q = _spread(keys[0], (2, 1000, 16, 128), jnp.bfloat16)
+    k, v = (_spread(key, (2, 1500, 4, 128), jnp.bfloat16) for key in keys[1:3])
+    config = forward_fp8.default_config(128)
+    kwargs = dict(block_q=config.block_q, block_kv=config.block_kv,
+                  hadamard_key=keys[3] if rotate else None)
+    got = jax.jit(lambda q, k, v: fp8.quantize_operands(q, k, v, implementation="triton",
+                                                        **kwargs))(q, k, v)
+    want = jax.jit(lambda q, k, v: fp8.quantize_operands(q, k, v, implementation="xla",
+                                                         **kwargs))(q, k, v)
+    for name, a, b in zip(fp8.Fp8Operands._fields, got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=name)
