@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 test: venv
 	$(PY) -m ruff check .
-	$(PY) -m pytest -n $(JOBS) -q tests
+	$(PY) -m pytest -n $(JOBS) -q --durations=25 tests
 
 # The seed's equivalence check, then the tiny transformer trained on the stdlib's source.
 demo: venv
