@@ -217,6 +217,8 @@ def make_calls(names: Sequence[str], q, k, v, causal: bool, args) -> dict[str, C
                                  f"{','.join(SPEED_IMPLS)}")
         except ImportError as e:
             calls[name] = f"not importable: {e}"
+        except Exception as e:  # e.g. quantizing its operands: this call, not the point
+            calls[name] = error_summary(e)
     return calls
 
 
