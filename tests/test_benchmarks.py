@@ -13,7 +13,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from support import random_qkv, rel_err
 
-from benchmarks import lowered_modules, mosaic_bwd_probe, report, suite
+from benchmarks import fp8_cudnn, lowered_modules, mosaic_bwd_probe, report, suite
 from benchmarks import ring as ring_bench
 from benchmarks.flops import attention_flops, problem_shape, tflops_per_s
 from benchmarks.implementations import IMPLEMENTATIONS, Implementation, error_summary
@@ -377,3 +377,71 @@ def test_lowered_modules_fingerprints_tell_kernels_apart(tmp_path):
     saved.write_text(json.dumps({dense: got[dense]}))
     assert lowered_modules.main(["--only", f"^{dense}$", "--compare", str(saved)]) == 0
     assert lowered_modules.fp8.available_implementations is available  # restored
+
+
+# --- benchmarks/fp8_cudnn.py -----------------------------------------------------------------
+
+def test_fp8_cudnn_passes_our_scales_as_cudnns_descales(monkeypatch):
+    """cuDNN multiplies by every scale/descale: descale_x = our x ≈ x8 · scale, P rounded as
+    P · 448 then · 1/448, scale_o = 1 / out_scale; every key of fp8_params set."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+    seen = {}
+    monkeypatch.setattr(cudnn, "dot_product_attention",
+                        lambda *a, **kw: seen.update(args=a, **kw) or "out")
+    q8 = jnp.zeros((1, 128, 2, 64), jnp.float8_e4m3fn)
+    assert fp8_cudnn.cudnn_fp8(q8, q8, q8, 0.5, 0.25, 2.0, 0.125, is_causal=True) == "out"
+    params = {name: float(np.asarray(x).reshape(())) for name, x in seen["fp8_params"].items()}
+    assert set(params) == set(cudnn.fp8_params_keys)
+    assert all(seen["fp8_params"][n].shape == (1, 1, 1, 1) for n in params)
+    assert (params["descale_q"], params["descale_k"], params["descale_v"]) == (0.5, 0.25, 2.0)
+    assert params["scale_s"] == 448 and params["descale_s"] == np.float32(1 / 448)
+    assert params["scale_o"] == 8.0
+    assert seen["mask_type"] == cudnn.MaskType.CAUSAL and seen["use_fp8"]
+    assert seen["qkv_layout"] == "BTNH" and seen["scale"] == 64 ** -0.5
+
+
+def test_fp8_cudnn_accuracy_on_cpu(tmp_path):
+    """--accuracy on a tiny point: ours filled in, cuDNN "not available", and the e4m3
+    output costs ours_tensor_e4m3out an output rounding (more error than ours_tensor's,
+    but not much more: the dequantization uses the right scale)."""
+    assert fp8_cudnn.main(["--accuracy", "--seq-lens", "128", "--head-dims", "64", "--heads",
+                           "2", "--distributions", "outliers", "--out", str(tmp_path)]) == 0
+    (json_path,) = tmp_path.glob("fp8-cudnn-accuracy-*.json")
+    (row,) = json.loads(json_path.read_text())["rows"]
+    rel = row["rel"]
+    assert set(rel) == set(row["rmse"]) == {"bf16", *fp8_cudnn.OURS_METHODS}
+    assert set(row["errors"]) == set(fp8_cudnn.CUDNN_METHODS)
+    assert all(e.startswith("not available") for e in row["errors"].values())
+    assert rel["bf16"] < 1e-2 < rel["ours_tensor"] < 0.15
+    assert rel["ours_tensor"] < rel["ours_tensor_e4m3out"] < 1.5 * rel["ours_tensor"]
+    assert row["ours / cudnn"] is None and row["ours best / cudnn best"] is None
+    text = json_path.with_suffix(".md").read_text()
+    assert "| 128 | 64 | outliers | no | " in text and "| n/a | n/a |" in text
+
+
+def test_fp8_cudnn_speed_on_cpu(tmp_path):
+    """The speed mode on a tiny point: what cannot run here is a row with its reason, ours
+    are checked against float64, timed and divided by ours_bf16; a call failing the check
+    is not timed."""
+    common = ["--head-dims", "64", "--seq-lens", "128", "--tokens", "256", "--hidden", "128",
+              "--causal", "yes", "--rounds", "1", "--iters", "2", "--max-seconds", "0.05"]
+    assert fp8_cudnn.main([*common, "--out", str(tmp_path)]) == 0
+    (json_path,) = tmp_path.glob("fp8-cudnn-2*.json")
+    rows = {r["impl"]: r for r in json.loads(json_path.read_text())["rows"]}
+    assert set(rows) == set(fp8_cudnn.DEFAULT_SPEED_IMPLS)
+    for name in ("cudnn_fp8", "cudnn_bf16", "fa3"):
+        assert rows[name]["error"].startswith("not available") and "tflops" not in rows[name]
+    for name in ("ours_fp8", "ours_fp8_quantized", "ours_bf16"):
+        row = rows[name]
+        assert row["error"] is None and row["tflops"] > 0 and row["batch"] == 2
+        assert row["rel_err"] < row["tolerance"]
+    # The same block-quantized operands: the same output, bit for bit.
+    assert rows["ours_fp8"]["rel_err"] == rows["ours_fp8_quantized"]["rel_err"] > 1e-2
+    assert rows["ours_fp8"]["ratios"] == {"ours_bf16": pytest.approx(
+        rows["ours_fp8"]["tflops"] / rows["ours_bf16"]["tflops"])}
+    assert "| ours_fp8 / cudnn_fp8 |" in json_path.with_suffix(".md").read_text()
+    assert fp8_cudnn.main([*common, "--impls", "ours_fp8", "--fp8-tolerance", "1e-3",
+                           "--tag", "strict", "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / json_path.name.replace(".json", "-strict.json"))
+                        .read_text())["rows"]
+    assert row["error"].startswith("wrong result") and "tflops" not in row
