@@ -233,6 +233,20 @@ def _transpose(static: StaticArgs, wanted: tuple[str, ...], residuals, cotangent
     return {name: grads[name] for name in wanted}
 
 
+def attention_backward(static: StaticArgs, q: jax.Array, k: jax.Array, v: jax.Array,
+                       out: jax.Array, lse: jax.Array, d_out: jax.Array,
+                       d_lse: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(dq, dk, dv)`` of attention without segment ids, bias, mask or sinks: the backward
+    kernels of ``static`` (or of the backend :func:`pallas_flash.dispatch.choose_backward`
+    picks) on the residuals of any forward that computed ``out [B, T, N, D]`` and
+    ``lse [B, N, T]`` for these ``q``, ``k``, ``v`` (``[B, S, K, D]``). The FP8 forward
+    (:mod:`pallas_flash.fp8`) hands over its own: P is recomputed from q, k in their dtype
+    against the FP8 forward's lse (FlashAttention's recomputation, Sec. 3.1)."""
+    residuals = (q, k, v, None, None, None, None, out, lse)
+    grads = _transpose(static, ("q", "k", "v"), residuals, (d_out, d_lse))
+    return grads["q"], grads["k"], grads["v"]
+
+
 # --- jax.custom_derivatives.linear_call: the two rules jax 0.11 lacks ----------------------
 # The transpose of the tangent is the backward kernels through ``linear_call``. JAX's
 # ``linear_call_p`` drops its callee's effects from its type and has no batching rule: with
