@@ -41,6 +41,7 @@ from jax import lax
 from pallas_flash import dispatch
 from pallas_flash.api import available_implementations
 from pallas_flash.autodiff import attention_backward
+from pallas_flash.fp8_format import E4M3, E4M3_MAX
 from pallas_flash.kernel_args import StaticArgs
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import MosaicConfig, forward_fp8
@@ -48,10 +49,6 @@ from pallas_flash.mosaic.config import MAX_HEAD_DIM, padded_head_dim
 from pallas_flash.mosaic.forward_fp8 import Fp8Operands
 from pallas_flash.padding import pad_axis, round_up
 from pallas_flash.triton import quantize as triton_quantize
-
-E4M3 = jnp.float8_e4m3fn
-#: Largest finite e4m3 value.
-E4M3_MAX = float(jnp.finfo(E4M3).max)
 
 Scaling = Literal["tensor", "block"]
 _INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))

@@ -52,6 +52,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_flash.fp8_format import E4M3, E4M3_MAX
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic.block_walk import walk, walk_overlapped
 from pallas_flash.mosaic.config import (
@@ -78,9 +79,8 @@ from pallas_flash.mosaic.softmax import online_softmax_step
 from pallas_flash.mosaic.tiles import LOG2E, REGISTERS, row
 from pallas_flash.padding import pad_axis, round_up
 
-E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 #: P ∈ [0, 1] is stored as e4m3(P · 448): 448 is e4m3's largest finite value.
-P_SCALE = float(jnp.finfo(E4M3).max)
+P_SCALE = E4M3_MAX
 OUT_DTYPE = jnp.dtype(jnp.bfloat16)
 
 

@@ -19,11 +19,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_flash.fp8_format import E4M3, E4M3_MAX
 from pallas_flash.padding import next_power_of_2
 from pallas_flash.sharding import kernel_output
 
-E4M3 = jnp.float8_e4m3fn
-E4M3_MAX = float(jnp.finfo(E4M3).max)
 #: Elements of one tile at most: a program holds its tile in registers (float32, up to 16
 #: warps of 32 threads: 128 values per thread at this size).
 MAX_TILE_ELEMENTS = 1 << 16
