@@ -51,7 +51,6 @@ from pallas_flash.padding import pad_axis, round_up
 from pallas_flash.triton import quantize as triton_quantize
 
 Scaling = Literal["tensor", "block"]
-_INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
 def quantize(x: jax.Array, block: int | None) -> tuple[jax.Array, jax.Array]:
@@ -319,8 +318,7 @@ def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
     if implementation not in (None, "triton", "xla"):
         raise ValueError(f"implementation must be 'triton', 'xla' or None, got "
                          f"{implementation!r}")
-    runnable = interpret or triton_quantize.kernel_available()
-    if implementation == "triton" and not runnable:
+    if implementation == "triton" and not (interpret or triton_quantize.kernel_available()):
         raise ValueError("implementation='triton' needs a CUDA GPU of compute capability "
                          ">= 8.9 or interpret=True")
     implementation = implementation or "xla"
@@ -498,8 +496,8 @@ def attention_fp8_quantized(q: jax.Array, k: jax.Array, v: jax.Array, q_scale: j
     Returns:
       As :func:`attention_fp8`.
     """
-    for name, x, rank in (("q", q, 4), ("k", k, 4), ("v", v, 4)):
-        if x.ndim != rank or x.dtype != E4M3:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4 or x.dtype != E4M3:
             raise ValueError(f"{name} must be a 4-d float8_e4m3fn array, got {x.dtype} "
                              f"{x.shape}")
     batch, seq_kv, kv_heads, head_dim = k.shape
@@ -618,7 +616,7 @@ def _check_inputs(q, k, v, is_causal: bool) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got {x.shape}")
-        if x.dtype != q.dtype or jnp.dtype(x.dtype) not in _INPUT_DTYPES:
+        if x.dtype != q.dtype or jnp.dtype(x.dtype) not in dispatch.DTYPES:
             raise ValueError(f"q, k, v must share one dtype of bfloat16, float16, float32; "
                              f"{name} is {x.dtype}")
     _check_shapes(q, k, v, is_causal)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_flash.dispatch import DTYPES
 from pallas_flash.fp8_format import E4M3, E4M3_MAX
 from pallas_flash.padding import next_power_of_2
 from pallas_flash.sharding import kernel_output
@@ -26,7 +27,6 @@ from pallas_flash.sharding import kernel_output
 #: Elements of one tile at most: a program holds its tile in registers (float32, up to 16
 #: warps of 32 threads: 128 values per thread at this size).
 MAX_TILE_ELEMENTS = 1 << 16
-_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
 def kernel_available() -> bool:
@@ -116,7 +116,7 @@ def quantize_tiles(x: jax.Array, block: int, *, transpose: bool = False,
         raise ValueError(f"transpose must be a bool, got {transpose!r}")
     if not isinstance(interpret, bool):
         raise ValueError(f"interpret must be a bool, got {interpret!r}")
-    if jnp.dtype(x.dtype) not in _KERNEL_DTYPES:
+    if jnp.dtype(x.dtype) not in DTYPES:
         x = x.astype(jnp.float32)
     tiles, padded_d = -(-seq // block), next_power_of_2(head_dim)
 
