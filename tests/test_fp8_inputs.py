@@ -17,7 +17,7 @@ from pallas_flash import fp8
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import MosaicConfig
 from pallas_flash.reference import attention_float64
-from tests.support import fresh_key
+from tests.support import fresh_key, rel_err
 
 CONFIG = MosaicConfig(64, 64, 2)
 
@@ -143,11 +143,6 @@ def _mixed_residual_grads(q, k, v, out, lse, d_out, d_lse, *, scale, causal):
     return dq, fold(dk), fold(dv)
 
 
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 @pytest.mark.parametrize("rotate", [False, True])
 def test_gradient_is_the_bf16_backward_on_the_fp8_residuals(rotate):
     """jax.grad of attention_fp8 (GQA, bottom-right causal, odd lengths; through out and
@@ -174,7 +169,7 @@ def test_gradient_is_the_bf16_backward_on_the_fp8_residuals(rotate):
                                  causal=True)
     for name, got, ref in zip("qkv", grads, want, strict=True):
         assert got.dtype == jnp.bfloat16 and not np.isnan(np.asarray(got, np.float32)).any()
-        assert _rel(got, ref) < 6e-3, (name, _rel(got, ref))
+        assert rel_err(got, ref) < 6e-3, (name, rel_err(got, ref))
     # Through out alone, against exact attention's gradient: the FP8 forward's error, damped.
     grads_out = jax.jit(jax.grad(lambda q, k, v: jnp.sum(
         attention(q, k, v)[0].astype(jnp.float32) * ct_out.astype(jnp.float32)),
@@ -184,4 +179,4 @@ def test_gradient_is_the_bf16_backward_on_the_fp8_residuals(rotate):
                               mask=MaskSpec(70, 100, is_causal=True,
                                             causal_alignment="bottom_right"))[2]
     for name, got, true in zip("qkv", grads_out, exact, strict=True):
-        assert _rel(got, true) < 5e-2, (name, _rel(got, true))
+        assert rel_err(got, true) < 5e-2, (name, rel_err(got, true))
