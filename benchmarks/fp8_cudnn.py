@@ -78,6 +78,7 @@ import pallas_flash as pf
 from benchmarks import report
 from benchmarks.flops import attention_flops, problem_shape, tflops_per_s
 from benchmarks.fp8_accuracy import with_outliers
+from benchmarks.fp8_probe import rel_err
 from benchmarks.implementations import error_summary
 from benchmarks.timing import time_fn
 from pallas_flash import fp8
@@ -147,10 +148,6 @@ def cudnn_fp8(q8: jax.Array, k8: jax.Array, v8: jax.Array, q_scale, k_scale, v_s
                                        mask_type=mask_type, qkv_layout="BTNH", use_fp8=True)
 
 
-def _dequantize_out(out8: jax.Array, out_scale) -> jax.Array:
-    return out8.astype(jnp.float32) * jnp.asarray(out_scale, jnp.float32)
-
-
 # --- speed ------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +177,7 @@ def make_calls(names: Sequence[str], q, k, v, causal: bool, args) -> dict[str, C
             elif name == "cudnn_fp8":
                 calls[name] = Call(
                     jax.jit(functools.partial(cudnn_fp8, is_causal=causal)),
-                    (*tensor_ops, out_scale), lambda out: _dequantize_out(out[0], out_scale))
+                    (*tensor_ops, out_scale), lambda out: fp8.dequantize(out[0], out_scale, None))
             elif name == "cudnn_bf16":
                 calls[name] = Call(jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
                     q, k, v, is_causal=causal, implementation="cudnn")), (q, k, v))
@@ -211,7 +208,7 @@ def make_calls(names: Sequence[str], q, k, v, causal: bool, args) -> dict[str, C
                 calls[name] = Call(jax.jit(lambda *a: fp8.attention_fp8_quantized(
                     *a[:6], out_scale=a[6], is_causal=causal,
                     implementation=args.fp8_implementation)),
-                    (*tensor_ops, out_scale), lambda out: _dequantize_out(out[0], out_scale))
+                    (*tensor_ops, out_scale), lambda out: fp8.dequantize(out[0], out_scale, None))
             else:
                 raise ValueError(f"unknown implementation {name!r}; choose from "
                                  f"{','.join(SPEED_IMPLS)}")
@@ -231,14 +228,6 @@ def oracle_slice(q, k, v, causal: bool, rows: int, heads: int) -> np.ndarray:
     out, _ = attention_float64(q[:1, -rows:, :heads], k[:1, :, :heads], v[:1, :, :heads],
                                mask=mask)
     return np.asarray(out, np.float64)
-
-
-def relative_error(got, expected) -> float:
-    """‖got − expected‖ / ‖expected‖ in float64; NaN where ``got`` is not finite."""
-    got = np.asarray(got, np.float64)
-    if not np.isfinite(got).all():
-        return float("nan")
-    return float(np.linalg.norm(got - expected) / np.linalg.norm(expected))
 
 
 def run_point(head_dim: int, seq_len: int, causal: bool, args) -> list[dict]:
@@ -266,7 +255,7 @@ def run_point(head_dim: int, seq_len: int, causal: bool, args) -> list[dict]:
         except Exception as e:
             rows[name]["error"] = error_summary(e)
             continue
-        err = relative_error(got, expected)
+        err = rel_err(got, expected)
         tolerance = args.fp8_tolerance if name in _FP8 else args.tolerance
         rows[name].update(rel_err=err if math.isfinite(err) else None, tolerance=tolerance)
         if not err < tolerance:
@@ -394,11 +383,11 @@ def accuracy_methods(causal: bool, implementation: str | None) -> dict[str, Call
     kw = dict(is_causal=causal, implementation=implementation)
 
     def cudnn(ops, out_scale):
-        return _dequantize_out(cudnn_fp8(*ops, out_scale, is_causal=causal)[0], out_scale)
+        return fp8.dequantize(cudnn_fp8(*ops, out_scale, is_causal=causal)[0], out_scale, None)
 
     def ours_e4m3(ops, out_scale):
         out8, _ = fp8.attention_fp8_quantized(*ops, out_scale=out_scale, **kw)
-        return _dequantize_out(out8, out_scale)
+        return fp8.dequantize(out8, out_scale, None)
 
     methods = {
         "bf16": lambda a: pf.attention(a["q"], a["k"], a["v"], is_causal=causal),
@@ -448,7 +437,7 @@ def measure_accuracy(seq_len: int, head_dim: int, heads: int, distribution: str,
         if not np.isfinite(got).all():
             row["errors"][name] = f"{int(np.sum(~np.isfinite(got)))} non-finite outputs"
             continue
-        row["rel"][name] = float(np.linalg.norm(got - expected) / np.linalg.norm(expected))
+        row["rel"][name] = rel_err(got, expected)
         row["rmse"][name] = float(np.sqrt(np.mean((got - expected) ** 2)))
     rel = row["rel"]
     for label, ours, theirs in EQUAL_FOOTING:
