@@ -152,6 +152,13 @@ def random_qkv(batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype=jnp.float3
     return tuple(x.astype(dtype) for x in (q, k, v, d_out))
 
 
+def bits(x) -> np.ndarray:
+    """``x``'s raw bit patterns as unsigned integers of its item size: equal bits compare
+    equal, a NaN never matches a number, and -0.0 differs from 0.0."""
+    x = np.asarray(x)
+    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
 def rel_err(actual, expected) -> float:
     """‖actual − expected‖ / ‖expected‖ over every element; NaN/inf anywhere gives inf."""
     actual = np.asarray(actual, np.float64)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import BACKENDS, random_qkv, rel_err, tolerance
+from support import BACKENDS, bits, random_qkv, rel_err, tolerance
 
 import pallas_flash as pf
 from pallas_flash import dispatch
@@ -196,13 +196,8 @@ def test_attention_refuses_a_given_fused_dq(dq_paths):
 # --- the same bits twice, and accuracy --------------------------------------------------
 
 
-def _bits(x: jax.Array) -> np.ndarray:
-    x = np.asarray(x)
-    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
-
-
 @pytest.mark.parametrize("backend", [pytest.param(b, id=b.name) for b in BACKENDS.values()])
-def test_vjp_twice_gives_the_same_bits(backend):
+def test_vjp_twice_gives_the_samebits(backend):
     """GQA (two query heads on one KV head, whose dK/dV a backward sums), causal, bottom-right
     with more keys than queries: the VJP twice (traced anew each time), bit for bit, and
     the float64 oracle's gradients."""
@@ -216,7 +211,7 @@ def test_vjp_twice_gives_the_same_bits(backend):
 
     runs = [jax.vjp(f, q, k, v)[1](d_out) for _ in range(2)]
     for name, first, second in zip("qkv", *runs, strict=True):
-        np.testing.assert_array_equal(_bits(first), _bits(second), err_msg=f"d{name}")
+        np.testing.assert_array_equal(bits(first), bits(second), err_msg=f"d{name}")
     _, _, want = attention_float64(q, k, v, mask=mask, d_out=np.asarray(d_out, np.float64))
     for name, got, ref in zip("qkv", runs[0], want, strict=True):
         assert rel_err(got, ref) < 2 * tolerance(dtype), (f"d{name}", rel_err(got, ref))

@@ -15,6 +15,7 @@ import pytest
 
 from pallas_flash import fp8
 from pallas_flash.triton import quantize
+from tests.support import bits
 
 
 def _inputs(shape, block: int, dtype, seed: int = 0) -> jax.Array:
@@ -33,13 +34,9 @@ def _inputs(shape, block: int, dtype, seed: int = 0) -> jax.Array:
     return jnp.asarray(x, dtype)
 
 
-def _bits(x: jax.Array) -> np.ndarray:
-    return np.asarray(x.view(jnp.uint8 if x.dtype == fp8.E4M3 else jnp.uint32))
-
-
-def _assert_same_bits(got: jax.Array, want: jax.Array) -> None:
+def _assert_samebits(got: jax.Array, want: jax.Array) -> None:
     assert got.shape == want.shape and got.dtype == want.dtype
-    np.testing.assert_array_equal(_bits(got), _bits(want))
+    np.testing.assert_array_equal(bits(got), bits(want))
 
 
 @pytest.mark.parametrize(("shape", "block", "dtype", "transpose"), [
@@ -58,8 +55,8 @@ def test_matches_xla_quantize(shape, block, dtype, transpose):
     want8, want_scales = fp8.quantize(x, block)
     if transpose:
         want8 = jnp.transpose(want8, (0, 2, 3, 1))
-    _assert_same_bits(x8, want8)
-    _assert_same_bits(scales, want_scales)
+    _assert_samebits(x8, want8)
+    _assert_samebits(scales, want_scales)
     assert float(scales[0, 0, 0]) == 1.0          # the all-zero tile
     assert np.abs(np.asarray(x8, np.float32)).max() == fp8.E4M3_MAX
 
@@ -69,8 +66,8 @@ def test_float64_input_is_read_as_float32():
         x = _inputs((1, 64, 1, 64), 64, jnp.float64)
         x8, scales = quantize.quantize_tiles(x, 64, interpret=True)
         want8, want_scales = fp8.quantize(x, 64)
-    _assert_same_bits(x8, want8)
-    _assert_same_bits(scales, want_scales)
+    _assert_samebits(x8, want8)
+    _assert_samebits(scales, want_scales)
 
 
 @pytest.mark.parametrize("rotate", [False, True])
@@ -83,14 +80,14 @@ def test_quantize_operands_kernel_matches_xla(rotate):
     want = fp8.quantize_operands(q, k, v, implementation="xla", **kwargs)
     for name, a, b in zip(fp8.Fp8Operands._fields, got, want, strict=True):
         assert a.shape == b.shape, name
-        _assert_same_bits(a, b)
+        _assert_samebits(a, b)
 
 
 def test_quantize_operands_default_matches_quantize():
     """The default (XLA until the kernel is measured on a GPU) gives quantize's bits."""
     q = _inputs((1, 64, 2, 64), 64, jnp.bfloat16)
     ops = fp8.quantize_operands(q, q, q, block_q=64, block_kv=64)
-    _assert_same_bits(ops.vt, jnp.transpose(fp8.quantize(q, 64)[0], (0, 2, 3, 1)))
+    _assert_samebits(ops.vt, jnp.transpose(fp8.quantize(q, 64)[0], (0, 2, 3, 1)))
 
 
 def test_compiled_kernel_lowers_for_hopper():

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import random_qkv, rel_err
+from support import bits, random_qkv, rel_err
 
 import pallas_flash
 
@@ -49,22 +49,17 @@ def _runs(deterministic: bool, causal: bool, implementation: str, args) -> list:
     return [*runs, jax.device_get(fresh(*args))]
 
 
-def _bits(x) -> np.ndarray:
-    x = np.asarray(x)
-    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
-
-
 def _differing_runs(runs) -> int:
     """How many runs differ from the first in some bit of dq, dk or dv."""
-    return sum(any(not np.array_equal(_bits(a), _bits(b)) for a, b in zip(runs[0], run,
+    return sum(any(not np.array_equal(bits(a), bits(b)) for a, b in zip(runs[0], run,
                                                                            strict=True))
                for run in runs[1:])
 
 
-def _assert_same_bits(runs) -> None:
+def _assert_samebits(runs) -> None:
     for index, run in enumerate(runs[1:], 1):
         for name, first, later in zip("qkv", runs[0], run, strict=True):
-            mismatched = int(np.sum(_bits(first) != _bits(later)))
+            mismatched = int(np.sum(bits(first) != bits(later)))
             assert mismatched == 0, f"d{name}: call {index} differs in {mismatched} elements"
 
 
@@ -74,10 +69,10 @@ MOSAIC_CASES = [(seq, head_dim, causal) for seq in (2048, 4096) for head_dim in 
 
 @pytest.mark.skipif(not _is_sm90(), reason="needs a Hopper (sm90) GPU")
 @pytest.mark.parametrize(("seq", "head_dim", "causal"), MOSAIC_CASES)
-def test_mosaic_deterministic_gives_the_same_bits(seq, head_dim, causal, record_property):
+def test_mosaic_deterministic_gives_the_samebits(seq, head_dim, causal, record_property):
     args = random_qkv(2, seq, seq, 8, 2, head_dim, BF16)
     runs = _runs(True, causal, "mosaic", args)
-    _assert_same_bits(runs)
+    _assert_samebits(runs)
     default = _runs(False, causal, "mosaic", args)
     # Reported, not asserted: the default mode's run-to-run differences at this shape.
     record_property("default_runs_differing", _differing_runs(default))
@@ -90,17 +85,17 @@ def test_mosaic_deterministic_gives_the_same_bits(seq, head_dim, causal, record_
 
 @pytest.mark.parametrize("implementation", ["triton", "xla"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_other_backends_give_the_same_bits(implementation, causal):
+def test_other_backends_give_the_samebits(implementation, causal):
     args = random_qkv(2, 2048, 2048, 8, 2, 64, BF16)
-    _assert_same_bits(_runs(True, causal, implementation, args))
+    _assert_samebits(_runs(True, causal, implementation, args))
 
 
 @pytest.mark.skipif(not _is_sm90(), reason="needs a Hopper (sm90) GPU")
-def test_decode_step_gradient_gives_the_same_bits():
+def test_decode_step_gradient_gives_the_samebits():
     """A decode-shaped call (8 new queries on a 4096-token cache), which attention routes
     to decode_attention: its chunked call's backward (on the Mosaic kernels, whose default
     is the fused dQ; a decode step left to the dispatcher runs on Triton) takes the same
     argument."""
     q, _, _, d_out = random_qkv(2, 8, 8, 8, 2, 128, BF16)
     _, k, v, _ = random_qkv(2, 8, 4096, 8, 2, 128, BF16)
-    _assert_same_bits(_runs(True, False, "mosaic", (q, k, v, d_out)))
+    _assert_samebits(_runs(True, False, "mosaic", (q, k, v, d_out)))

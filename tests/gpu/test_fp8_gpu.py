@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support import bits
 
 from pallas_flash import fp8, reference
 from pallas_flash.masking import MaskSpec
@@ -82,10 +83,6 @@ def test_kernel_matches_references(shape, causal, rotate, config):
     assert _rel(out, exact) < 1.05 * _rel(online, exact) < 0.1
 
 
-def _bits(x) -> np.ndarray:
-    return np.asarray(x.view(jnp.uint8 if x.dtype == fp8.E4M3 else jnp.uint32))
-
-
 def _spread(key, shape, dtype):
     """Normal values whose magnitude varies over four decades along the sequence, with a
     few outliers (x100) and the first 256 positions of head 0 all zero."""
@@ -113,8 +110,8 @@ def test_quantize_kernel_is_bitwise_xla(seq, head_dim, block, dtype):
         x8, scales = jax.jit(lambda x, t=transpose: quantize_tiles(x, block, transpose=t))(x)
         expected = jnp.transpose(want8, (0, 2, 3, 1)) if transpose else want8
         assert x8.shape == expected.shape and x8.dtype == fp8.E4M3
-        np.testing.assert_array_equal(_bits(x8), _bits(expected))
-        np.testing.assert_array_equal(_bits(scales), _bits(want_scales))
+        np.testing.assert_array_equal(bits(x8), bits(expected))
+        np.testing.assert_array_equal(bits(scales), bits(want_scales))
 
 
 @pytest.mark.parametrize("rotate", [False, True])
@@ -133,4 +130,4 @@ def test_quantize_operands_kernel_matches_xla(rotate):
                                                          **kwargs))(q, k, v)
     for name, a, b in zip(fp8.Fp8Operands._fields, got, want, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype, name
-        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=name)
+        np.testing.assert_array_equal(bits(a), bits(b), err_msg=name)
