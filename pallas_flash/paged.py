@@ -51,6 +51,7 @@ from pallas_flash.decode import (
     paged_split_forward,
 )
 from pallas_flash.masking import MaskSpec
+from pallas_flash.triton.config import padded_head_dim
 
 #: Page sizes the paged functions take (powers of two: the future kernel's tiles).
 PAGE_SIZES = (8, 16, 32, 64, 128, 256)
@@ -160,19 +161,21 @@ def _reads_pages(query, key_pages, page_table, implementation, interpret: bool) 
     packed = (query.shape[0], query.shape[1] * query.shape[2] // kv_heads, kv_heads,
               query.shape[3])
     cache = (query.shape[0], page_table.shape[1] * page_size, *key_pages.shape[2:])
-    name = implementation or dispatch.choose_decode(
-        packed, cache, query.dtype, MaskSpec(packed[1], cache[1]),
-        dispatch.Features(has_segments=True), interpret=interpret)
-    return name == "triton"
+    spec, features = MaskSpec(packed[1], cache[1]), dispatch.Features(has_segments=True)
+    name = implementation or dispatch.choose_decode(packed, cache, query.dtype, spec, features,
+                                                    interpret=interpret)
+    # A call Triton refuses (float64, say) goes the gathered way, which says why; a head
+    # dim the kernel pads would pad the whole page pool, far more than the gather copies.
+    return (name == "triton" and padded_head_dim(query.shape[3]) == query.shape[3]
+            and dispatch.unsupported(name, packed, cache, query.dtype, spec, features) is None)
 
 
 def _page_splits(table_shape, pages_shape) -> int:
     """The decode split count for this cache, lowered to a divisor of the table's width (a
     split is a slice of whole pages)."""
     batch, max_pages = table_shape
-    n = math.gcd(max_pages, default_num_splits(batch, pages_shape[2],
-                                               max_pages * pages_shape[1]))
-    return max(n, 1)
+    return math.gcd(max_pages, default_num_splits(batch, pages_shape[2],
+                                                  max_pages * pages_shape[1]))
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=[],
@@ -210,14 +213,15 @@ def _gathered_decode(query, key_pages, value_pages, page_table, lengths,
 
 @_paged_decode.defjvp
 def _paged_decode_jvp(options, primals, tangents):
-    # The value from the pages in place; the tangent (and, transposed, the gradients) from
-    # the gathered formulation, whose attention has forward- and reverse-mode rules. The
-    # page table and lengths are integers: no tangent.
+    # Differentiated, the call runs the gathered formulation, whose attention has forward-
+    # and reverse-mode rules; undifferentiated, it reads the pages in place. The page table
+    # and lengths are integers: no tangent.
+    # Its primal too: the residuals of that formulation's backward are its own (out, lse),
+    # so taking the value from the pages as well would run a second forward.
     query, key_pages, value_pages, page_table, lengths = primals
-    _, tangent = jax.jvp(
+    return jax.jvp(
         lambda q, kp, vp: _gathered_decode(q, kp, vp, page_table, lengths, options),
         (query, key_pages, value_pages), tuple(tangents[:3]))
-    return _paged_decode(*primals, options), tangent
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:

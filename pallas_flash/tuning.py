@@ -209,9 +209,13 @@ def candidate_configs(implementation: str, q_shape: Sequence[int], kv_shape: Seq
                     if c.block_q == 64]
         configs = [c for c in configs if _fits_mosaic(c, head_dim, itemsize)]
     elif implementation == "triton":
-        from pallas_flash.triton.config import fit_row_operands, shrink_to_sequence
+        from pallas_flash.triton.config import (
+            fit_row_operands,
+            padded_head_dim,
+            shrink_to_sequence,
+        )
 
-        head_dim = max(16, next_power_of_2(q_shape[3]))
+        head_dim = padded_head_dim(q_shape[3])
         configs = [
             fit_row_operands(shrink_to_sequence(dataclasses.replace(
                 default, block_q=block_q, block_kv=block_kv, num_warps=warps,

@@ -303,13 +303,16 @@ def test_out_of_range_page_ids_are_clamped_on_read():
     assert np.array_equal(gathered, expected)
 
 
-def test_out_of_range_page_ids_are_clamped_by_the_direct_read():
+def test_out_of_range_page_ids_are_clamped_by_the_direct_read(monkeypatch):
     pages = jax.random.normal(fresh_key(), (2, 3, 16, 1, 16), jnp.float32)
     q = jax.random.normal(fresh_key(), (1, 1, 2, 16), jnp.float32)
     table = jnp.array([[7, -3]], jnp.int32)  # read as pages 2 and 0
     lengths = jnp.array([32], jnp.int32)
+    from pallas_flash import paged
+    monkeypatch.setattr(paged, "gather_pages", None)  # the direct read, not the gather
     direct = pf.paged_attention(q, *pages, table, lengths, implementation="triton",
                                 interpret=True)
+    monkeypatch.undo()
     clamped = pf.paged_attention(q, *pages, jnp.array([[2, 0]], jnp.int32), lengths,
                                  implementation="xla")
     assert np.max(np.abs(np.asarray(direct) - np.asarray(clamped))) < 1e-5
@@ -457,3 +460,23 @@ def test_decode_prefers_triton_where_mosaic_runs_too(monkeypatch):
     monkeypatch.setattr(dispatch, "unsupported",
                         lambda name, *args: "no" if name == "triton" else None)
     assert dispatch.choose_decode(*args, interpret=False) == "mosaic"
+
+
+def test_direct_read_only_where_triton_takes_the_call_unpadded(monkeypatch):
+    """A head dim the Triton kernel pads (it would pad the whole pool) and float64 (Triton
+    refuses it) take the gathered path: the first gives the same attention, the second
+    the dispatcher's error."""
+    from pallas_flash import paged
+    pages = jax.random.normal(fresh_key(), (2, 4, 16, 1, 24), jnp.float32)
+    q = jax.random.normal(fresh_key(), (1, 1, 2, 24), jnp.float32)
+    table, lengths = jnp.array([[3, 1]], jnp.int32), jnp.array([30], jnp.int32)
+    want = pf.paged_attention(q, *pages, table, lengths, implementation="xla")
+    monkeypatch.setattr(paged, "paged_split_forward", None)  # the direct read would fail
+    got = pf.paged_attention(q, *pages, table, lengths, implementation="triton",
+                             interpret=True)
+    assert rel_err(got, want) < 1e-5
+    with jax.enable_x64(True):
+        pages64, q64 = pages.astype(jnp.float64)[..., :16], q.astype(jnp.float64)[..., :16]
+        with pytest.raises(ValueError, match="float64"):
+            pf.paged_attention(q64, *pages64, table, lengths, implementation="triton",
+                               interpret=True)

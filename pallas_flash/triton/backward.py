@@ -40,9 +40,9 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_flash.bias import sum_to_shape
 from pallas_flash.logits import LOG2_E, log2_logits, raw_score_gradient
 from pallas_flash.masking import MaskSpec
-from pallas_flash.padding import next_power_of_2, pad_axis, round_up
+from pallas_flash.padding import pad_axis, round_up
 from pallas_flash.sharding import kernel_output
-from pallas_flash.triton.config import TritonConfig
+from pallas_flash.triton.config import TritonConfig, padded_head_dim
 from pallas_flash.triton.forward import dot_precision
 from pallas_flash.triton.tiles import (
     column_block_operand,
@@ -217,7 +217,7 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
     group = heads // kv_heads
     block_q, block_kv = config.bwd_block_q, config.bwd_block_kv
     padded_q, padded_kv = round_up(seq_q, block_q), round_up(seq_kv, block_kv)
-    padded_d = max(16, next_power_of_2(head_dim))
+    padded_d = padded_head_dim(head_dim)
     num_q_blocks, num_kv_blocks = padded_q // block_q, padded_kv // block_kv
 
     q_p, do_p = (pad_axis(pad_axis(x, 1, padded_q), 3, padded_d) for x in (q, d_out))

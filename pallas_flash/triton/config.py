@@ -14,6 +14,12 @@ _WARPS = (1, 2, 4, 8, 16)
 DECODE_ROWS = 16
 
 
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim the Triton kernels compute with: a power of two (Triton's block shapes),
+    at least 16 (``tl.dot``'s smallest K); inputs are zero-padded to it."""
+    return max(16, next_power_of_2(head_dim))
+
+
 def _is_power_of_2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 

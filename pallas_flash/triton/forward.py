@@ -20,10 +20,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash.logits import LOG2_E, log2_logits
 from pallas_flash.masking import MaskSpec
-from pallas_flash.padding import next_power_of_2, pad_axis, round_up
+from pallas_flash.padding import pad_axis, round_up
 from pallas_flash.reference import EMPTY_ROW_LSE
 from pallas_flash.sharding import kernel_output
-from pallas_flash.triton.config import TritonConfig, fit_row_operands
+from pallas_flash.triton.config import TritonConfig, fit_row_operands, padded_head_dim
 from pallas_flash.triton.tiles import (
     read_tile,
     row_block_operand,
@@ -140,7 +140,7 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: Trito
         # A K/V tile must lie within one page (page sizes and tiles are powers of two).
         config = dataclasses.replace(config, block_kv=min(config.block_kv, page_size))
     group = heads // kv_heads
-    padded_d = max(16, next_power_of_2(head_dim))
+    padded_d = padded_head_dim(head_dim)
     # Bytes per (query row, key) of the bias/mask tiles that vary along queries.
     row_tile_bytes = sum(x.dtype.itemsize for x in (bias, attn_mask)
                          if x is not None and x.shape[2] > 1)
