@@ -80,11 +80,18 @@ def _pass_static(static: StaticArgs, operands) -> StaticArgs:
     the kernel would not do: the Mosaic backward's ``jax.new_ref`` accumulator cannot be
     discharged through ``custom_jvp_call`` under ``jax.jit``.)
     """
-    if static.kernels.name == "xla" or not _differentiated(operands):
+    if not _differentiated(operands):
         return static
-    xla = dispatch.backend("xla")
-    q, k = operands[:2]
-    return dataclasses.replace(static, kernels=xla.KERNELS, config=xla.default_config(
+    return _on_backend(static, "xla", *operands[:2])
+
+
+def _on_backend(static: StaticArgs, name: str, q, k) -> StaticArgs:
+    """``static`` with backend ``name``'s kernels: itself if it already has them, else
+    with that backend's default config (a config belongs to one backend)."""
+    if name == static.kernels.name:
+        return static
+    module = dispatch.backend(name)
+    return dataclasses.replace(static, kernels=module.KERNELS, config=module.default_config(
         q.shape, k.shape, q.dtype, static.mask))
 
 
@@ -167,10 +174,8 @@ def _tangent(static: StaticArgs, residuals, linear: dict):
     over the keys from the forward's residuals, about a forward's work; a Pallas kernel for
     it would be a third kernel per backend for the least used mode of differentiation."""
     q, k, v, segment_ids, sinks, bias, attn_mask, out, lse = residuals
-    xla = dispatch.backend("xla")
-    config = (static.config if static.kernels.name == "xla"
-              else xla.default_config(q.shape, k.shape, q.dtype, static.mask))
-    pv, d_lse = xla.tangent(
+    config = _on_backend(static, "xla", q, k).config
+    pv, d_lse = dispatch.backend("xla").tangent(
         q, k, v, segment_ids, lse, linear.get("q"), linear.get("k"), linear.get("v"),
         linear.get("bias"), mask=static.mask, scale=static.scale, config=config,
         softcap=static.softcap, bias=bias, attn_mask=attn_mask)
@@ -189,11 +194,7 @@ def _backward_static(static: StaticArgs, q, k, features: dispatch.Features,
     name = dispatch.choose_backward(static.kernels.name, q.shape, k.shape, q.dtype,
                                     static.mask, features, bias_grad=bias_grad,
                                     interpret=static.interpret)
-    if name == static.kernels.name:
-        return static
-    module = dispatch.backend(name)
-    return dataclasses.replace(static, kernels=module.KERNELS, config=module.default_config(
-        q.shape, k.shape, q.dtype, static.mask))
+    return _on_backend(static, name, q, k)
 
 
 def row_delta(out: jax.Array, lse: jax.Array, d_out: jax.Array, d_lse: jax.Array | None
