@@ -77,7 +77,9 @@ def scattered_pools(key: jax.Array, value: jax.Array, page_size: int, seed: int)
     return pool(key), pool(value), table
 
 
-def _jax_nn(implementation: str, lengths) -> Callable:
+def jax_nn(implementation: str, lengths) -> Callable:
+    """``jax.nn.dot_product_attention`` on a decode step (per-row cache ``lengths`` or
+    None), as ``(q, k, v) -> out``."""
     def call(q, k, v):
         extra = {}
         if lengths is not None:
@@ -115,7 +117,7 @@ def make_calls(impls: list[str], q, k, v, lengths, implementation: str | None,
                     q, kp, vp, table, cache_lengths, implementation=implementation))
                 calls[name] = (fn, (q, *pools))
             elif name in ("cudnn", "xla"):
-                calls[name] = (jax.jit(_jax_nn(name, lengths)), (q, k, v))
+                calls[name] = (jax.jit(jax_nn(name, lengths)), (q, k, v))
             elif name == "fa3":
                 if q.shape[-1] != 128:
                     calls[name] = "FA3's kv-cache kernel is benchmarked at head_dim 128 only"

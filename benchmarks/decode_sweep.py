@@ -23,17 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_flash as pf
-from benchmarks.decode import kv_gbps, parse_point
+from benchmarks.decode import jax_nn, kv_gbps, parse_point
 from benchmarks.timing import time_fn
 from pallas_flash.decode import default_num_splits
 from pallas_flash.triton import TritonConfig
 
 
 def _calls(q, k, v, lengths, tiles: list[str], factors: list[int]) -> dict:
-    extra = {} if lengths is None else dict(query_seq_lengths=jnp.ones_like(lengths),
-                                            key_value_seq_lengths=lengths)
-    calls = {"cudnn": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, implementation="cudnn", **extra))}
+    calls = {"cudnn": jax.jit(jax_nn("cudnn", lengths))}
     base = default_num_splits(k.shape[0], k.shape[2], k.shape[1])
 
     def decode(implementation, config, num_splits):
