@@ -42,7 +42,8 @@ the median over rounds gives TFLOP/s (forward 4·B·H·L²·D, halved when causa
 
 Before timing, each output's last ``--check-rows`` rows of the first two heads of the first
 sequence are compared with the float64 oracle: relative error ‖out − ref‖ / ‖ref‖ above
-``--tolerance`` (bf16) or ``--fp8-tolerance`` (FP8: e4m3 alone costs 5–9 % at N(0, 1)) marks
+``--tolerance`` (bf16) or ``--fp8-tolerance`` (FP8: e4m3 alone costs 5–9 % at N(0, 1) and
+L ≤ 4096, and 17 % at L 16384, cuDNN's FP8 and ours alike on the H200, 2026-12-02) marks
 the row *wrong* and it is not timed. A failing implementation is a row with its error,
 never a crash. Ratios are TFLOP/s over the anchors' TFLOP/s at the same point.
 
@@ -556,7 +557,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     speed.add_argument("--check-rows", type=int, default=256,
                        help="query rows compared with the float64 oracle")
     speed.add_argument("--tolerance", type=float, default=0.05, help="bf16 relative error")
-    speed.add_argument("--fp8-tolerance", type=float, default=0.15, help="FP8 relative error")
+    speed.add_argument("--fp8-tolerance", type=float, default=0.25, help="FP8 relative error")
     speed.add_argument("--time-limit", type=float, default=540,
                        help="no new point after this many seconds (0: none)")
     accuracy = parser.add_argument_group("accuracy")

@@ -227,3 +227,27 @@ def collectives(compiled_text: str) -> dict[str, int]:
     """How many of each collective op the compiled HLO holds (only the nonzero ones)."""
     counts = {op: len(re.findall(rf"\b{op}(?:-start)?\(", compiled_text)) for op in COLLECTIVES}
     return {op: n for op, n in counts.items() if n}
+
+
+def quantize_ieee(x, block: int, *, transpose: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """``fp8.quantize(x, block)`` computed on the host in IEEE float32: per tile the scale
+    ``amax / 448`` and the quotient ``x / scale``, each correctly rounded, then rounded to
+    e4m3 (nearest, ties to even) by ml_dtypes. XLA may turn either division into a
+    multiplication by a reciprocal (one float32 ulp off), so this is the reference for bits.
+
+    Returns ``(x_fp8, scales)`` as numpy arrays, ``x_fp8`` ``[batch, seq, heads, head_dim]``
+    (``[batch, heads, head_dim, seq]`` with ``transpose``), scales ``[batch, tiles, heads]``.
+    """
+    import ml_dtypes
+
+    x = np.asarray(x, np.float32)
+    batch, seq, heads, head_dim = x.shape
+    tiles = -(-seq // block)
+    padded = np.zeros((batch, tiles * block, heads, head_dim), np.float32)
+    padded[:, :seq] = x
+    padded = padded.reshape(batch, tiles, block, heads, head_dim)
+    amax = np.abs(padded).max(axis=(2, 4))
+    scales = np.where(amax > 0, amax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
+    quotient = (padded / scales[:, :, None, :, None]).astype(np.float32)
+    x_fp8 = quotient.astype(ml_dtypes.float8_e4m3fn).reshape(batch, -1, heads, head_dim)[:, :seq]
+    return (np.transpose(x_fp8, (0, 2, 3, 1)) if transpose else x_fp8), scales

@@ -15,7 +15,7 @@ import pytest
 
 from pallas_flash import fp8
 from pallas_flash.triton import quantize
-from tests.support import bits
+from tests.support import bits, quantize_ieee
 
 
 def _inputs(shape, block: int, dtype, seed: int = 0) -> jax.Array:
@@ -61,6 +61,23 @@ def test_matches_xla_quantize(shape, block, dtype, transpose):
     assert np.abs(np.asarray(x8, np.float32)).max() == fp8.E4M3_MAX
 
 
+def test_ieee_reference_is_quantize_up_to_reciprocals():
+    """tests.support.quantize_ieee, the GPU tests' bitwise reference for the compiled
+    kernel, is fp8.quantize but for XLA's reciprocals: scales within a float32 ulp, e4m3
+    bytes within one step, few of them off."""
+    x = _inputs((2, 200, 3, 80), 64, jnp.bfloat16, seed=5)
+    for transpose in (False, True):
+        got8, got_scales = quantize_ieee(x, 64, transpose=transpose)
+        want8, want_scales = fp8.quantize(x, 64)
+        if transpose:
+            want8 = jnp.transpose(want8, (0, 2, 3, 1))
+        assert got8.shape == want8.shape and got_scales.shape == want_scales.shape
+        np.testing.assert_allclose(got_scales, np.asarray(want_scales), rtol=2 ** -23, atol=0)
+        step = np.abs(bits(got8).astype(np.int16) - bits(want8).astype(np.int16))
+        assert step.max() <= 1 and step.mean() < 1e-2
+        assert np.abs(np.asarray(got8, np.float32)).max() == fp8.E4M3_MAX
+
+
 def test_float64_input_is_read_as_float32():
     with jax.enable_x64():
         x = _inputs((1, 64, 1, 64), 64, jnp.float64)
@@ -84,7 +101,7 @@ def test_quantize_operands_kernel_matches_xla(rotate):
 
 
 def test_quantize_operands_default_matches_quantize():
-    """The default (XLA until the kernel is measured on a GPU) gives quantize's bits."""
+    """On the CPU the default is XLA (the compiled kernel needs a GPU): quantize's bits."""
     q = _inputs((1, 64, 2, 64), 64, jnp.bfloat16)
     ops = fp8.quantize_operands(q, q, q, block_q=64, block_kv=64)
     _assert_samebits(ops.vt, jnp.transpose(fp8.quantize(q, 64)[0], (0, 2, 3, 1)))

@@ -5,8 +5,14 @@ division and conversion) and, for the FP8 kernel's Vᵀ operand, transposes in a
 pass. Here one program owns one tile — ``block`` sequence positions of one head — and
 reads it once: it takes the tile's maximum magnitude, the scale ``amax / 448`` (1 for an
 all-zero tile), divides, rounds to e4m3 and writes the tile (transposed for Vᵀ) and its
-scale. The arithmetic is :func:`~pallas_flash.fp8.quantize`'s, so the results are the same
-bits.
+scale.
+
+The arithmetic is IEEE float32's: both divisions correctly rounded, the rounding to e4m3 to
+nearest, ties to even. :func:`~pallas_flash.fp8.quantize` writes the same divisions, but XLA
+may compute them as multiplications by reciprocals (it did on the H200 and on the CPU,
+2026-12-02), one float32 ulp apart, so at rounding ties the two can differ by one e4m3 step
+(0.02 % of the bytes of a test on the H200). In interpret mode the divisions are XLA's and
+the bits match ``fp8.quantize``'s.
 """
 
 from __future__ import annotations
@@ -51,8 +57,8 @@ def unsupported(block: int, head_dim: int) -> str | None:
 
 
 def _divide(a: jax.Array, b: jax.Array, *, interpret: bool) -> jax.Array:
-    """``a / b`` rounded to nearest, as XLA divides. Triton lowers float32 ``/`` to
-    ``div.full.f32``, which is off by up to 2 ulp; ``div.rn.f32`` is IEEE division."""
+    """``a / b`` correctly rounded. Triton lowers float32 ``/`` to ``div.full.f32``, which
+    is off by up to 2 ulp; ``div.rn.f32`` is IEEE division."""
     if interpret:
         return a / b
     [quotient] = plgpu.elementwise_inline_asm(
@@ -101,8 +107,8 @@ def quantize_tiles(x: jax.Array, block: int, *, transpose: bool = False,
 
     Returns:
       ``(x_fp8, scales)``: e4m3 ``x_fp8`` of ``x``'s shape (transposed with
-      ``transpose``) and float32 ``scales`` of shape ``[batch, ceil(seq / block), heads]``,
-      bit for bit those of ``fp8.quantize(x, block)``.
+      ``transpose``) and float32 ``scales`` of shape ``[batch, ceil(seq / block), heads]``:
+      ``fp8.quantize(x, block)`` in IEEE arithmetic (see the module docstring).
     """
     if x.ndim != 4:
         raise ValueError(f"x must be [batch, seq, heads, head_dim], got shape {x.shape}")

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import bits
+from support import bits, quantize_ieee
 
 from pallas_flash import fp8, reference
 from pallas_flash.masking import MaskSpec
@@ -101,23 +101,36 @@ def _spread(key, shape, dtype):
     (4096, 128, 128, jnp.float32),
     (4000, 80, 128, jnp.bfloat16),    # tail tile, head_dim padded to 128
 ])
-def test_quantize_kernel_is_bitwise_xla(seq, head_dim, block, dtype):
-    """The compiled fused quantization (pallas_flash.triton.quantize) against
-    fp8.quantize in XLA on the same GPU: every e4m3 byte and every scale's bits."""
+def test_quantize_kernel_is_ieee(seq, head_dim, block, dtype):
+    """The compiled fused quantization (pallas_flash.triton.quantize) against the host's
+    IEEE float32 arithmetic: every e4m3 byte and every scale's bits. (XLA on the GPU is no
+    bitwise reference: on the H200 it multiplies by reciprocals, so its scales and 0.02 % of
+    its e4m3 bytes differed, 2026-12-02; see test_quantize_operands_kernel_matches_xla.)"""
     x = _spread(jax.random.key(seq + head_dim + block), (1, seq, 16, head_dim), dtype)
-    want8, want_scales = jax.jit(lambda x: fp8.quantize(x, block))(x)
     for transpose in (False, True):
+        want8, want_scales = quantize_ieee(x, block, transpose=transpose)
         x8, scales = jax.jit(lambda x, t=transpose: quantize_tiles(x, block, transpose=t))(x)
-        expected = jnp.transpose(want8, (0, 2, 3, 1)) if transpose else want8
-        assert x8.shape == expected.shape and x8.dtype == fp8.E4M3
-        np.testing.assert_array_equal(bits(x8), bits(expected))
+        assert x8.shape == want8.shape and x8.dtype == fp8.E4M3
         np.testing.assert_array_equal(bits(scales), bits(want_scales))
+        np.testing.assert_array_equal(bits(x8), bits(want8))
+
+
+def _assert_one_step_apart(a, b, name):
+    """Two e4m3 tensors equal but for a few elements one rounding step apart (the bytes of
+    neighbouring e4m3 values of one sign differ by one), as rounding ties broken by quotients
+    one float32 ulp apart leave them."""
+    a, b = bits(a).astype(np.int16), bits(b).astype(np.int16)
+    differ = a != b
+    assert np.abs(a - b).max() <= 1, name
+    assert differ.mean() < 1e-3, (name, differ.mean())
 
 
 @pytest.mark.parametrize("rotate", [False, True])
 def test_quantize_operands_kernel_matches_xla(rotate):
     """fp8.quantize_operands' fused kernel (implementation="triton") against its XLA
-    formulation: GQA, lengths that are no multiple of the tiles."""
+    formulation, and the default (the kernel): GQA, lengths that are no multiple of the
+    tiles. Scales within a float32 ulp, e4m3 bytes within one step (XLA's reciprocals, see
+    test_quantize_kernel_is_ieee)."""
     keys = jax.random.split(jax.random.key(7), 4)
     q = _spread(keys[0], (2, 1000, 16, 128), jnp.bfloat16)
     k, v = (_spread(key, (2, 1500, 4, 128), jnp.bfloat16) for key in keys[1:3])
@@ -128,6 +141,13 @@ def test_quantize_operands_kernel_matches_xla(rotate):
                                                         **kwargs))(q, k, v)
     want = jax.jit(lambda q, k, v: fp8.quantize_operands(q, k, v, implementation="xla",
                                                          **kwargs))(q, k, v)
+    default = jax.jit(lambda q, k, v: fp8.quantize_operands(q, k, v, **kwargs))(q, k, v)
+    for a, b in zip(default, got, strict=True):   # on the GPU the default is the kernel
+        np.testing.assert_array_equal(bits(a), bits(b))
     for name, a, b in zip(fp8.Fp8Operands._fields, got, want, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype, name
-        np.testing.assert_array_equal(bits(a), bits(b), err_msg=name)
+        if a.dtype == fp8.E4M3:
+            _assert_one_step_apart(a, b, name)
+        else:
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2 ** -23, atol=0,
+                                       err_msg=name)
