@@ -22,7 +22,8 @@ specification an FP8 kernel must reproduce and the subject of the accuracy study
 :func:`attention_fp8_online` is the same computation tile by tile, as a kernel's online
 softmax rounds it.
 
-:func:`attention_fp8` is the fast path: :func:`quantize_operands` in XLA, then the Hopper
+:func:`attention_fp8` is the fast path: :func:`quantize_operands` (on the GPU one fused
+Triton pass per operand, :mod:`pallas_flash.triton.quantize`; XLA elsewhere), then the Hopper
 kernel of :mod:`pallas_flash.mosaic.forward_fp8` (or the reference where it cannot run).
 """
 
