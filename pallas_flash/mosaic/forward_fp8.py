@@ -18,8 +18,9 @@ What FP8 changes, and why:
   runs over keys, so the B tile must be stored (head_dim × keys). The fused quantization
   (:mod:`pallas_flash.triton.quantize`) writes Vᵀ in the pass that rounds V, so it costs
   no pass of its own; in XLA at most one more pass over V in e4m3 (1 byte per element, ~1 %
-  of the kernel at L 16384; ``benchmarks/fp8_probe.py`` times both). In-kernel it would cost a register round trip through SMEM per tile (FA3 does it
-  in the producer warpgroup with LDSM/STSM; here the producer has 40 registers).
+  of the kernel at L 16384; ``benchmarks/fp8_probe.py`` times both). In-kernel it would
+  cost a register round trip through SMEM per tile (FA3 does it in the producer warpgroup
+  with LDSM/STSM; here the producer has 40 registers).
 * **P goes through SMEM**: there is no relayout from the f32 accumulator layout to the 8-bit
   wgmma A layout, so each consumer rounds P·448 to e4m3 (P ∈ [0, 1]: the fixed scale uses
   the format's range, as :func:`pallas_flash.fp8.attention_fp8_reference` does), stores it
