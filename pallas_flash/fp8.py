@@ -41,6 +41,7 @@ from jax import lax
 
 from pallas_flash import dispatch
 from pallas_flash.api import available_implementations
+from pallas_flash.arguments import check_deterministic
 from pallas_flash.autodiff import attention_backward
 from pallas_flash.fp8_format import E4M3, E4M3_MAX
 from pallas_flash.kernel_args import StaticArgs
@@ -347,7 +348,7 @@ def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
 def attention_fp8(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool = False,
                   scale: float | None = None, hadamard_key: jax.Array | None = None,
                   config: MosaicConfig | None = None, out_scale: float | jax.Array | None = None,
-                  return_residual: bool = False,
+                  return_residual: bool = False, deterministic: bool = False,
                   implementation: Literal["mosaic", "xla"] | None = None,
                   interpret: bool = False):
     """FP8 (e4m3) attention forward: FlashAttention-3's block-quantized kernel on Hopper.
@@ -371,6 +372,10 @@ def attention_fp8(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool =
         beyond ``±448 · out_scale`` saturate). The output's ``amax`` (max ``|out|`` before
         rounding, float32) comes with it, for the caller's next scale.
       return_residual: also return ``lse: [B, T, N]`` float32 (natural log).
+      deterministic: ``True``: the gradients are bitwise identical on every run, as with
+        :func:`pallas_flash.attention`'s ``deterministic`` (on Hopper the separate dQ
+        kernel); ``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` does the same. The forward
+        is reproducible either way.
       implementation: ``"mosaic"`` (the kernel: sm90, or the CPU with ``interpret=True``),
         ``"xla"`` (:func:`attention_fp8_reference`, any backend, same numerics, slow);
         ``None``: mosaic where it can run, else xla.
@@ -397,7 +402,9 @@ def attention_fp8(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool =
     _check_out_scale(out_scale)
     call = _Fp8Call(is_causal=is_causal, scale=scale, config=config,
                     kernel=_implementation(implementation, interpret) == "mosaic",
-                    interpret=interpret)
+                    interpret=interpret,
+                    deterministic=dispatch.deterministic_backward(
+                        check_deterministic(deterministic)))
     out, lse = _differentiable_fp8(q, k, v, hadamard_key, call)
     return _results(out, lse, out_scale, return_residual)
 
@@ -412,6 +419,7 @@ class _Fp8Call:
     config: MosaicConfig
     kernel: bool
     interpret: bool
+    deterministic: bool
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -459,7 +467,7 @@ def _fp8_backward_rule(call: _Fp8Call, residuals, cotangents):
     backend = dispatch.backend(name)
     static = StaticArgs(kernels=backend.KERNELS, mask=mask, scale=call.scale,
                         config=backend.default_config(q.shape, k.shape, q.dtype, mask),
-                        interpret=False, deterministic=dispatch.deterministic_backward())
+                        interpret=False, deterministic=call.deterministic)
     dq, dk, dv = attention_backward(static, q, k, v, out, lse, d_out, d_lse)
     key_cotangent = (None if hadamard_key is None
                      else np.zeros(hadamard_key.shape, jax.dtypes.float0))

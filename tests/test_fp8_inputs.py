@@ -180,3 +180,32 @@ def test_gradient_is_the_bf16_backward_on_the_fp8_residuals(rotate):
                                             causal_alignment="bottom_right"))[2]
     for name, got, true in zip("qkv", grads_out, exact, strict=True):
         assert rel_err(got, true) < 5e-2, (name, rel_err(got, true))
+
+
+def test_deterministic_reaches_the_backward(monkeypatch):
+    """attention_fp8's deterministic (or XLA_FLAGS' deterministic ops) is the flag its
+    backward kernels get; a non-bool is refused by name. (Whether the flag makes Hopper's
+    gradients reproducible is tests/gpu/test_fp8_inputs_gpu.py's.)"""
+    seen = []
+    backward = fp8.attention_backward
+
+    def spy(static, *args):
+        seen.append(static.deterministic)
+        return backward(static, *args)
+
+    monkeypatch.setattr(fp8, "attention_backward", spy)
+    monkeypatch.setenv("XLA_FLAGS", "")
+    q, k, v = _inputs(1, 40, 40, 2, 1, 64)
+
+    def grads(**kwargs):
+        return jax.grad(lambda q: jnp.sum(fp8.attention_fp8(
+            q, k, v, config=CONFIG, **kwargs).astype(jnp.float32)))(q)
+
+    plain, reproducible = grads(), grads(deterministic=True)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
+    grads()
+    assert seen == [False, True, True]
+    np.testing.assert_array_equal(np.asarray(plain, np.float32),
+                                  np.asarray(reproducible, np.float32))
+    with pytest.raises(ValueError, match="deterministic"):
+        fp8.attention_fp8(q, k, v, deterministic="yes")
