@@ -1,0 +1,80 @@
+"""The compiled kernels inside ``jax.shard_map`` with ``check_vma=True`` and in a ring, on
+a one-device mesh (the GPU machine has one): the vma typing of the kernels' results, which
+the CPU interpreters cannot check for Triton (tests/test_sharding.py, tests/test_ring.py
+check the rest on eight CPU devices). Forward and gradients against the float64 oracle."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import pallas_flash as pf
+from pallas_flash.masking import MaskSpec
+from pallas_flash.reference import attention_float64
+
+AXIS = "seq"
+
+
+def _mesh() -> jax.sharding.Mesh:
+    return jax.make_mesh((1,), (AXIS,), axis_types=(AxisType.Auto,),
+                         devices=jax.devices()[:1])
+
+
+def _inputs(seq: int, heads: int, kv_heads: int, head_dim: int, seed: int):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (2, seq, heads, head_dim), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (2, seq, kv_heads, head_dim), jnp.bfloat16)
+            for key in keys[1:3])
+    return q, k, v, jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.isfinite(a).all()
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _check(results, q, k, v, d_out, causal: bool):
+    out, dq, dk, dv = results
+    want_out, _, want_grads = attention_float64(
+        *(np.asarray(x, np.float64) for x in (q, k, v)),
+        mask=MaskSpec(q.shape[1], k.shape[1], is_causal=causal),
+        d_out=np.asarray(d_out, np.float64))
+    assert _rel(out, want_out) < 1e-2
+    for got, want in zip((dq, dk, dv), want_grads[:3], strict=True):
+        assert _rel(got, want) < 2e-2
+
+
+def _vjp_in_shard_map(attend, q, k, v, d_out):
+    def local(q, k, v, d_out):
+        out, vjp = jax.vjp(attend, q, k, v)
+        return (out, *vjp(d_out))
+
+    spec = P(None, AXIS)
+    mapped = jax.shard_map(local, mesh=_mesh(), in_specs=(spec,) * 4, out_specs=(spec,) * 4,
+                           check_vma=True)
+    return jax.jit(mapped)(q, k, v, d_out)
+
+
+@pytest.mark.parametrize("implementation", ["mosaic", "triton"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_in_shard_map(implementation, causal):
+    q, k, v, d_out = _inputs(1024, 8, 2, 128, seed=3 + causal)
+    results = _vjp_in_shard_map(lambda q, k, v: pf.attention(
+        q, k, v, is_causal=causal, implementation=implementation), q, k, v, d_out)
+    _check(results, q, k, v, d_out, causal)
+
+
+@pytest.mark.parametrize("implementation", ["mosaic", "triton"])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_ring_of_one_device(implementation, layout):
+    """ring_attention on a one-device axis: the plain call, through the ring's code."""
+    q, k, v, d_out = _inputs(2048, 8, 8, 128, seed=11)
+    results = _vjp_in_shard_map(lambda q, k, v: pf.ring_attention(
+        q, k, v, axis_name=AXIS, is_causal=True, layout=layout,
+        implementation=implementation), q, k, v, d_out)
+    _check(results, q, k, v, d_out, causal=True)
