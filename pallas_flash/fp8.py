@@ -41,7 +41,7 @@ from jax import lax
 
 from pallas_flash import dispatch
 from pallas_flash.api import available_implementations
-from pallas_flash.arguments import check_deterministic
+from pallas_flash.arguments import canonical_bool, canonical_scale, check_deterministic
 from pallas_flash.autodiff import attention_backward
 from pallas_flash.fp8_format import E4M3, E4M3_MAX
 from pallas_flash.kernel_args import StaticArgs
@@ -67,14 +67,12 @@ def quantize(x: jax.Array, block: int | None) -> tuple[jax.Array, jax.Array]:
       ``[batch, ceil(seq / block), heads]`` (``[]`` per tensor), so that
       ``x ≈ x_fp8 · scale`` (:func:`dequantize`). All-zero tiles get scale 1.
     """
-    if x.ndim != 4:
-        raise ValueError(f"x must be [batch, seq, heads, head_dim], got shape {x.shape}")
+    _check_float_array(x, "x")
+    block = _check_block(block, "block", allow_none=True)
     x = x.astype(jnp.float32)
     if block is None:
         scale = _scale_for(jnp.max(jnp.abs(x)))
         return (x / scale).astype(E4M3), scale
-    if block < 1:
-        raise ValueError(f"block must be a positive number of positions or None, got {block}")
     batch, seq, heads, head_dim = x.shape
     tiles = pad_axis(x, 1, round_up(seq, block)).reshape(batch, -1, block, heads, head_dim)
     scales = _scale_for(jnp.max(jnp.abs(tiles), axis=(2, 4)))     # [batch, tiles, heads]
@@ -89,6 +87,7 @@ def _scale_for(amax: jax.Array) -> jax.Array:
 
 def dequantize(x_fp8: jax.Array, scales: jax.Array, block: int | None) -> jax.Array:
     """Inverse of :func:`quantize` (up to its rounding): float32 ``[batch, seq, heads, d]``."""
+    block = _check_block(block, "block", allow_none=True)
     x = x_fp8.astype(jnp.float32)
     per = _per_position(scales, block, x.shape[1])
     return x * (per if per.ndim == 0 else per[..., None])
@@ -99,8 +98,11 @@ def random_hadamard(key: jax.Array, head_dim: int) -> jax.Array:
 
     ``head_dim`` must be a power of two (Sylvester's construction of H).
     """
-    if head_dim < 1 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two for a Hadamard matrix, got {head_dim}")
+    if (isinstance(head_dim, bool) or not isinstance(head_dim, (int, np.integer))
+            or head_dim < 1 or head_dim & (head_dim - 1)):
+        raise ValueError(f"head_dim must be a power of two for a Hadamard matrix, got "
+                         f"{head_dim!r}")
+    _check_key(key, "key")
     hadamard = np.ones((1, 1), np.float32)
     while hadamard.shape[0] < head_dim:
         hadamard = np.block([[hadamard, hadamard], [hadamard, -hadamard]])
@@ -139,10 +141,17 @@ def attention_fp8_reference(q: jax.Array, k: jax.Array, v: jax.Array, *,
     """
     if scaling not in ("tensor", "block"):
         raise ValueError(f"scaling must be 'tensor' or 'block', got {scaling!r}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_float_array(x, name)
+    block_q, block_kv = (_check_block(b, name, allow_none=False)
+                         for name, b in (("block_q", block_q), ("block_kv", block_kv)))
+    is_causal, fp8_pv, return_residual = (canonical_bool(flag, name) for name, flag in (
+        ("is_causal", is_causal), ("fp8_pv", fp8_pv), ("return_residual", return_residual)))
+    _check_key(hadamard_key, "hadamard_key")
     if q.shape[2] != k.shape[2] or k.shape != v.shape:
         raise ValueError("q, k, v must have the same number of heads and k, v the same shape, "
                          f"got {q.shape}, {k.shape}, {v.shape}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scale = canonical_scale(scale, q.shape[-1])
     block_q, block_kv = (block_q, block_kv) if scaling == "block" else (None, None)
     out, lse = _reference(q, k, v, hadamard_key=hadamard_key, block_q=block_q,
                           block_kv=block_kv, scale=scale, is_causal=is_causal, fp8_pv=fp8_pv)
@@ -168,7 +177,14 @@ def attention_fp8_online(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: i
     Returns:
       ``out: [B, T, N, D]`` bfloat16 and ``lse: [B, N, T]`` float32 (natural log).
     """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_float_array(x, name)
+    _check_shapes(q, k, v, is_causal=False)
+    block_q, block_kv = (_check_block(b, name, allow_none=False)
+                         for name, b in (("block_q", block_q), ("block_kv", block_kv)))
+    is_causal = canonical_bool(is_causal, "is_causal")
+    _check_key(hadamard_key, "hadamard_key")
+    scale = canonical_scale(scale, q.shape[-1])
     q, k, _ = _rotate(q, k, hadamard_key)
     (q8, q_scale), (k8, k_scale) = quantize(q, block_q), quantize(k, block_kv)
     v8, v_scale = quantize(v, block_kv)
@@ -321,6 +337,13 @@ def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
       ``[batch, kv_heads, head_dim, seq_kv]`` (FP8 wgmma reads only K-major operands, and
       P·V contracts over keys).
     """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_float_array(x, name)
+    _check_shapes(q, k, v, is_causal=False)
+    block_q, block_kv = (_check_block(b, name, allow_none=False)
+                         for name, b in (("block_q", block_q), ("block_kv", block_kv)))
+    _check_key(hadamard_key, "hadamard_key")
+    interpret = canonical_bool(interpret, "interpret")
     if implementation not in (None, "triton", "xla"):
         raise ValueError(f"implementation must be 'triton', 'xla' or None, got "
                          f"{implementation!r}")
@@ -394,9 +417,13 @@ def attention_fp8(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool =
     forward's (out, lse): the gradient of exact attention, straight through the rounding,
     with no second forward. Forward-mode AD is not defined (a ``jax.custom_vjp``).
     """
+    is_causal, return_residual, interpret = (canonical_bool(flag, name) for name, flag in (
+        ("is_causal", is_causal), ("return_residual", return_residual),
+        ("interpret", interpret)))
     _check_inputs(q, k, v, is_causal)
     head_dim = q.shape[3]
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    scale = canonical_scale(scale, head_dim)
+    _check_key(hadamard_key, "hadamard_key")
     config = forward_fp8.default_config(head_dim) if config is None else config
     forward_fp8.check_config(config, padded_head_dim(head_dim))
     _check_out_scale(out_scale)
@@ -514,16 +541,19 @@ def attention_fp8_quantized(q: jax.Array, k: jax.Array, v: jax.Array, q_scale: j
       As :func:`attention_fp8`.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4 or x.dtype != E4M3:
-            raise ValueError(f"{name} must be a 4-d float8_e4m3fn array, got {x.dtype} "
-                             f"{x.shape}")
+        if not hasattr(x, "dtype") or x.ndim != 4 or x.dtype != E4M3:
+            raise ValueError(f"{name} must be a 4-d float8_e4m3fn array, got {_describe(x)}")
+    v_transposed, is_causal, return_residual, interpret = (
+        canonical_bool(flag, name) for name, flag in (
+            ("v_transposed", v_transposed), ("is_causal", is_causal),
+            ("return_residual", return_residual), ("interpret", interpret)))
     batch, seq_kv, kv_heads, head_dim = k.shape
     if v.shape != ((batch, kv_heads, head_dim, seq_kv) if v_transposed else k.shape):
         layout = "[B, K, D, S]" if v_transposed else "[B, S, K, D]"
         raise ValueError(f"v must be {layout} matching k {k.shape}, got {v.shape}")
     _check_shapes(q, k, k, is_causal)
     heads, seq_q = q.shape[2], q.shape[1]
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    scale = canonical_scale(scale, head_dim)
     config = forward_fp8.default_config(head_dim) if config is None else config
     forward_fp8.check_config(config, padded_head_dim(head_dim))
     _check_out_scale(out_scale)
@@ -581,7 +611,11 @@ def quantize_output(out: jax.Array, out_scale: float | jax.Array) -> tuple[jax.A
       clipped to ±448, where a plain cast would give NaN: e4m3fn has no infinity) and the
       float32 ``max |out|`` before rounding, from which a recipe derives its next scale.
     """
+    if not hasattr(out, "dtype") or not jnp.issubdtype(out.dtype, jnp.floating):
+        raise ValueError(f"out must be a float array, got {_describe(out)}")
     _check_out_scale(out_scale)
+    if out_scale is None:
+        raise ValueError("out_scale must be a positive float scalar, got None")
     x = out.astype(jnp.float32)
     scaled = jnp.clip(x / jnp.asarray(out_scale, jnp.float32), -E4M3_MAX, E4M3_MAX)
     return scaled.astype(E4M3), jnp.max(jnp.abs(x))
@@ -590,7 +624,9 @@ def quantize_output(out: jax.Array, out_scale: float | jax.Array) -> tuple[jax.A
 def _check_out_scale(out_scale) -> None:
     if out_scale is None:
         return
-    if jnp.ndim(out_scale) != 0 or not jnp.issubdtype(jnp.result_type(out_scale), jnp.floating):
+    if (not isinstance(out_scale, (int, float, np.number, np.ndarray, jax.Array))
+            or isinstance(out_scale, bool) or jnp.ndim(out_scale) != 0
+            or not jnp.issubdtype(jnp.result_type(out_scale), jnp.floating)):
         raise ValueError(f"out_scale must be a positive float scalar or None, got {out_scale!r}")
     if not isinstance(out_scale, jax.core.Tracer) and not float(out_scale) > 0:
         raise ValueError(f"out_scale must be a positive float scalar, got {float(out_scale)}")
@@ -616,6 +652,8 @@ def _kernel_tile_scales(scales: jax.Array, name: str, shape: tuple[int, int, int
     (``block`` a multiple of ``tile``: each block's scale repeated over its tiles)."""
     batch, length, heads = shape
     tiles = -(-length // tile)
+    if not isinstance(scales, (float, np.floating, np.ndarray, jax.Array)):
+        raise ValueError(f"{name} must be a float32 scalar or array, got {_describe(scales)}")
     scales = jnp.asarray(scales)
     if not jnp.issubdtype(scales.dtype, jnp.floating):
         raise ValueError(f"{name} must be float32, got {scales.dtype}")
@@ -629,10 +667,46 @@ def _kernel_tile_scales(scales: jax.Array, name: str, shape: tuple[int, int, int
     return jnp.repeat(scales, block // tile, axis=1)[:, :tiles]
 
 
+def _describe(x) -> str:
+    if hasattr(x, "dtype") and hasattr(x, "shape"):
+        return f"{x.dtype} {tuple(x.shape)}"
+    return type(x).__name__
+
+
+def _check_float_array(x, name: str) -> None:
+    if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim != 4:
+        raise ValueError(f"{name} must be a float array [batch, seq, heads, head_dim], got "
+                         f"{_describe(x)}")
+
+
+def _check_block(block, name: str, *, allow_none: bool) -> int | None:
+    """``block`` (positions per scale) as a Python int, or None where allowed."""
+    if block is None and allow_none:
+        return None
+    if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
+        allowed = "a positive int" + (" or None (per tensor)" if allow_none else "")
+        raise ValueError(f"{name} must be {allowed}, got {block!r}")
+    return int(block)
+
+
+def _check_key(key, name: str) -> None:
+    """None (where the caller allows it), a typed PRNG key (``jax.random.key``) or a raw one
+    (``jax.random.PRNGKey``)."""
+    if key is None and name == "hadamard_key":
+        return
+    typed = hasattr(key, "dtype") and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    raw = hasattr(key, "dtype") and key.dtype == jnp.uint32 and key.shape == (2,)
+    if not ((typed and key.shape == ()) or raw):
+        allowed = "None or one PRNG key" if name == "hadamard_key" else "one PRNG key"
+        raise ValueError(f"{name} must be {allowed} (jax.random.key(seed) or "
+                         f"jax.random.PRNGKey(seed)), got {key!r}")
+
+
 def _check_inputs(q, k, v, is_causal: bool) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4:
-            raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got {x.shape}")
+        if not hasattr(x, "ndim") or x.ndim != 4:
+            raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got "
+                             f"{_describe(x)}")
         if x.dtype != q.dtype or jnp.dtype(x.dtype) not in dispatch.DTYPES:
             raise ValueError(f"q, k, v must share one dtype of bfloat16, float16, float32; "
                              f"{name} is {x.dtype}")

@@ -181,3 +181,41 @@ def test_backward_accuracy_study_writes_its_table(tmp_path, capsys):
         assert all(e > b for e, b in zip(row["all fp8, per-block"], row["bf16"], strict=True))
         assert row["best / bf16"] > 1
     assert "| 64 | 64 | True |" in capsys.readouterr().out
+
+
+_Q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+_Q8, _S = fp8.quantize(_Q, None)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: fp8.quantize(_Q, 1.5), "block"),
+    (lambda: fp8.quantize(_Q.astype(jnp.int32), 64), "x"),
+    (lambda: fp8.dequantize(_Q8, _S, 0), "block"),
+    (lambda: fp8.random_hadamard(3, 64), "key"),
+    (lambda: fp8.random_hadamard(jax.random.key(0), 64.0), "head_dim"),
+    (lambda: fp8.quantize_operands(_Q, _Q, _Q, block_q=1.5, block_kv=64), "block_q"),
+    (lambda: fp8.quantize_operands(_Q, _Q, _Q, block_q=64, block_kv=True), "block_kv"),
+    (lambda: fp8.quantize_operands(_Q[0], _Q, _Q, block_q=64, block_kv=64), "q"),
+    (lambda: fp8.quantize_operands(_Q, _Q, _Q, block_q=64, block_kv=64, hadamard_key=3),
+     "hadamard_key"),
+    (lambda: fp8.quantize_operands(_Q, _Q, _Q, block_q=64, block_kv=64, interpret="no"),
+     "interpret"),
+    (lambda: fp8.attention_fp8(_Q, _Q, _Q, scale=-1.0), "scale"),
+    (lambda: fp8.attention_fp8(_Q, _Q, _Q, scale="x"), "scale"),
+    (lambda: fp8.attention_fp8(_Q, _Q, _Q, is_causal="yes"), "is_causal"),
+    (lambda: fp8.attention_fp8(_Q, _Q, _Q, return_residual=1), "return_residual"),
+    (lambda: fp8.attention_fp8(_Q, _Q, _Q, hadamard_key=5), "hadamard_key"),
+    (lambda: fp8.attention_fp8([1.0], _Q, _Q), "q"),
+    (lambda: fp8.attention_fp8_quantized(_Q8, _Q8, _Q8, "a", _S, _S), "q_scale"),
+    (lambda: fp8.attention_fp8_quantized(_Q8, _Q8, _Q8, _S, _S, _S, v_transposed="x"),
+     "v_transposed"),
+    (lambda: fp8.attention_fp8_quantized(_Q8, _Q8, _Q8, _S, _S, _S, scale=0.0), "scale"),
+    (lambda: fp8.quantize_output([1.0], 1.0), "out"),
+    (lambda: fp8.quantize_output(_Q, "a"), "out_scale"),
+    (lambda: fp8.attention_fp8_reference(_Q, _Q, _Q, block_kv=0), "block_kv"),
+    (lambda: fp8.attention_fp8_reference(_Q, _Q, _Q, is_causal="x"), "is_causal"),
+    (lambda: fp8.attention_fp8_online(_Q, _Q, _Q, block_q=64, block_kv=-1), "block_kv"),
+])
+def test_public_functions_name_the_bad_argument(call, name):
+    with pytest.raises(ValueError, match=rf"^{name} must"):
+        call()
