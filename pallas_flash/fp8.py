@@ -102,7 +102,7 @@ def random_hadamard(key: jax.Array, head_dim: int) -> jax.Array:
             or head_dim < 1 or head_dim & (head_dim - 1)):
         raise ValueError(f"head_dim must be a power of two for a Hadamard matrix, got "
                          f"{head_dim!r}")
-    _check_key(key, "key")
+    _check_key(key, "key", allow_none=False)
     hadamard = np.ones((1, 1), np.float32)
     while hadamard.shape[0] < head_dim:
         hadamard = np.block([[hadamard, hadamard], [hadamard, -hadamard]])
@@ -147,7 +147,7 @@ def attention_fp8_reference(q: jax.Array, k: jax.Array, v: jax.Array, *,
                          for name, b in (("block_q", block_q), ("block_kv", block_kv)))
     is_causal, fp8_pv, return_residual = (canonical_bool(flag, name) for name, flag in (
         ("is_causal", is_causal), ("fp8_pv", fp8_pv), ("return_residual", return_residual)))
-    _check_key(hadamard_key, "hadamard_key")
+    _check_key(hadamard_key, "hadamard_key", allow_none=True)
     if q.shape[2] != k.shape[2] or k.shape != v.shape:
         raise ValueError("q, k, v must have the same number of heads and k, v the same shape, "
                          f"got {q.shape}, {k.shape}, {v.shape}")
@@ -183,7 +183,7 @@ def attention_fp8_online(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: i
     block_q, block_kv = (_check_block(b, name, allow_none=False)
                          for name, b in (("block_q", block_q), ("block_kv", block_kv)))
     is_causal = canonical_bool(is_causal, "is_causal")
-    _check_key(hadamard_key, "hadamard_key")
+    _check_key(hadamard_key, "hadamard_key", allow_none=True)
     scale = canonical_scale(scale, q.shape[-1])
     q, k, _ = _rotate(q, k, hadamard_key)
     (q8, q_scale), (k8, k_scale) = quantize(q, block_q), quantize(k, block_kv)
@@ -326,10 +326,11 @@ def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
         ``interpret=True``; power-of-two blocks); ``"xla"``: :func:`quantize` (a pass for
         the tile maxima, another for the rounding); ``None``: triton where it runs
         compiled (the GPU, blocks it takes), else xla. The kernel's divisions are IEEE's
-        and XLA's may be reciprocals, so a few e4m3 bytes at rounding ties can differ by
-        one step (0.02 % on the H200). On the H200 (2026-12-02, ``benchmarks/fp8_probe.py``)
-        it took 0.17–0.19 ms for Q, K and Vᵀ at 16k tokens × 2048 against XLA's
-        0.21–0.23 ms, and the whole ``attention_fp8`` 4–6 % less time at L 4096.
+        and XLA's are not always (one float32 ulp off), so a few e4m3 bytes at rounding
+        ties can differ by one step (0.02 % on the H200). On the H200 (2026-12-02,
+        ``benchmarks/fp8_probe.py``) it took 0.17–0.19 ms for Q, K and Vᵀ at 16k tokens ×
+        2048 against XLA's 0.21–0.23 ms, and the whole ``attention_fp8`` 4–6 % less time
+        at L 4096.
       interpret: run the Triton kernel in Pallas interpret mode (CPU).
 
     Returns:
@@ -342,7 +343,7 @@ def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
     _check_shapes(q, k, v, is_causal=False)
     block_q, block_kv = (_check_block(b, name, allow_none=False)
                          for name, b in (("block_q", block_q), ("block_kv", block_kv)))
-    _check_key(hadamard_key, "hadamard_key")
+    _check_key(hadamard_key, "hadamard_key", allow_none=True)
     interpret = canonical_bool(interpret, "interpret")
     if implementation not in (None, "triton", "xla"):
         raise ValueError(f"implementation must be 'triton', 'xla' or None, got "
@@ -423,7 +424,7 @@ def attention_fp8(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool =
     _check_inputs(q, k, v, is_causal)
     head_dim = q.shape[3]
     scale = canonical_scale(scale, head_dim)
-    _check_key(hadamard_key, "hadamard_key")
+    _check_key(hadamard_key, "hadamard_key", allow_none=True)
     config = forward_fp8.default_config(head_dim) if config is None else config
     forward_fp8.check_config(config, padded_head_dim(head_dim))
     _check_out_scale(out_scale)
@@ -613,9 +614,9 @@ def quantize_output(out: jax.Array, out_scale: float | jax.Array) -> tuple[jax.A
     """
     if not hasattr(out, "dtype") or not jnp.issubdtype(out.dtype, jnp.floating):
         raise ValueError(f"out must be a float array, got {_describe(out)}")
-    _check_out_scale(out_scale)
     if out_scale is None:
         raise ValueError("out_scale must be a positive float scalar, got None")
+    _check_out_scale(out_scale)
     x = out.astype(jnp.float32)
     scaled = jnp.clip(x / jnp.asarray(out_scale, jnp.float32), -E4M3_MAX, E4M3_MAX)
     return scaled.astype(E4M3), jnp.max(jnp.abs(x))
@@ -689,15 +690,15 @@ def _check_block(block, name: str, *, allow_none: bool) -> int | None:
     return int(block)
 
 
-def _check_key(key, name: str) -> None:
-    """None (where the caller allows it), a typed PRNG key (``jax.random.key``) or a raw one
-    (``jax.random.PRNGKey``)."""
-    if key is None and name == "hadamard_key":
+def _check_key(key, name: str, *, allow_none: bool) -> None:
+    """A typed PRNG key (``jax.random.key``), a raw one (``jax.random.PRNGKey``) or, where
+    allowed, None."""
+    if key is None and allow_none:
         return
     typed = hasattr(key, "dtype") and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
     raw = hasattr(key, "dtype") and key.dtype == jnp.uint32 and key.shape == (2,)
     if not ((typed and key.shape == ()) or raw):
-        allowed = "None or one PRNG key" if name == "hadamard_key" else "one PRNG key"
+        allowed = "None or one PRNG key" if allow_none else "one PRNG key"
         raise ValueError(f"{name} must be {allowed} (jax.random.key(seed) or "
                          f"jax.random.PRNGKey(seed)), got {key!r}")
 

@@ -232,8 +232,8 @@ def collectives(compiled_text: str) -> dict[str, int]:
 def quantize_ieee(x, block: int, *, transpose: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """``fp8.quantize(x, block)`` computed on the host in IEEE float32: per tile the scale
     ``amax / 448`` and the quotient ``x / scale``, each correctly rounded, then rounded to
-    e4m3 (nearest, ties to even) by ml_dtypes. XLA may turn either division into a
-    multiplication by a reciprocal (one float32 ulp off), so this is the reference for bits.
+    e4m3 (nearest, ties to even) by ml_dtypes. XLA's divisions can be one float32 ulp
+    off IEEE's (as from multiplying by a reciprocal), so this is the reference for bits.
 
     Returns ``(x_fp8, scales)`` as numpy arrays, ``x_fp8`` ``[batch, seq, heads, head_dim]``
     (``[batch, heads, head_dim, seq]`` with ``transpose``), scales ``[batch, tiles, heads]``.

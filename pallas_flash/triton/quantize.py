@@ -8,9 +8,10 @@ all-zero tile), divides, rounds to e4m3 and writes the tile (transposed for Vᵀ
 scale.
 
 The arithmetic is IEEE float32's: both divisions correctly rounded, the rounding to e4m3 to
-nearest, ties to even. :func:`~pallas_flash.fp8.quantize` writes the same divisions, but XLA
-may compute them as multiplications by reciprocals (it did on the H200 and on the CPU,
-2026-12-02), one float32 ulp apart, so at rounding ties the two can differ by one e4m3 step
+nearest, ties to even. :func:`~pallas_flash.fp8.quantize` writes the same divisions, but
+XLA's results were not IEEE's on the H200 nor on the CPU (2026-12-02): its scales
+``amax / 448`` and 28 % of its quotients on the H200 were one float32 ulp off, as from
+multiplying by a reciprocal. At rounding ties the two can then differ by one e4m3 step
 (0.02 % of the bytes of a test on the H200). In interpret mode the divisions are XLA's and
 the bits match ``fp8.quantize``'s.
 """

@@ -104,7 +104,7 @@ def _spread(key, shape, dtype):
 def test_quantize_kernel_is_ieee(seq, head_dim, block, dtype):
     """The compiled fused quantization (pallas_flash.triton.quantize) against the host's
     IEEE float32 arithmetic: every e4m3 byte and every scale's bits. (XLA on the GPU is no
-    bitwise reference: on the H200 it multiplies by reciprocals, so its scales and 0.02 % of
+    bitwise reference: on the H200 its divisions were off by an ulp, so its scales and 0.02 % of
     its e4m3 bytes differed, 2026-12-02; see test_quantize_operands_kernel_matches_xla.)"""
     x = _spread(jax.random.key(seq + head_dim + block), (1, seq, 16, head_dim), dtype)
     for transpose in (False, True):
