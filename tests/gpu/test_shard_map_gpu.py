@@ -78,3 +78,20 @@ def test_ring_of_one_device(implementation, layout):
         q, k, v, axis_name=AXIS, is_causal=True, layout=layout,
         implementation=implementation), q, k, v, d_out)
     _check(results, q, k, v, d_out, causal=True)
+
+
+def test_fp8_attention_in_shard_map():
+    """attention_fp8 on the FP8 kernel inside shard_map(check_vma=True), forward and grad.
+    (Not yet run on a GPU: added 2026-12-02 after the device time was spent. In Mosaic GPU's
+    interpreter it fails on a loop carry's manual-axis type, inside the kernel's walk.)"""
+    from pallas_flash import fp8
+
+    q, k, v, d_out = _inputs(1024, 8, 2, 128, seed=17)
+    out, dq, dk, dv = _vjp_in_shard_map(lambda q, k, v: fp8.attention_fp8(
+        q, k, v, is_causal=True, implementation="mosaic"), q, k, v, d_out)
+    want_out, _, want_grads = attention_float64(
+        *(np.asarray(x, np.float64) for x in (q, k, v)),
+        mask=MaskSpec(1024, 1024, is_causal=True), d_out=np.asarray(d_out, np.float64))
+    assert _rel(out, want_out) < 0.1          # FP8's own error (tests/gpu/test_fp8_gpu.py)
+    for got, want in zip((dq, dk, dv), want_grads[:3], strict=True):
+        assert _rel(got, want) < 5e-2         # the bf16 backward on the FP8 residuals
