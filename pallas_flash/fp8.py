@@ -141,13 +141,9 @@ def attention_fp8_reference(q: jax.Array, k: jax.Array, v: jax.Array, *,
     """
     if scaling not in ("tensor", "block"):
         raise ValueError(f"scaling must be 'tensor' or 'block', got {scaling!r}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_float_array(x, name)
-    block_q, block_kv = (_check_block(b, name, allow_none=False)
-                         for name, b in (("block_q", block_q), ("block_kv", block_kv)))
+    block_q, block_kv = _check_quantization(q, k, v, block_q, block_kv, hadamard_key)
     is_causal, fp8_pv, return_residual = (canonical_bool(flag, name) for name, flag in (
         ("is_causal", is_causal), ("fp8_pv", fp8_pv), ("return_residual", return_residual)))
-    _check_key(hadamard_key, "hadamard_key", allow_none=True)
     if q.shape[2] != k.shape[2] or k.shape != v.shape:
         raise ValueError("q, k, v must have the same number of heads and k, v the same shape, "
                          f"got {q.shape}, {k.shape}, {v.shape}")
@@ -177,13 +173,9 @@ def attention_fp8_online(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: i
     Returns:
       ``out: [B, T, N, D]`` bfloat16 and ``lse: [B, N, T]`` float32 (natural log).
     """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_float_array(x, name)
+    block_q, block_kv = _check_quantization(q, k, v, block_q, block_kv, hadamard_key)
     _check_shapes(q, k, v, is_causal=False)
-    block_q, block_kv = (_check_block(b, name, allow_none=False)
-                         for name, b in (("block_q", block_q), ("block_kv", block_kv)))
     is_causal = canonical_bool(is_causal, "is_causal")
-    _check_key(hadamard_key, "hadamard_key", allow_none=True)
     scale = canonical_scale(scale, q.shape[-1])
     q, k, _ = _rotate(q, k, hadamard_key)
     (q8, q_scale), (k8, k_scale) = quantize(q, block_q), quantize(k, block_kv)
@@ -338,12 +330,8 @@ def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
       ``[batch, kv_heads, head_dim, seq_kv]`` (FP8 wgmma reads only K-major operands, and
       P·V contracts over keys).
     """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_float_array(x, name)
+    block_q, block_kv = _check_quantization(q, k, v, block_q, block_kv, hadamard_key)
     _check_shapes(q, k, v, is_causal=False)
-    block_q, block_kv = (_check_block(b, name, allow_none=False)
-                         for name, b in (("block_q", block_q), ("block_kv", block_kv)))
-    _check_key(hadamard_key, "hadamard_key", allow_none=True)
     interpret = canonical_bool(interpret, "interpret")
     if implementation not in (None, "triton", "xla"):
         raise ValueError(f"implementation must be 'triton', 'xla' or None, got "
@@ -634,10 +622,11 @@ def _check_out_scale(out_scale) -> None:
 
 
 def _check_scale_blocks(scale_blocks, config: MosaicConfig) -> tuple[int, int]:
-    if (not isinstance(scale_blocks, tuple) or len(scale_blocks) != 2
-            or not all(isinstance(b, int) and b > 0 for b in scale_blocks)):
+    if not isinstance(scale_blocks, tuple) or len(scale_blocks) != 2:
         raise ValueError("scale_blocks must be (q_block, kv_block), two positive ints, got "
                          f"{scale_blocks!r}")
+    scale_blocks = tuple(_check_block(b, f"scale_blocks' {name}", allow_none=False)
+                         for name, b in zip(("q_block", "kv_block"), scale_blocks, strict=True))
     for name, block, tile in (("q_block", scale_blocks[0], config.block_q),
                               ("kv_block", scale_blocks[1], config.block_kv)):
         if block % tile:
@@ -678,6 +667,16 @@ def _check_float_array(x, name: str) -> None:
     if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim != 4:
         raise ValueError(f"{name} must be a float array [batch, seq, heads, head_dim], got "
                          f"{_describe(x)}")
+
+
+def _check_quantization(q, k, v, block_q, block_kv, hadamard_key) -> tuple[int, int]:
+    """The arguments every block-quantizing function takes: float ``[B, L, H, D]`` q, k, v,
+    positive int blocks (returned as Python ints) and an optional PRNG key."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_float_array(x, name)
+    _check_key(hadamard_key, "hadamard_key", allow_none=True)
+    return (_check_block(block_q, "block_q", allow_none=False),
+            _check_block(block_kv, "block_kv", allow_none=False))
 
 
 def _check_block(block, name: str, *, allow_none: bool) -> int | None:
