@@ -308,7 +308,9 @@ def _consumer_warpgroup(wg, st: _Static, q_gmem, out_gmem, lse_gmem, scales, q_t
         plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA),
         plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
         plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-        jnp.float32(1.0),  # s_V of the previous block; O is still 0, so any value works
+        # s_V of the previous block; O is still 0, so any value works. Read from the scales
+        # (not a literal) so that it has their manual-axis type inside shard_map.
+        v_scales[0],
     )
     plgpu.barrier_wait(q_ready)
     loop, turns = (_overlapped_loop, OverlappedTurns) if st.overlap else (_serial_loop,
