@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_flash import dispatch
+from pallas_flash import dispatch, sharding
 from pallas_flash.api import available_implementations
 from pallas_flash.arguments import canonical_bool, canonical_scale, check_deterministic
 from pallas_flash.autodiff import attention_backward
@@ -575,8 +575,11 @@ def _run_kernel(operands: Fp8Operands, *, is_causal: bool, scale: float,
                 config: MosaicConfig, interpret: bool):
     mask = MaskSpec(seq_q=operands.q.shape[1], seq_kv=operands.k.shape[1],
                     is_causal=is_causal, causal_alignment="bottom_right")
-    return forward_fp8.forward(operands, mask=mask, scale=scale, config=config,
-                               interpret=interpret)
+    out, lse = forward_fp8.forward(operands, mask=mask, scale=scale, config=config,
+                                   interpret=interpret)
+    # Inside shard_map(check_vma=True): plgpu.kernel (jax 0.11.2) returns its results
+    # invariant; they vary as the operands do (as pallas_flash.attention's kernels).
+    return (sharding.varying_like(out, operands.q), sharding.varying_like(lse, operands.q))
 
 
 def _results(out, lse, out_scale, return_residual: bool):

@@ -163,18 +163,21 @@ def test_default_configs_lower_for_cuda(head_dim, causal, pretend_hopper):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_lowers_inside_shard_map_with_check_vma(overlap, pretend_hopper):
     """Inside shard_map(check_vma=True) every loop carry of the kernel must have one
-    manual-axis type: the V scale read from a varying ref, its initial value too."""
+    manual-axis type (the V scale read from a varying ref, its initial value too), and the
+    results must vary as the operands do (the VJP's cotangents do)."""
     mesh = jax.make_mesh((1,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=jax.devices()[:1])
     spec = jax.sharding.PartitionSpec(None, "seq")
     config = MosaicConfig(64, 128, 2, overlap=overlap)
 
-    def local(q, k, v):
-        return fp8.attention_fp8(q, k, v, is_causal=True, config=config,
-                                 implementation="mosaic", interpret=False)
-    mapped = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
+    def local(q, k, v, d_out):
+        out, vjp = jax.vjp(lambda q, k, v: fp8.attention_fp8(
+            q, k, v, is_causal=True, config=config, implementation="mosaic",
+            interpret=False), q, k, v)
+        return (out, *vjp(d_out))
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4,
                            check_vma=True)
-    args = [jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)] * 3
+    args = [jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)] * 4
     jax.jit(mapped).trace(*args).lower(lowering_platforms=("cuda",))
 
 
