@@ -18,7 +18,7 @@ global positions of both chunks are known from the layout. Each step's work is p
 Python for every device (the chunk pairs that are fully hidden are dropped, the rest are
 grouped into as few kernel calls as the band allows, each a :class:`~pallas_flash.masking.
 MaskSpec` with the chunks' global offsets ``q_start`` / ``kv_start``), and the distinct
-plans become the branches of a ``lax.switch`` indexed by (step, ``lax.axis_index``). A
+plans of a step become the branches of a ``lax.switch`` on ``lax.axis_index``. A
 ``lax.switch`` runs only the taken branch, so a device whose step is fully masked launches
 no kernel; the alternative, a Python branch, cannot see the device index (it is traced in
 the SPMD program), and a mask applied to every step would spend the masked steps' work.
@@ -352,51 +352,39 @@ def _round_the_ring(ring: _Ring, run, carry, block, operands, after_step=None):
     its plan of that step; ``after_step(carry)`` follows each step (the backward's dK/dV
     hop).
 
-    The steps are a ``fori_loop``, not a Python loop: unrolled, XLA is free to issue every
+    The steps are unrolled, each fenced from the next by an ``optimization_barrier`` over
+    (carry, incoming block). Without the fence XLA is free to issue every
     collective-permute of the chain up front and keep all ``n`` blocks alive at once
-    (measured: per-device temp memory grew with ``n``, as under an all-gather); a loop
-    carry holds two (the current block and the incoming one). Step 0 runs before the
-    loop (its results are written, not merged, into the empty carry); the last step
-    passes its block on too, a transfer nobody reads (it runs behind that step's
-    kernels): peeling that step out of the loop as well would compile the later steps'
-    kernels twice. Each step's plan depends on (device, step), both traced in the loop:
-    the distinct plans of the later steps are the branches of one ``lax.switch`` indexed
-    by a static ``[step, device]`` table, so only the taken branch runs and a fully
-    masked step launches no kernel.
+    (measured: per-device temp memory grew with ``n``, as under an all-gather); with it,
+    step ``s + 1``'s transfer starts only once step ``s`` is done, and runs behind step
+    ``s + 1``'s kernels, so two blocks are alive (the current one and the incoming one).
+    A ``fori_loop`` gives the same schedule but cost 0.04-0.05 ms per step on the H200
+    (2026-12-02, 8 simulated steps at L 8192: 7.81 against 8.17 ms dense, 4.39 against 4.64
+    causal; ``benchmarks/ring.py``), the loop's own control on the device, at the price of
+    compiling each step's kernels (an 8-step forward + backward in 60 s instead of 17).
+    Step 0 (each device's own block) merges nothing (its results are written into the
+    empty carry), and the last step passes nothing on. Each step's plan depends on the
+    device, traced: the distinct plans of a step are the branches of a ``lax.switch`` on
+    ``lax.axis_index``, so only the taken branch runs and a fully masked step launches no
+    kernel.
     """
-    plans = [[ring.plan(device, step) for device in range(ring.size)]
-             for step in range(ring.size)]
     device = lax.axis_index(ring.axis_name)
     after_step = after_step or (lambda c: c)
-
-    def switch(rows, first: bool):
-        """``(row, carry, block) -> carry`` running this device's plan of ``rows[row]``."""
-        distinct = list(dict.fromkeys(p for row in rows for p in row))
-        table = jnp.asarray([[distinct.index(p) for p in row] for row in rows], jnp.int32)
-        branches = [functools.partial(run, plan, first) for plan in distinct]
-
-        def step_fn(row, carry, block):
-            if len(branches) == 1:
-                return branches[0](carry, *block, *operands)
-            return lax.switch(table[row, device], branches, carry, *block, *operands)
-        return step_fn
-
-    first_step, later_steps = switch(plans[:1], first=True), switch(plans[1:], first=False)
-
-    def body(step, state):
-        carry, block = state
-        # The next block's transfer is issued before this step's kernels, and nothing in
-        # them depends on it: the collective-permute can run behind the compute.
-        incoming = _pass_on(ring, block)
-        return after_step(later_steps(step - 1, carry, block)), incoming
-
-    # Step 0 (each device's own block) on its own: its results need no merge with the
-    # still-empty carry (that merge would be most of a ring of one's overhead).
-    incoming = _pass_on(ring, block)
-    carry = after_step(first_step(0, carry, block))
-    if ring.size == 1:
-        return carry
-    return lax.fori_loop(1, ring.size, body, (carry, incoming))[0]
+    incoming = _pass_on(ring, block) if ring.size > 1 else None
+    for step in range(ring.size):
+        if step:
+            carry, block = lax.optimization_barrier((carry, incoming))
+            incoming = _pass_on(ring, block) if step < ring.size - 1 else None
+        plans = [ring.plan(d, step) for d in range(ring.size)]
+        distinct = list(dict.fromkeys(plans))
+        branches = [functools.partial(run, plan, step == 0) for plan in distinct]
+        if len(branches) == 1:
+            carry = branches[0](carry, *block, *operands)
+        else:
+            index = jnp.asarray([distinct.index(p) for p in plans], jnp.int32)[device]
+            carry = lax.switch(index, branches, carry, *block, *operands)
+        carry = after_step(carry)
+    return carry
 
 
 def _ring_forward(ring: _Ring, q, k, v, q_ids, kv_ids):
