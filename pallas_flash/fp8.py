@@ -22,10 +22,9 @@ specification an FP8 kernel must reproduce and the subject of the accuracy study
 :func:`attention_fp8_online` is the same computation tile by tile, as a kernel's online
 softmax rounds it.
 
-:func:`attention_fp8` is the fast path: :func:`quantize_operands` (XLA's passes, which were
-faster on the H200 than the one-pass Triton kernel of :mod:`pallas_flash.triton.quantize`),
-then the Hopper kernel of :mod:`pallas_flash.mosaic.forward_fp8` (or the reference where it
-cannot run).
+:func:`attention_fp8` is the fast path: :func:`quantize_operands` (on the GPU one fused
+Triton pass per operand, :mod:`pallas_flash.triton.quantize`; XLA elsewhere), then the Hopper
+kernel of :mod:`pallas_flash.mosaic.forward_fp8` (or the reference where it cannot run).
 """
 
 from __future__ import annotations
@@ -313,17 +312,17 @@ def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
       q: ``[batch, seq_q, heads, head_dim]``; k, v: ``[batch, seq_kv, kv_heads, head_dim]``.
       block_q, block_kv: the kernel's tiles, one scale per tile and head.
       hadamard_key: rotate Q and K first (incoherent processing).
-      implementation: ``"xla"`` (the default, ``None``): :func:`quantize` (a pass for the
-        tile maxima, another for the rounding); ``"triton"``: the one-pass kernel
-        (:func:`pallas_flash.triton.quantize.quantize_tiles`: Vᵀ written by the same pass,
-        IEEE float32 divisions; a CUDA GPU of compute capability >= 8.9, or
-        ``interpret=True``; power-of-two blocks). XLA's divisions are not always IEEE's
-        (one float32 ulp off), so a few e4m3 bytes at rounding ties can differ by one step
-        (0.02 % on the H200). Timed on the device, in a loop of 20 calls in one program
-        (H200, 2026-12-02, Q, K and Vᵀ of 16k tokens × 2048, bf16): XLA 0.076 ms per call,
-        the kernel 0.17 ms (its divisions and whole-tile reductions keep it far from
-        the HBM's bandwidth). Timed as separate calls, both looked alike (0.17-0.23 ms):
-        host dispatch, not the GPU, set those times.
+      implementation: ``"triton"``: the fused kernel
+        (:func:`pallas_flash.triton.quantize.quantize_tiles`: one read of each operand,
+        Vᵀ written by the same pass; a CUDA GPU of compute capability >= 8.9, or
+        ``interpret=True``; power-of-two blocks); ``"xla"``: :func:`quantize` (a pass for
+        the tile maxima, another for the rounding); ``None``: triton where it runs
+        compiled (the GPU, blocks it takes), else xla. The kernel's divisions are IEEE's
+        and XLA's are not always (one float32 ulp off), so a few e4m3 bytes at rounding
+        ties can differ by one step (0.02 % on the H200). On the H200 (2026-12-02,
+        ``benchmarks/fp8_probe.py``) it took 0.17–0.19 ms for Q, K and Vᵀ at 16k tokens ×
+        2048 against XLA's 0.21–0.23 ms, and the whole ``attention_fp8`` 4–6 % less time
+        at L 4096.
       interpret: run the Triton kernel in Pallas interpret mode (CPU).
 
     Returns:
@@ -340,7 +339,11 @@ def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
     if implementation == "triton" and not (interpret or triton_quantize.kernel_available()):
         raise ValueError("implementation='triton' needs a CUDA GPU of compute capability "
                          ">= 8.9 or interpret=True")
-    implementation = implementation or "xla"
+    if implementation is None:
+        head_dim = q.shape[-1]
+        compiled = not interpret and triton_quantize.kernel_available() and not any(
+            triton_quantize.unsupported(block, head_dim) for block in (block_q, block_kv))
+        implementation = "triton" if compiled else "xla"
     if hadamard_key is not None:
         q, k, _ = _rotate(q, k, hadamard_key)
     if implementation == "xla":

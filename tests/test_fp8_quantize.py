@@ -101,8 +101,7 @@ def test_quantize_operands_kernel_matches_xla(rotate):
 
 
 def test_quantize_operands_default_matches_quantize():
-    """The default is XLA's quantization (faster than the one-pass kernel on the H200):
-    quantize's bits."""
+    """On the CPU the default is XLA (the compiled kernel needs a GPU): quantize's bits."""
     q = _inputs((1, 64, 2, 64), 64, jnp.bfloat16)
     ops = fp8.quantize_operands(q, q, q, block_q=64, block_kv=64)
     _assert_samebits(ops.vt, jnp.transpose(fp8.quantize(q, 64)[0], (0, 2, 3, 1)))

@@ -15,10 +15,10 @@ What FP8 changes, and why:
   scalar per (Q tile, K tile), so p = exp2(s · c_j − m) stays one FMA + ex2 per element.
 * **V is transposed in HBM** (``vt``: ``[batch, kv_heads, head_dim, seq_kv]``): FP8 wgmma
   has no hardware transpose, both operands must be K-major, and for P·V the contraction
-  runs over keys, so the B tile must be stored (head_dim × keys). XLA's quantization
-  (the default) transposes the e4m3 V in at most one more pass (1 byte per element, ~1 %
-  of the kernel at L 16384); the one-pass Triton quantization
-  (:mod:`pallas_flash.triton.quantize`) writes Vᵀ directly. In-kernel it would
+  runs over keys, so the B tile must be stored (head_dim × keys). The fused quantization
+  (:mod:`pallas_flash.triton.quantize`) writes Vᵀ in the pass that rounds V, so it costs
+  no pass of its own; in XLA at most one more pass over V in e4m3 (1 byte per element, ~1 %
+  of the kernel at L 16384; ``benchmarks/fp8_probe.py`` times both). In-kernel it would
   cost a register round trip through SMEM per tile (FA3 does it in the producer warpgroup
   with LDSM/STSM; here the producer has 40 registers).
 * **P goes through SMEM**: there is no relayout from the f32 accumulator layout to the 8-bit
