@@ -52,6 +52,7 @@ from pallas_flash.kernel_args import StaticArgs
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import pad_axis
 from pallas_flash.reference import EMPTY_ROW_LSE
+from pallas_flash.triton.config import PAGED_DECODE_STAGES
 
 #: Longest query (new tokens per sequence) :func:`decode_attention` takes.
 MAX_DECODE_SEQ_Q = 16
@@ -313,7 +314,9 @@ def paged_split_forward(query, key_pages, value_pages, page_table, lengths, *,
     spec = MaskSpec(seq_q=q_chunks.shape[1], seq_kv=chunk)
     kv_shape = (batch * num_splits, chunk, kv_heads, head_dim)
     triton = dispatch.backend("triton")
-    config = triton.default_config(q_chunks.shape, kv_shape, q_chunks.dtype, spec)
+    config = dataclasses.replace(
+        triton.default_config(q_chunks.shape, kv_shape, q_chunks.dtype, spec),
+        num_stages=PAGED_DECODE_STAGES)
     out, lse = triton.KERNELS.forward(
         q_chunks, key_pages, value_pages, segment_ids, mask=spec, scale=scale, config=config,
         interpret=interpret, softcap=softcap, attn_mask=attn_mask,
