@@ -3,7 +3,7 @@
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 -m benchmarks.ring --out $OUT [--quick]
 
 :func:`pallas_flash.ring_attention` runs the same kernels as :func:`pallas_flash.attention`
-on the local shards, plus a loop, a plan switch, the LSE merges and the K/V transfers.
+on the local shards, plus the steps' plan switch, the LSE merges and the K/V transfers.
 On one device, for local shapes ``[batch, L, heads, head_dim]`` (bf16, head_dim 128, 16
 heads by default), causal and not, forward and forward + backward, this times:
 

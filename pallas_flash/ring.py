@@ -560,7 +560,7 @@ def simulated_ring_attention(query: jax.Array, key: jax.Array, value: jax.Array,
     The shards are device 0's (``[batch, seq / num_steps, ...]`` of a sequence
     ``num_steps`` times longer), and each step's "incoming" block is the local one passed
     to itself with the same ``ppermute`` (a collective-permute from the device to
-    itself), so the program is the ring's: the loop, the plan switch, the kernels, the
+    itself), so the program is the ring's: the steps, the plan switch, the kernels, the
     merges. The result is not attention over any sequence (every step sees the same
     K/V); the time is that of ``num_steps`` ring steps. ``kwargs``: as
     :func:`ring_attention`.
