@@ -74,3 +74,29 @@ def test_span_of_a_tile_that_meets_nothing_is_empty():
     kv_ids = jnp.concatenate([jnp.zeros((1, 16), jnp.int32), jnp.ones((1, 16), jnp.int32)], 1)
     (_, _, spans), _ = segment_operands((q_ids, kv_ids), 32, 32, 16, 16, walk_kv=False)
     np.testing.assert_array_equal(np.asarray(spans[0, :2]).T, [[0, 2], [0, 0]])
+
+
+def test_segment_walk_lowers_for_hopper():
+    """The compiled kernels' walk with segment ids (masked edges, unmasked one-id tiles)
+    lowers to Triton for an H200 on the CPU: forward, dK/dV and dQ; only a GPU compiles
+    and runs them (tests/gpu)."""
+    import jax
+
+    import pallas_flash as pf
+
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
+                                       platform="gpu")
+
+    def gradients(q, k, v, q_ids, kv_ids):
+        def loss(q, k, v):
+            return pf.attention(q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+                                is_causal=True, implementation="triton").sum()
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    qkv = jax.ShapeDtypeStruct((2, 300, 4, 64), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((2, 300), jnp.int32)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                  abstract_device=h200)):
+        text = jax.jit(gradients).trace(qkv, qkv, qkv, ids, ids).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3
