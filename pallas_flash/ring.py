@@ -392,7 +392,7 @@ def _round_the_ring(ring: _Ring, run, carry, block, operands, after_step=None):
     # The later steps are one jitted function: its kernels are lowered once for all steps
     # (lowering, not XLA, is most of the compile time of Pallas kernels).
     first_step, later_step = switch(plans[:1], True), jax.jit(switch(plans[1:], False))
-    incoming = _pass_on(ring, block) if ring.size > 1 else None
+    incoming = _pass_on(ring, block)
     carry = after_step(first_step(0, carry, block, operands))
     for step in range(1, ring.size):
         carry, block = lax.optimization_barrier((carry, incoming))
