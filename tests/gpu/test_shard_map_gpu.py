@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from support import bits, rel_err
 
 import pallas_flash as pf
 from pallas_flash import fp8
 from pallas_flash.masking import MaskSpec
 from pallas_flash.reference import attention_float64
+from pallas_flash.ring import simulated_ring_attention
 
 AXIS = "seq"
 
@@ -33,21 +35,15 @@ def _inputs(seq: int, heads: int, kv_heads: int, head_dim: int, seed: int):
     return q, k, v, jax.random.normal(keys[3], q.shape, jnp.bfloat16)
 
 
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert np.isfinite(a).all()
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 def _check(results, q, k, v, d_out, causal: bool):
     out, dq, dk, dv = results
     want_out, _, want_grads = attention_float64(
         *(np.asarray(x, np.float64) for x in (q, k, v)),
         mask=MaskSpec(q.shape[1], k.shape[1], is_causal=causal),
         d_out=np.asarray(d_out, np.float64))
-    assert _rel(out, want_out) < 1e-2
+    assert rel_err(out, want_out) < 1e-2
     for got, want in zip((dq, dk, dv), want_grads[:3], strict=True):
-        assert _rel(got, want) < 2e-2
+        assert rel_err(got, want) < 2e-2
 
 
 def _vjp_in_shard_map(attend, q, k, v, d_out):
@@ -90,9 +86,9 @@ def test_fp8_attention_in_shard_map():
     want_out, _, want_grads = attention_float64(
         *(np.asarray(x, np.float64) for x in (q, k, v)),
         mask=MaskSpec(1024, 1024, is_causal=True), d_out=np.asarray(d_out, np.float64))
-    assert _rel(out, want_out) < 0.1          # FP8's own error (tests/gpu/test_fp8_gpu.py)
+    assert rel_err(out, want_out) < 0.1          # FP8's own error (tests/gpu/test_fp8_gpu.py)
     for got, want in zip((dq, dk, dv), want_grads[:3], strict=True):
-        assert _rel(got, want) < 5e-2         # the bf16 backward on the FP8 residuals
+        assert rel_err(got, want) < 5e-2         # the bf16 backward on the FP8 residuals
 
 
 @pytest.mark.parametrize("implementation", ["mosaic", "triton"])
@@ -101,8 +97,6 @@ def test_simulated_ring_matches_xla_and_is_deterministic(implementation):
     to itself), so the unrolled steps, their barriers and the shared step function run on
     the compiled kernels: forward and gradients against the same ring on XLA in float32,
     and with deterministic=True the same gradient bits on a second run."""
-    from pallas_flash.ring import simulated_ring_attention
-
     q, k, v, d_out = _inputs(2048, 8, 2, 128, seed=23)
 
     def run(q, k, v, d_out, implementation, deterministic=False):
@@ -112,10 +106,9 @@ def test_simulated_ring_matches_xla_and_is_deterministic(implementation):
 
     got = run(q, k, v, d_out, implementation, deterministic=True)
     want = run(*(x.astype(jnp.float32) for x in (q, k, v, d_out)), "xla")
-    assert _rel(got[0], want[0]) < 1e-2
+    assert rel_err(got[0], want[0]) < 1e-2
     for a, b in zip(got[1:], want[1:], strict=True):
-        assert _rel(a, b) < 2e-2
+        assert rel_err(a, b) < 2e-2
     again = run(q, k, v, d_out, implementation, deterministic=True)
     for a, b in zip(got, again, strict=True):
-        np.testing.assert_array_equal(np.asarray(a).view(np.uint16),
-                                      np.asarray(b).view(np.uint16))
+        np.testing.assert_array_equal(bits(a), bits(b))
