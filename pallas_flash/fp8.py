@@ -322,7 +322,8 @@ def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
         ties can differ by one step (0.02 % on the H200). On the H200 (2026-12-02) the
         whole ``attention_fp8`` took 4–6 % less time at L 4096 with the kernel than with
         XLA's quantization (``benchmarks/results/fp8-probe-h200-2026-12-02-fused-L4096.json``;
-        at head_dim 128 535 against 594 TFLOP/s in ``fp8-cudnn-2026-12-02-*``); inside one
+        in two runs of ``benchmarks/fp8_cudnn.py`` at head_dim 128, dense, the kernel's 594
+        TFLOP/s against XLA's 535); inside one
         program the kernel quantized Q, K and Vᵀ of 16k tokens × 2048 in 0.17 ms
         (``fp8-quantize-loop-2026-12-02.md``).
       interpret: run the Triton kernel in Pallas interpret mode (CPU).
