@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import pallas_flash as pf
+from pallas_flash.fp8_format import E4M3_MAX
 from pallas_flash.reference import EMPTY_ROW_LSE
 
 _seed = itertools.count(1000)
@@ -247,7 +248,7 @@ def quantize_ieee(x, block: int, *, transpose: bool = False) -> tuple[np.ndarray
     padded[:, :seq] = x
     padded = padded.reshape(batch, tiles, block, heads, head_dim)
     amax = np.abs(padded).max(axis=(2, 4))
-    scales = np.where(amax > 0, amax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
+    scales = np.where(amax > 0, amax / np.float32(E4M3_MAX), np.float32(1.0)).astype(np.float32)
     quotient = (padded / scales[:, :, None, :, None]).astype(np.float32)
     x_fp8 = quotient.astype(ml_dtypes.float8_e4m3fn).reshape(batch, -1, heads, head_dim)[:, :seq]
     return (np.transpose(x_fp8, (0, 2, 3, 1)) if transpose else x_fp8), scales

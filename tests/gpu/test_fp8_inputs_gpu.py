@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support import bits, rel_err
 
 from pallas_flash import fp8
 from pallas_flash.mosaic import forward_fp8
@@ -28,11 +29,6 @@ def _inputs(batch, seq_q, seq_kv, heads, kv_heads, head_dim, seed):
     return (jax.random.normal(keys[0], (batch, seq_q, heads, head_dim), jnp.bfloat16),
             *(jax.random.normal(key, (batch, seq_kv, kv_heads, head_dim), jnp.bfloat16)
               for key in keys[1:]))
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.mark.parametrize(("shape", "causal", "v_transposed"), [
@@ -67,11 +63,11 @@ def test_per_tensor_scales_and_e4m3_output():
     out, (out8, amax) = (jax.jit(lambda *a, s=s: fp8.attention_fp8_quantized(
         *a, implementation="mosaic", out_scale=s))(q8, k8, v8, sq, sk, sv)
         for s in (None, out_scale))
-    assert _rel(out, ref) < 3e-2
+    assert rel_err(out, ref) < 3e-2
     back = np.asarray(out8, np.float32) * out_scale
     assert np.isfinite(back).all()
     assert float(amax) == float(np.abs(np.asarray(out, np.float32)).max())
-    assert _rel(back, out) < 4e-2  # e4m3's rounding of the output: ≤ 2^-4 relative
+    assert rel_err(back, out) < 4e-2  # e4m3's rounding of the output: ≤ 2^-4 relative
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -91,7 +87,7 @@ def test_gradient_through_the_kernel(causal):
         implementation="xla")), argnums=(0, 1, 2)))(q, k, v)
     for got, want in zip(grads, exact, strict=True):
         assert np.isfinite(np.asarray(got, np.float32)).all()
-        assert _rel(got, want) < 5e-2
+        assert rel_err(got, want) < 5e-2
 
 
 def test_deterministic_gradient_is_reproducible():
@@ -108,6 +104,5 @@ def test_deterministic_gradient_is_reproducible():
     first, second, fused = grads(True), grads(True), grads(False)
     for a, b, c in zip(first, second, fused, strict=True):
         assert np.isfinite(np.asarray(a, np.float32)).all()
-        np.testing.assert_array_equal(np.asarray(a).view(np.uint16),
-                                      np.asarray(b).view(np.uint16))
-        assert _rel(a, c) < 1e-2
+        np.testing.assert_array_equal(bits(a), bits(b))
+        assert rel_err(a, c) < 1e-2

@@ -1,6 +1,6 @@
 """FlashSelfAttention's decode step on the GPU: a prefill, then one token at a time through
 the cache (split-KV decode on the compiled kernels), against the whole sequence through the
-layer without a cache. (Written 2026-12-02 after the device time was spent: not yet run.)"""
+layer without a cache."""
 
 from __future__ import annotations
 
