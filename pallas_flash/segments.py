@@ -8,7 +8,8 @@ axis whose ids can meet it; the wrapper computes the spans in XLA, once per call
 kernels intersect their mask band with them, so a tile outside the span is never visited
 (never loaded) and the loop stays a plain counted loop. With documents packed in order the
 span is exact; with ids in any other order it is a superset, and the segment mask inside
-the tile keeps the result exact.
+the tile keeps the result exact. :func:`uniform_spans` names, inside the span, the tiles of
+one id: as a band's fully visible blocks, they need no mask (the Triton kernels use it).
 """
 
 from __future__ import annotations
@@ -52,10 +53,43 @@ def tile_spans(q_ids: jax.Array, kv_ids: jax.Array, block_q: int, block_kv: int,
     return _spans(meet if walk_kv else jnp.swapaxes(meet, 1, 2))
 
 
-def _tile_id_range(ids: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
-    """ids [B, L] (L a multiple of block) -> per tile (min, max), each [B, L / block]."""
+def uniform_spans(q_ids: jax.Array, kv_ids: jax.Array, block_q: int, block_kv: int, *,
+                  walk_kv: bool) -> jax.Array:
+    """Per owned tile, the walked tiles that need no segment mask: every query row and key
+    of the pair of tiles has one and the same id.
+
+    As with a causal band's fully visible blocks, only the tiles at a span's edges then
+    compare ids. With ``walk_kv`` the owned query tiles' padded rows are left out of the
+    test. Rows are independent in the forward and in dQ, and a padded row's results are
+    dropped. The dK/dV kernel sums over rows, so there padding keeps its tile masked.
+
+    Args: as :func:`tile_spans`.
+
+    Returns:
+      ``[B, 2, n]`` int32: ``(lo, hi)`` of the walked tiles that share the owned tile's one
+      id, when they are contiguous (they are for documents packed in order), else
+      ``(0, 0)``; ``(0, 0)`` too when there are none.
+    """
+    q_lo, q_hi = _tile_id_range(q_ids, block_q, padding=_PAD_Q if walk_kv else None)
+    kv_lo, kv_hi = _tile_id_range(kv_ids, block_kv)
+    uniform = ((q_lo == q_hi)[:, :, None] & (kv_lo == kv_hi)[:, None, :]
+               & (q_lo[:, :, None] == kv_lo[:, None, :]))
+    uniform = uniform if walk_kv else jnp.swapaxes(uniform, 1, 2)
+    spans = _spans(uniform)
+    contiguous = jnp.sum(uniform, axis=-1) == spans[:, 1] - spans[:, 0]
+    return jnp.where(contiguous[:, None], spans, 0)
+
+
+def _tile_id_range(ids: jax.Array, block: int, padding: int | None = None
+                   ) -> tuple[jax.Array, jax.Array]:
+    """ids [B, L] (L a multiple of block) -> per tile (min, max), each [B, L / block];
+    ``padding``: an id left out (a tile of nothing else gets min > max)."""
     tiles = ids.reshape(ids.shape[0], -1, block)
-    return tiles.min(axis=-1), tiles.max(axis=-1)
+    if padding is None:
+        return tiles.min(axis=-1), tiles.max(axis=-1)
+    info = jnp.iinfo(ids.dtype)
+    return (jnp.where(tiles == padding, info.max, tiles).min(axis=-1),
+            jnp.where(tiles == padding, info.min, tiles).max(axis=-1))
 
 
 def _spans(meet: jax.Array) -> jax.Array:

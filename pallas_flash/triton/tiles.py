@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from pallas_flash.bias import grouped
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import pad_axis
-from pallas_flash.segments import pad_segment_ids, tile_spans
+from pallas_flash.segments import pad_segment_ids, tile_spans, uniform_spans
 
 
 def segment_operands(segment_ids, padded_q: int, padded_kv: int, block_q: int,
@@ -38,13 +38,18 @@ def segment_operands(segment_ids, padded_q: int, padded_kv: int, block_q: int,
     """Kernel operands for packed sequences, for grids ordered (tile, batch, head).
 
     ``walk_kv``: the kernel's loop walks key tiles (forward, dQ) rather than query tiles
-    (dK/dV). Returns ``[q_ids [B, Tp], kv_ids [B, Sp], spans [B, 2, n]]`` and their block
+    (dK/dV). Returns ``[q_ids [B, Tp], kv_ids [B, Sp], spans [B, 4, n]]`` and their block
     specs (one batch row each), where ``n`` counts the kernel's own tiles (query tiles when
-    ``walk_kv``) and ``spans[b, :, i]`` is the ``(lo, hi)`` range of walked tiles whose ids
-    can meet tile ``i``.
+    ``walk_kv``), ``spans[b, :2, i]`` is the ``(lo, hi)`` range of walked tiles whose ids
+    can meet tile ``i`` (:func:`~pallas_flash.segments.tile_spans`) and ``spans[b, 2:, i]``
+    the range of those that need no segment mask
+    (:func:`~pallas_flash.segments.uniform_spans`).
     """
     q_ids, kv_ids = pad_segment_ids(segment_ids, padded_q, padded_kv)
-    arrays = [q_ids, kv_ids, tile_spans(q_ids, kv_ids, block_q, block_kv, walk_kv=walk_kv)]
+    spans = jnp.concatenate(
+        [tile_spans(q_ids, kv_ids, block_q, block_kv, walk_kv=walk_kv),
+         uniform_spans(q_ids, kv_ids, block_q, block_kv, walk_kv=walk_kv)], axis=1)
+    arrays = [q_ids, kv_ids, spans]
     return arrays, [_batch_row(x) for x in arrays]
 
 
@@ -59,15 +64,18 @@ def walk_tiles(step, ranges, carry, *, span_ref=None, own_tile=None,
 
     ``ranges`` = (first, full_first, full_last, last) from the MaskSpec. With segment ids
     (``span_ref``: the ``spans`` operand of :func:`segment_operands`, ``own_tile``: the
-    program's tile) the walk is cut to the span of tiles whose ids can meet, and every tile
-    needs the segment mask. ``mask_every_tile``: a mask array can hide pairs in any tile.
+    program's tile) the walk is cut to the span of tiles whose ids can meet, and only the
+    tiles that are both fully inside the band and of one id run unmasked.
+    ``mask_every_tile``: a mask array can hide pairs in any tile.
     """
     first, full_first, full_last, last = ranges
     masked_step = functools.partial(step, masked=True)
     if span_ref is not None:
         first = jnp.maximum(first, span_ref[0, own_tile])
-        last = jnp.minimum(last, span_ref[1, own_tile])
-    if span_ref is not None or mask_every_tile:
+        last = jnp.maximum(first, jnp.minimum(last, span_ref[1, own_tile]))
+        full_first = jnp.clip(jnp.maximum(full_first, span_ref[2, own_tile]), first, last)
+        full_last = jnp.clip(jnp.minimum(full_last, span_ref[3, own_tile]), full_first, last)
+    if mask_every_tile:
         return lax.fori_loop(first, last, masked_step, carry)
     carry = lax.fori_loop(first, full_first, masked_step, carry)
     carry = lax.fori_loop(full_first, full_last, functools.partial(step, masked=False), carry)
