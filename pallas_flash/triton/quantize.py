@@ -7,8 +7,9 @@ reads it once: it takes the tile's maximum magnitude, the scale ``amax / 448`` (
 all-zero tile), divides, rounds to e4m3 and writes the tile (transposed for Vᵀ) and its
 scale.
 
-The arithmetic is IEEE float32's: both divisions correctly rounded, the rounding to e4m3 to
-nearest, ties to even. :func:`~pallas_flash.fp8.quantize` writes the same divisions, but
+The arithmetic is IEEE float32's: both divisions correctly rounded (the quotients through
+the tile's reciprocal and an FMA correction, :func:`_divide_by_tile_scale`), the rounding
+to e4m3 to nearest, ties to even. :func:`~pallas_flash.fp8.quantize` writes the same divisions, but
 XLA's results were not IEEE's on the H200 nor on the CPU (2026-12-02): its scales
 ``amax / 448`` and 28 % of its quotients on the H200 were one float32 ulp off, as from
 multiplying by a reciprocal. At rounding ties the two can then differ by one e4m3 step
@@ -68,6 +69,40 @@ def _divide(a: jax.Array, b: jax.Array, *, interpret: bool) -> jax.Array:
     return quotient
 
 
+#: Tiles whose scale lies below this are rescaled by :data:`_RESCALE` before dividing by
+#: a reciprocal: the reciprocal of a scale below 2**-126 overflows float32.
+_TINY_SCALE = 2.0 ** -60
+_RESCALE = 2.0 ** 64
+
+
+def _divide_by_tile_scale(x: jax.Array, scale: jax.Array, *, interpret: bool) -> jax.Array:
+    """``x / scale`` correctly rounded, for one ``scale`` [1, 1] per tile, at the cost of
+    a multiply and two FMAs per element instead of a ``div.rn`` (a subroutine of some
+    twenty instructions).
+
+    Markstein's theorem: with ``r = RN(1/scale)`` and ``q = RN(x·r)`` within an ulp of the
+    quotient, the residual ``x − q·scale`` is exact in one FMA and ``RN(q + residual·r)``
+    is the correctly rounded ``x / scale``, barring overflow and underflow. Quotients here
+    are at most 448 in magnitude; those small enough to be subnormal round to 0 in e4m3
+    whatever their last bits. A tiny scale is first multiplied, with ``x``, by a power of
+    two (exact: ``|x| <= 448 · scale``), so that its reciprocal stays finite.
+    """
+    if interpret:
+        return x / scale
+    factor = jnp.where(scale < _TINY_SCALE, _RESCALE, 1.0)
+    scale = scale * factor
+    reciprocal = _divide(jnp.ones_like(scale), scale, interpret=False)
+    # mul.rn and fma.rn are never contracted or reassociated by ptxas.
+    [quotient] = plgpu.elementwise_inline_asm(
+        "{ .reg .f32 q, e; mul.rn.f32 q, $1, $2; neg.f32 e, q;"
+        " fma.rn.f32 e, e, $3, $1; fma.rn.f32 $0, e, $2, q; }",
+        args=[x * factor, jnp.broadcast_to(reciprocal, x.shape),
+              jnp.broadcast_to(scale, x.shape)],
+        constraints="=r,r,r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+    return quotient
+
+
 def _quantize_kernel(x_ref, x8_ref, scale_ref, *, block: int, seq: int, head_dim: int,
                      transpose: bool, interpret: bool):
     """One tile: x_ref ``[block, padded_d]`` (rows past ``seq`` and columns past
@@ -85,7 +120,7 @@ def _quantize_kernel(x_ref, x8_ref, scale_ref, *, block: int, seq: int, head_dim
     # An all-zero tile keeps scale 1 (no 0/0), as fp8.quantize.
     scale = jnp.where(amax > 0, _divide(amax, jnp.full_like(amax, E4M3_MAX),
                                         interpret=interpret), 1.0)
-    x8 = _divide(x, jnp.broadcast_to(scale, x.shape), interpret=interpret).astype(E4M3)
+    x8 = _divide_by_tile_scale(x, scale, interpret=interpret).astype(E4M3)
     if transpose:  # the mask is built transposed rather than moved through shared memory
         x8, mask = x8.T, cols[:, None] & rows[None, :] if masked else None
     plgpu.store(x8_ref, x8, mask=mask)
