@@ -92,10 +92,11 @@ def _divide_by_tile_scale(x: jax.Array, scale: jax.Array, *, interpret: bool) ->
     factor = jnp.where(scale < _TINY_SCALE, _RESCALE, 1.0)
     scale = scale * factor
     reciprocal = _divide(jnp.ones_like(scale), scale, interpret=False)
-    # mul.rn and fma.rn are never contracted or reassociated by ptxas.
+    # mul.rn and fma.rn are never contracted or reassociated by ptxas. The sign is copied
+    # from x: for x = -0 the correction computes +0 + -0 = +0 (the H200 test, 2026-12-02).
     [quotient] = plgpu.elementwise_inline_asm(
         "{ .reg .f32 q, e; mul.rn.f32 q, $1, $2; neg.f32 e, q;"
-        " fma.rn.f32 e, e, $3, $1; fma.rn.f32 $0, e, $2, q; }",
+        " fma.rn.f32 e, e, $3, $1; fma.rn.f32 q, e, $2, q; copysign.f32 $0, $1, q; }",
         args=[x * factor, jnp.broadcast_to(reciprocal, x.shape),
               jnp.broadcast_to(scale, x.shape)],
         constraints="=r,r,r,r", pack=1,

@@ -109,7 +109,9 @@ def test_quantize_kernel_is_ieee(seq, head_dim, block, dtype):
     x = _spread(jax.random.key(seq + head_dim + block), (1, seq, 16, head_dim), dtype)
     # Head 1's first 512 positions so small that their scales (amax / 448) are subnormal
     # (zero in float16): the kernel's reciprocal of such a scale would overflow unrescaled.
-    x = x.at[:, :512, 1].multiply(1e-37)
+    # Some underflow to -0 (bfloat16, float16), and every 7th position of head 2 is -0:
+    # the quotient of -0 is -0.
+    x = x.at[:, :512, 1].multiply(1e-37).at[:, ::7, 2].set(-0.0)
     for transpose in (False, True):
         want8, want_scales = quantize_ieee(x, block, transpose=transpose)
         x8, scales = jax.jit(lambda x, t=transpose: quantize_tiles(x, block, transpose=t))(x)
