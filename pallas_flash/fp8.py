@@ -319,13 +319,11 @@ def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
         the tile maxima, another for the rounding); ``None``: triton where it runs
         compiled (the GPU, blocks it takes), else xla. The kernel's divisions are IEEE's
         and XLA's are not always (one float32 ulp off), so a few e4m3 bytes at rounding
-        ties can differ by one step (0.02 % on the H200). On the H200 (2026-12-02) the
-        whole ``attention_fp8`` took 4–6 % less time at L 4096 with the kernel than with
-        XLA's quantization (``benchmarks/results/fp8-probe-h200-2026-12-02-fused-L4096.json``;
-        in two runs of ``benchmarks/fp8_cudnn.py`` at head_dim 128, dense, the kernel's 594
-        TFLOP/s against XLA's 535); inside one
-        program the kernel quantized Q, K and Vᵀ of 16k tokens × 2048 in 0.17 ms
-        (``fp8-quantize-loop-2026-12-02.md``).
+        ties can differ by one step (0.02 % on the H200). On the H200 (2026-12-02,
+        ``benchmarks/fp8_cudnn.py``, head_dim 128, L 4096, dense) the whole
+        ``attention_fp8`` ran at 535 TFLOP/s with XLA's quantization, 594 with the
+        kernel dividing by ``div.rn`` and 657 with its reciprocal and FMA correction
+        (``benchmarks/results/fp8-cudnn-2026-12-02-markstein.md``).
       interpret: run the Triton kernel in Pallas interpret mode (CPU).
 
     Returns:
