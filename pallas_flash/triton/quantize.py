@@ -70,7 +70,9 @@ def _divide(a: jax.Array, b: jax.Array, *, interpret: bool) -> jax.Array:
 
 
 #: Tiles whose scale lies below this are rescaled by :data:`_RESCALE` before dividing by
-#: a reciprocal: the reciprocal of a scale below 2**-126 overflows float32.
+#: a reciprocal: the reciprocal of a scale below about 2**-128 overflows float32, and
+#: rescaled scales (at least 2**-85) keep the residuals of quotients that matter in e4m3
+#: (at least 2**-10) normal, as Markstein's correction needs.
 _TINY_SCALE = 2.0 ** -60
 _RESCALE = 2.0 ** 64
 
