@@ -347,6 +347,12 @@ def _fold_lengths(segment_ids, q_lengths, kv_lengths, batch, seq_q, seq_kv):
                 f"got {getattr(lengths, 'shape', None)}")
         if not jnp.issubdtype(lengths.dtype, jnp.integer):
             raise ValueError(f"{name} must have an integer dtype, got {lengths.dtype}")
+        if not isinstance(lengths, jax.core.Tracer) and lengths.size:
+            concrete = np.asarray(lengths)  # numpy: jnp ops would trace under an outer jit
+            low, high = int(concrete.min()), int(concrete.max())
+            if low < 0 or high > ids.shape[1]:
+                raise ValueError(f"{name} must lie in [0, {ids.shape[1]}] (the sequence "
+                                 f"length), got values in [{low}, {high}]")
         positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
         padded = jnp.where(positions < lengths[:, None], ids, pad_id)
         if pad_id == PADDED_QUERY_ID:

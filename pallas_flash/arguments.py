@@ -54,7 +54,8 @@ def check_deterministic(flag) -> bool:
 def check_soft_cap(cap) -> float | None:
     if cap is None:
         return None
-    if not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap > 0):
+    if not (isinstance(cap, (int, float)) and not isinstance(cap, bool)
+            and math.isfinite(cap) and cap > 0):
         raise ValueError(f"logits_soft_cap must be a positive finite number, got {cap!r}")
     return float(cap)
 
@@ -89,10 +90,11 @@ def canonical_scale(scale, head_dim: int) -> float:
 def canonical_window(window) -> tuple[int, int] | None:
     if window is None:
         return None
-    if isinstance(window, int):
+    if isinstance(window, int) and not isinstance(window, bool):
         window = (window, window)
     if (not isinstance(window, (tuple, list)) or len(window) != 2
-            or not all(isinstance(w, int) for w in window) or min(window) < 0):
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)
+            or min(window) < 0):
         raise ValueError(
             f"local_window_size must be a non-negative int or a (left, right) pair of them, "
             f"got {window!r}")
@@ -115,6 +117,15 @@ def canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv):
                 f"got {getattr(ids, 'shape', None)}")
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"{name} must have an integer dtype, got {ids.dtype}")
+        if not isinstance(ids, jax.core.Tracer) and ids.size:
+            # numpy: jnp ops would trace under an outer jit. The two lowest int32 values
+            # mark padding; ids that wrap into them in int32 would read as padding.
+            low, high = int(np.min(np.asarray(ids))), int(np.max(np.asarray(ids)))
+            if low <= PADDED_KEY_ID or high > np.iinfo(np.int32).max:
+                raise ValueError(
+                    f"{name} must lie in [{PADDED_KEY_ID + 1}, {np.iinfo(np.int32).max}] (the "
+                    f"two lowest int32 values are reserved for padding), got values in "
+                    f"[{low}, {high}]")
     return q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
 
 

@@ -78,7 +78,7 @@ def default_num_splits(batch: int, kv_heads: int, seq_kv: int, *, ragged: bool =
     was fastest with 2)
     """
     target = TARGET_WORK_UNITS * (2 if ragged else 1)
-    wanted = math.ceil(target / (batch * kv_heads))
+    wanted = math.ceil(target / max(1, batch * kv_heads))  # empty batches: one split
     n = max(1, min(wanted, seq_kv // MIN_SPLIT_KEYS))
     while seq_kv % n:
         n -= 1

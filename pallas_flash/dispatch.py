@@ -64,7 +64,7 @@ def backend(name: str) -> ModuleType:
       ValueError: ``name`` is not a key of ``BACKEND_MODULES``.
       ImportError: the module cannot be imported here.
     """
-    if name not in BACKEND_MODULES:
+    if not isinstance(name, str) or name not in BACKEND_MODULES:
         raise ValueError(
             f"implementation must be one of {sorted(BACKEND_MODULES)} or None, got {name!r}")
     # Imported lazily: the backends import pallas_flash.autodiff, and Mosaic needs a jaxlib

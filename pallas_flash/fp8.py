@@ -86,8 +86,20 @@ def _scale_for(amax: jax.Array) -> jax.Array:
 
 
 def dequantize(x_fp8: jax.Array, scales: jax.Array, block: int | None) -> jax.Array:
-    """Inverse of :func:`quantize` (up to its rounding): float32 ``[batch, seq, heads, d]``."""
+    """Inverse of :func:`quantize` (up to its rounding): float32 ``[batch, seq, heads, d]``.
+
+    ``scales``: ``quantize``'s, ``[batch, ceil(seq / block), heads]`` (a scalar when
+    ``block`` is None).
+    """
     block = _check_block(block, "block", allow_none=True)
+    if getattr(x_fp8, "ndim", None) != 4:
+        raise ValueError(f"x_fp8 must be an array [batch, seq, heads, head_dim], got "
+                         f"{_describe(x_fp8)}")
+    batch, seq, heads, _ = x_fp8.shape
+    want = () if block is None else (batch, -(-seq // block), heads)
+    if np.shape(scales) != want or not jnp.issubdtype(jnp.result_type(scales), jnp.floating):
+        raise ValueError(f"scales must be float of shape {want} (quantize's, for block "
+                         f"{block}), got {_describe(scales)}")
     x = x_fp8.astype(jnp.float32)
     per = _per_position(scales, block, x.shape[1])
     return x * (per if per.ndim == 0 else per[..., None])
@@ -144,9 +156,10 @@ def attention_fp8_reference(q: jax.Array, k: jax.Array, v: jax.Array, *,
     block_q, block_kv = _check_quantization(q, k, v, block_q, block_kv, hadamard_key)
     is_causal, fp8_pv, return_residual = (canonical_bool(flag, name) for name, flag in (
         ("is_causal", is_causal), ("fp8_pv", fp8_pv), ("return_residual", return_residual)))
-    if q.shape[2] != k.shape[2] or k.shape != v.shape:
-        raise ValueError("q, k, v must have the same number of heads and k, v the same shape, "
+    if q.shape[2] != k.shape[2]:
+        raise ValueError("q, k, v must have the same number of heads, "
                          f"got {q.shape}, {k.shape}, {v.shape}")
+    _check_shapes(q, k, v, is_causal)
     scale = canonical_scale(scale, q.shape[-1])
     block_q, block_kv = (block_q, block_kv) if scaling == "block" else (None, None)
     out, lse = _reference(q, k, v, hadamard_key=hadamard_key, block_q=block_q,
@@ -671,6 +684,12 @@ def _check_float_array(x, name: str) -> None:
     if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim != 4:
         raise ValueError(f"{name} must be a float array [batch, seq, heads, head_dim], got "
                          f"{_describe(x)}")
+    _check_not_empty(x, name)
+
+
+def _check_not_empty(x, name: str) -> None:
+    if 0 in x.shape:
+        raise ValueError(f"{name} must have no empty dimension, got shape {tuple(x.shape)}")
 
 
 def _check_quantization(q, k, v, block_q, block_kv, hadamard_key) -> tuple[int, int]:
@@ -714,6 +733,7 @@ def _check_inputs(q, k, v, is_causal: bool) -> None:
         if x.dtype != q.dtype or jnp.dtype(x.dtype) not in dispatch.DTYPES:
             raise ValueError(f"q, k, v must share one dtype of bfloat16, float16, float32; "
                              f"{name} is {x.dtype}")
+        _check_not_empty(x, name)
     _check_shapes(q, k, v, is_causal)
 
 

@@ -37,6 +37,13 @@ CausalAlignment = Literal["top_left", "bottom_right"]
 _UNBOUNDED = 1 << 30
 
 
+def _static_int(value, name: str) -> int:
+    """A Python int from a Python / NumPy integer (not a bool)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    return int(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class MaskSpec:
     """Static description of the visible (query, key) pairs of one attention call.
@@ -67,6 +74,20 @@ class MaskSpec:
     kv_start: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("seq_q", "seq_kv", "q_start", "kv_start"):
+            object.__setattr__(self, name, _static_int(getattr(self, name), name))
+        if not isinstance(self.is_causal, (bool, np.bool_)):
+            raise ValueError(f"is_causal must be a bool, got {self.is_causal!r}")
+        object.__setattr__(self, "is_causal", bool(self.is_causal))
+        if self.window is not None:
+            if not isinstance(self.window, (tuple, list)) or len(self.window) != 2:
+                raise ValueError(
+                    f"window must be (left, right) with both >= 0, got {self.window!r}")
+            object.__setattr__(self, "window",
+                               tuple(_static_int(w, "window") for w in self.window))
+        if self.q_start < 0 or self.kv_start < 0:
+            raise ValueError(f"q_start and kv_start must be >= 0, got {self.q_start=}, "
+                             f"{self.kv_start=}")
         if self.seq_q < 1 or self.seq_kv < 1:
             raise ValueError(
                 f"sequence lengths must be positive, got {self.seq_q=}, {self.seq_kv=}")

@@ -60,6 +60,15 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, base: float) -> jax.Arr
     Returns:
       ``[batch, seq, heads, head_dim]`` in ``x.dtype``.
     """
+    _check_rope_base(base, "base")
+    if getattr(x, "ndim", None) != 4 or x.shape[-1] % 2:
+        raise ValueError(f"x must be [batch, seq, heads, head_dim] with an even head_dim, got "
+                         f"{getattr(x, 'shape', type(x).__name__)}")
+    if (getattr(positions, "ndim", None) != 2 or positions.shape[1] != x.shape[1]
+            or positions.shape[0] not in (1, x.shape[0])):
+        raise ValueError(f"positions must be [batch, seq] (or [1, seq]) = "
+                         f"{(x.shape[0], x.shape[1])}, got "
+                         f"{getattr(positions, 'shape', type(positions).__name__)}")
     half = x.shape[-1] // 2
     inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angles = positions.astype(jnp.float32)[..., None, None] * inv_freq     # [B, T, 1, D/2]
@@ -104,6 +113,18 @@ def masked_attention(query: jax.Array, key: jax.Array, value: jax.Array,
         p = p[..., :-1]
     out = jnp.einsum("bkgts,bskd->btkgd", p, value.astype(jnp.float32))
     return out.reshape(query.shape).astype(query.dtype)
+
+
+def _check_rope_base(base, name: str) -> None:
+    if isinstance(base, bool) or not isinstance(base, (int, float)) \
+            or not math.isfinite(base) or base <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {base!r}")
+
+
+def _check_positive_int(value, name: str) -> None:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+            or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def check_cache_room(index: jax.Array | int, new_tokens: int, max_length: int) -> None:
@@ -198,8 +219,16 @@ class FlashSelfAttention(nnx.Module):
         kernel_init: nnx.Initializer = _default_kernel_init,
         rngs: nnx.Rngs,
     ) -> None:
+        _check_positive_int(d_model, "d_model")
+        _check_positive_int(num_heads, "num_heads")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        _check_positive_int(num_kv_heads, "num_kv_heads")
         head_dim = d_model // num_heads if head_dim is None else head_dim
+        _check_positive_int(head_dim, "head_dim")
+        if rope_base is not None:
+            _check_rope_base(rope_base, "rope_base")
+        if attention_fn is not None and not callable(attention_fn):
+            raise ValueError(f"attention_fn must be callable or None, got {attention_fn!r}")
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -252,7 +281,11 @@ class FlashSelfAttention(nnx.Module):
         """
         if not self.is_causal:
             raise ValueError("decoding with a KV cache needs is_causal=True")
+        _check_positive_int(batch_size, "batch_size")
+        _check_positive_int(max_length, "max_length")
         dtype = dtype or self.dtype or jnp.float32
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"dtype must be a floating dtype for the cache, got {dtype}")
         shape = (batch_size, max_length, self.num_kv_heads, self.head_dim)
         self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
         self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
@@ -282,7 +315,16 @@ class FlashSelfAttention(nnx.Module):
           ``[batch, seq, d_model]``.
         """
         decode = self.decode if decode is None else decode
+        if not isinstance(decode, (bool, np.bool_)):
+            raise ValueError(f"decode must be a bool or None, got {decode!r}")
+        d_model = self.out_proj.out_features
+        if getattr(x, "ndim", None) != 3 or x.shape[-1] != d_model:
+            raise ValueError(f"x must be [batch, seq, d_model] with d_model {d_model}, got "
+                             f"{getattr(x, 'shape', type(x).__name__)}")
         batch, seq, _ = x.shape
+        if decode and self.cached_key is not None and batch != self.cached_key.shape[0]:
+            raise ValueError(f"x's batch ({batch}) must match the cache's (init_cache "
+                             f"batch_size {self.cached_key.shape[0]})")
         query, key, value = self._project(x)
         if decode:
             if self.cache_index is None:

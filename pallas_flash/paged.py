@@ -272,8 +272,9 @@ def write_pages(key_pages: jax.Array, value_pages: jax.Array, page_table: jax.Ar
     positions = cache_lengths.astype(jnp.int32)[:, None] + jnp.arange(seq_new, dtype=jnp.int32)
     page_ids = jnp.take_along_axis(page_table, positions // page_size, axis=1, mode="clip")
     slots = positions % page_size
-    return (key_pages.at[page_ids, slots].set(new_key, mode="drop"),
-            value_pages.at[page_ids, slots].set(new_value, mode="drop"))
+    # jnp.asarray: NumPy pools (which paged_attention reads) have no .at.
+    return (jnp.asarray(key_pages).at[page_ids, slots].set(new_key, mode="drop"),
+            jnp.asarray(value_pages).at[page_ids, slots].set(new_value, mode="drop"))
 
 
 def _check_pages(key_pages, value_pages, page_table, cache_lengths) -> None:

@@ -75,12 +75,16 @@ __all__ = ["LAYOUTS", "Layout", "from_zigzag", "ring_attention", "to_zigzag"]
 
 def _zigzag_order(num_shards: int) -> list[int]:
     """Global chunk indices in zigzag storage order: 0, 2n-1, 1, 2n-2, ..."""
+    if not isinstance(num_shards, int) or isinstance(num_shards, bool) or num_shards < 1:
+        raise ValueError(f"num_shards must be a positive int, got {num_shards!r}")
     return [c for i in range(num_shards) for c in (i, 2 * num_shards - 1 - i)]
 
 
 def _reorder_chunks(x, num_shards: int, axis: int, order: list[int], name: str) -> jax.Array:
-    if not isinstance(num_shards, int) or isinstance(num_shards, bool) or num_shards < 1:
-        raise ValueError(f"num_shards must be a positive int, got {num_shards!r}")
+    if not isinstance(axis, int) or isinstance(axis, bool):
+        raise ValueError(f"axis must be an int, got {axis!r}")
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise ValueError(f"x must be an array, got {type(x).__name__}")
     x = jnp.asarray(x)
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis must index a dim of the array (ndim {x.ndim}), got {axis}")

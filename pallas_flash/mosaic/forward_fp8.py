@@ -185,6 +185,8 @@ def smem_bytes(config: MosaicConfig, head_dim: int) -> int:
 
 def check_config(config: MosaicConfig, head_dim: int) -> None:
     """Raises ValueError when ``config`` cannot run this kernel at ``head_dim`` on sm90."""
+    if not isinstance(config, MosaicConfig):
+        raise ValueError(f"config must be a MosaicConfig or None, got {config!r}")
     if config.persistent:
         raise ValueError("config.persistent: the FP8 kernel runs one CTA per tile")
     if config.num_consumers == 3 and config.block_kv + head_dim > _THREE_CONSUMER_COLUMNS:
