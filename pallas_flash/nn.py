@@ -492,6 +492,18 @@ def make_attention_fn(
         input_positions: jax.Array | None = None,
     ) -> jax.Array:
         del broadcast_dropout, dropout_rng, precision
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if getattr(x, "ndim", 0) < 3:
+                raise ValueError(f"{name} must be an array [..., seq, heads, head_dim], got "
+                                 f"{getattr(x, 'shape', type(x).__name__)}")
+        if key.shape[:-3] != query.shape[:-3] or value.shape[:-3] != query.shape[:-3]:
+            raise ValueError(f"query, key and value must share their batch dims, got "
+                             f"{query.shape}, {key.shape}, {value.shape}")
+        if isinstance(dropout_rate, bool) or not isinstance(dropout_rate, (int, float)) \
+                or not 0.0 <= dropout_rate <= 1.0:
+            raise ValueError(f"dropout_rate must be a number in [0, 1], got {dropout_rate!r}")
+        if not isinstance(is_causal, (bool, np.bool_)):
+            raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
         if dropout_rate > 0.0 and not deterministic:
             raise ValueError("pallas_flash attention_fn does not support attention dropout "
                              "while training (dropout_rate > 0, deterministic=False)")

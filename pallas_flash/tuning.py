@@ -299,12 +299,16 @@ def tune(query: jax.Array, key: jax.Array, value: jax.Array, *, is_causal: bool 
       A :class:`Tuning`; ``from_cache`` is True when nothing was timed.
     """
     dispatch.check_arrays(query, key, value)
-    if not isinstance(is_causal, bool):
-        raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
-    if not isinstance(interpret, bool):
-        raise ValueError(f"interpret must be a bool, got {interpret!r}")
-    if not isinstance(iters, int) or iters < 1:
+    for name, flag in (("is_causal", is_causal), ("interpret", interpret),
+                       ("backward", backward), ("cache", cache)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool, got {flag!r}")
+    if not isinstance(iters, int) or isinstance(iters, bool) or iters < 1:
         raise ValueError(f"iters must be a positive int, got {iters!r}")
+    if timer is not None and not callable(timer):
+        raise ValueError(f"timer must be callable or None, got {timer!r}")
+    if candidates is not None and not isinstance(candidates, (list, tuple)):
+        raise ValueError(f"candidates must be a list or tuple of configs, got {candidates!r}")
     spec = MaskSpec(seq_q=query.shape[1], seq_kv=key.shape[1], is_causal=is_causal)
     if implementation is None:
         implementation = dispatch.choose(query.shape, key.shape, query.dtype, spec,

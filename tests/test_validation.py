@@ -122,3 +122,27 @@ def test_zigzag_and_fp8_and_pages_reject_or_take():
                                   jnp.array([0]), new, new)
     np.testing.assert_array_equal(np.asarray(key_pages)[2, :3], 1.0)
     assert not np.any(np.asarray(key_pages)[[0, 1, 3]])
+
+
+def test_attention_fn_rejects_bad_input():
+    from pallas_flash.nn import make_attention_fn
+
+    fn = make_attention_fn(implementation="xla")
+    with pytest.raises(ValueError, match="query must be"):
+        fn(Q[0, 0], Q, Q)
+    with pytest.raises(ValueError, match="batch dims"):
+        fn(Q, _normal(2, 8, 2, 8), _normal(2, 8, 2, 8))
+    with pytest.raises(ValueError, match="dropout_rate"):
+        fn(Q, Q, Q, dropout_rate=-1.0)
+    with pytest.raises(ValueError, match="is_causal"):
+        fn(Q, Q, Q, is_causal="y")
+    assert fn(Q, Q, Q, dropout_rate=0.5, deterministic=True).shape == Q.shape
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(backward="y"), "backward"), (dict(cache="y"), "cache"), (dict(iters=True), "iters"),
+    (dict(timer=1), "timer"), (dict(candidates=5), "candidates"),
+])
+def test_autotune_rejects(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        pf.autotune(Q, Q, Q, implementation="xla", **kwargs)
