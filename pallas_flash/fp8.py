@@ -111,9 +111,9 @@ def random_hadamard(key: jax.Array, head_dim: int) -> jax.Array:
     ``head_dim`` must be a power of two (Sylvester's construction of H).
     """
     if (isinstance(head_dim, bool) or not isinstance(head_dim, (int, np.integer))
-            or head_dim < 1 or head_dim & (head_dim - 1)):
-        raise ValueError(f"head_dim must be a power of two for a Hadamard matrix, got "
-                         f"{head_dim!r}")
+            or head_dim < 1 or head_dim & (head_dim - 1) or head_dim > MAX_HEAD_DIM):
+        raise ValueError(f"head_dim must be a power of two up to {MAX_HEAD_DIM} (the "
+                         f"kernels' largest) for a Hadamard matrix, got {head_dim!r}")
     _check_key(key, "key", allow_none=False)
     hadamard = np.ones((1, 1), np.float32)
     while hadamard.shape[0] < head_dim:
@@ -262,13 +262,27 @@ def attention_fp8_backward_reference(
     Returns:
       float32 ``(dq, dk, dv)`` shaped like q, k, v.
     """
-    unknown = set(fp8_gemms) - BACKWARD_GEMMS
-    if unknown:
-        raise ValueError(f"fp8_gemms must name GEMMs among {sorted(BACKWARD_GEMMS)}, "
-                         f"got {sorted(unknown)}")
+    if not isinstance(fp8_gemms, (set, frozenset, list, tuple)) \
+            or not set(fp8_gemms) <= BACKWARD_GEMMS:
+        raise ValueError(f"fp8_gemms must be a set of GEMM names among "
+                         f"{sorted(BACKWARD_GEMMS)}, got {fp8_gemms!r}")
     if scaling not in ("tensor", "block"):
         raise ValueError(f"scaling must be 'tensor' or 'block', got {scaling!r}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    block_q, block_kv = _check_quantization(q, k, v, block_q, block_kv, hadamard_key)
+    is_causal = canonical_bool(is_causal, "is_causal")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError("q, k, v must have the same number of heads, "
+                         f"got {q.shape}, {k.shape}, {v.shape}")
+    _check_shapes(q, k, v, is_causal)
+    for name, x in (("out", out), ("d_out", d_out)):
+        _check_float_array(x, name)
+        if x.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape {q.shape}, got {x.shape}")
+    want_lse = (q.shape[0], q.shape[1], q.shape[2])
+    if getattr(lse, "shape", None) != want_lse or not jnp.issubdtype(lse.dtype, jnp.floating):
+        raise ValueError(f"lse must be float [batch, seq_q, heads] = {want_lse}, got "
+                         f"{_describe(lse)}")
+    scale = canonical_scale(scale, q.shape[-1])
     rows, cols = (block_q, block_kv) if scaling == "block" else (None, None)
     q, k, rotation = _rotate(q, k, hadamard_key)
 
@@ -634,8 +648,9 @@ def _check_out_scale(out_scale) -> None:
             or isinstance(out_scale, bool) or jnp.ndim(out_scale) != 0
             or not jnp.issubdtype(jnp.result_type(out_scale), jnp.floating)):
         raise ValueError(f"out_scale must be a positive float scalar or None, got {out_scale!r}")
-    if not isinstance(out_scale, jax.core.Tracer) and not float(out_scale) > 0:
-        raise ValueError(f"out_scale must be a positive float scalar, got {float(out_scale)}")
+    if not isinstance(out_scale, jax.core.Tracer) and not 0 < float(out_scale) < math.inf:
+        raise ValueError(f"out_scale must be a positive finite float scalar, got "
+                         f"{float(out_scale)}")
 
 
 def _check_scale_blocks(scale_blocks, config: MosaicConfig) -> tuple[int, int]:
@@ -665,6 +680,11 @@ def _kernel_tile_scales(scales: jax.Array, name: str, shape: tuple[int, int, int
     if not jnp.issubdtype(scales.dtype, jnp.floating):
         raise ValueError(f"{name} must be float32, got {scales.dtype}")
     scales = scales.astype(jnp.float32)
+    if not isinstance(scales, jax.core.Tracer) and scales.size:
+        concrete = np.asarray(scales)  # numpy: jnp ops would trace under an outer jit
+        if not (np.all(np.isfinite(concrete)) and np.all(concrete > 0)):
+            raise ValueError(f"{name} must hold positive finite scales, got values in "
+                             f"[{concrete.min()}, {concrete.max()}]")
     if scales.ndim == 0:
         return jnp.broadcast_to(scales, (batch, tiles, heads))
     want = (batch, -(-length // block), heads)

@@ -3,6 +3,8 @@ audit of the public surface found accepted silently or failing deep inside (2026
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -146,3 +148,34 @@ def test_attention_fn_rejects_bad_input():
 def test_autotune_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):
         pf.autotune(Q, Q, Q, implementation="xla", **kwargs)
+
+
+def test_fp8_references_and_scales_reject_bad_input():
+    x = _normal(1, 16, 2, 16)
+    with pytest.raises(ValueError, match="batch"):
+        fp8.attention_fp8_reference(x, _normal(2, 16, 2, 16), _normal(2, 16, 2, 16))
+    with pytest.raises(ValueError, match="is_causal"):
+        fp8.attention_fp8_reference(_normal(1, 32, 2, 16), x, x, is_causal=True)
+    out, lse = fp8.attention_fp8_reference(x, x, x, block_q=8, block_kv=8,
+                                           return_residual=True)
+    backward = functools.partial(fp8.attention_fp8_backward_reference, block_q=8, block_kv=8)
+    for kwargs, match in ((dict(scale=-1.0), "scale"), (dict(is_causal="y"), "is_causal"),
+                          (dict(fp8_gemms=None), "fp8_gemms")):
+        with pytest.raises(ValueError, match=match):
+            backward(x, x, x, out, lse, x, **kwargs)
+    with pytest.raises(ValueError, match="lse"):
+        backward(x, x, x, out, lse[..., :1], x)
+    with pytest.raises(ValueError, match="out must have"):
+        backward(x, x, x, out[..., :1], lse, x)
+    with pytest.raises(ValueError, match="heads"):
+        backward(x, x[:, :, :1], x[:, :, :1], out, lse, x)
+    x8, scales = fp8.quantize(x, 8)
+    with pytest.raises(ValueError, match="scales must be"):
+        fp8.dequantize(x8, scales, 16)
+    with pytest.raises(ValueError, match="q_scale"):
+        fp8.attention_fp8_quantized(x8, x8, x8, jnp.array(-1.0), scales, scales,
+                                    implementation="xla")
+    with pytest.raises(ValueError, match="out_scale"):
+        fp8.attention_fp8(x, x, x, out_scale=float("inf"), implementation="xla")
+    with pytest.raises(ValueError, match="head_dim"):
+        fp8.random_hadamard(jax.random.key(0), 2**20)
