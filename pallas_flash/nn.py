@@ -34,7 +34,9 @@ except ImportError as error:   # the core package needs only jax; the layers nee
         "pallas_flash.nn needs flax (>= 0.12), which the core package does not install: "
         "pip install 'pallas-flash[flax]'") from error
 
+from pallas_flash import dispatch
 from pallas_flash.api import Implementation, attention
+from pallas_flash.arguments import check_sinks, check_soft_cap
 from pallas_flash.decode import MAX_DECODE_SEQ_Q, decode_attention
 from pallas_flash.masking import CausalAlignment
 
@@ -97,7 +99,14 @@ def masked_attention(query: jax.Array, key: jax.Array, value: jax.Array,
     Returns:
       ``[batch, seq_q, heads, head_dim]`` in ``query.dtype``.
     """
+    dispatch.check_arrays(query, key, value)
     batch, seq_q, heads, head_dim = query.shape
+    logits_soft_cap, sinks = check_soft_cap(logits_soft_cap), check_sinks(sinks, heads)
+    if getattr(visible, "shape", None) != (seq_q, key.shape[1]) \
+            or visible.dtype != jnp.bool_:
+        raise ValueError(f"visible must be bool [seq_q, seq_kv] = {(seq_q, key.shape[1])}, "
+                         f"got {getattr(visible, 'dtype', None)} "
+                         f"{getattr(visible, 'shape', type(visible).__name__)}")
     kv_heads = key.shape[2]
     q = query.reshape(batch, seq_q, kv_heads, heads // kv_heads, head_dim)
     s = jnp.einsum("btkgd,bskd->bkgts", q, key, preferred_element_type=jnp.float32)
@@ -143,6 +152,15 @@ def check_cache_room(index: jax.Array | int, new_tokens: int, max_length: int) -
       new_tokens: tokens about to be written.
       max_length: cache slots.
     """
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, (int, np.integer)) \
+            or new_tokens < 0:
+        raise ValueError(f"new_tokens must be a non-negative int, got {new_tokens!r}")
+    _check_positive_int(max_length, "max_length")
+    if not isinstance(index, jax.core.Tracer) and (
+            isinstance(index, (bool, str)) or np.ndim(index) != 0
+            or not np.issubdtype(np.result_type(index), np.integer)):
+        raise ValueError(f"index must be a scalar int, got {index!r}")
+
     def message(at: object) -> str:
         return (f"decoding {new_tokens} token(s) at cache index {at} runs past the cache's "
                 f"max_length {max_length}: call init_cache with a larger max_length")

@@ -179,3 +179,24 @@ def test_fp8_references_and_scales_reject_bad_input():
         fp8.attention_fp8(x, x, x, out_scale=float("inf"), implementation="xla")
     with pytest.raises(ValueError, match="head_dim"):
         fp8.random_hadamard(jax.random.key(0), 2**20)
+
+
+def test_nn_helpers_reject_bad_input():
+    from pallas_flash.nn import check_cache_room, masked_attention
+
+    visible = jnp.ones((8, 8), bool)
+    with pytest.raises(ValueError, match="heads"):
+        masked_attention(_normal(1, 8, 3, 8), Q, Q, visible)
+    with pytest.raises(ValueError, match="sinks"):
+        masked_attention(Q, Q, Q, visible, sinks=jnp.zeros((3,)))
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        masked_attention(Q, Q, Q, visible, logits_soft_cap=0.0)
+    with pytest.raises(ValueError, match="visible"):
+        masked_attention(Q, Q, Q, visible[:4])
+    with pytest.raises(ValueError, match="max_length"):
+        check_cache_room(0, 1, -4)
+    with pytest.raises(ValueError, match="new_tokens"):
+        check_cache_room(0, -5, 4)
+    with pytest.raises(ValueError, match="index"):
+        check_cache_room("a", 1, 4)
+    check_cache_room(jnp.array(3), 1, 4)
