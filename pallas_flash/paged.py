@@ -107,6 +107,15 @@ def paged_attention(
         raise ValueError(
             "query must have rank 4 [batch, seq_q, heads, head_dim] with the page_table's "
             f"batch {page_table.shape[0]}, got shape {getattr(query, 'shape', None)}")
+    if query.dtype != key_pages.dtype:
+        raise ValueError(f"query and key_pages / value_pages must share one dtype, got "
+                         f"{query.dtype} and {key_pages.dtype}")
+    if query.shape[3] != key_pages.shape[3]:
+        raise ValueError(f"query's head_dim ({query.shape[3]}) must equal key_pages' "
+                         f"({key_pages.shape[3]})")
+    if query.shape[2] % key_pages.shape[2]:
+        raise ValueError(f"query's heads ({query.shape[2]}) must be a multiple of key/value "
+                         f"heads (key_pages' kv_heads, {key_pages.shape[2]})")
     # The contiguous cache's shape: what decode_attention checks against the query.
     cache = jax.ShapeDtypeStruct((page_table.shape[0], page_table.shape[1] * key_pages.shape[1],
                                   *key_pages.shape[2:]), key_pages.dtype)

@@ -200,3 +200,12 @@ def test_nn_helpers_reject_bad_input():
     with pytest.raises(ValueError, match="index"):
         check_cache_room("a", 1, 4)
     check_cache_room(jnp.array(3), 1, 4)
+
+
+def test_paged_attention_names_the_pages_in_mismatches():
+    pages = jnp.zeros((4, 8, 1, 8))
+    table, lengths = jnp.array([[0, 1]], jnp.int32), jnp.array([4])
+    for query, match in ((_normal(1, 1, 2, 4), "key_pages' .8."),
+                         (_normal(1, 1, 2, 8).astype(jnp.bfloat16), "key_pages / value_pages")):
+        with pytest.raises(ValueError, match=match):
+            pf.paged_attention(query, pages, pages, table, lengths, implementation="xla")
