@@ -20,6 +20,7 @@ from pallas_flash.arguments import (
     canonical_segments,
     canonical_window,
     check_deterministic,
+    check_lengths,
     check_sinks,
     check_soft_cap,
     resolve_config,
@@ -341,18 +342,7 @@ def _fold_lengths(segment_ids, q_lengths, kv_lengths, batch, seq_q, seq_kv):
     ):
         if lengths is None:
             continue
-        if getattr(lengths, "shape", None) != (batch,):
-            raise ValueError(
-                f"{name} must have shape [batch] = {(batch,)}, "
-                f"got {getattr(lengths, 'shape', None)}")
-        if not jnp.issubdtype(lengths.dtype, jnp.integer):
-            raise ValueError(f"{name} must have an integer dtype, got {lengths.dtype}")
-        if not isinstance(lengths, jax.core.Tracer) and lengths.size:
-            concrete = np.asarray(lengths)  # numpy: jnp ops would trace under an outer jit
-            low, high = int(concrete.min()), int(concrete.max())
-            if low < 0 or high > ids.shape[1]:
-                raise ValueError(f"{name} must lie in [0, {ids.shape[1]}] (the sequence "
-                                 f"length), got values in [{low}, {high}]")
+        check_lengths(lengths, name, batch, ids.shape[1], "the sequence length")
         positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
         padded = jnp.where(positions < lengths[:, None], ids, pad_id)
         if pad_id == PADDED_QUERY_ID:

@@ -117,16 +117,40 @@ def canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv):
                 f"got {getattr(ids, 'shape', None)}")
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"{name} must have an integer dtype, got {ids.dtype}")
-        if not isinstance(ids, jax.core.Tracer) and ids.size:
-            # numpy: jnp ops would trace under an outer jit. The two lowest int32 values
-            # mark padding; ids that wrap into them in int32 would read as padding.
-            low, high = int(np.min(np.asarray(ids))), int(np.max(np.asarray(ids)))
-            if low <= PADDED_KEY_ID or high > np.iinfo(np.int32).max:
-                raise ValueError(
-                    f"{name} must lie in [{PADDED_KEY_ID + 1}, {np.iinfo(np.int32).max}] (the "
-                    f"two lowest int32 values are reserved for padding), got values in "
-                    f"[{low}, {high}]")
+        # Ids that are (or wrap in int32 into) the padding ids would read as padding.
+        check_concrete_range(ids, name, PADDED_KEY_ID + 1, np.iinfo(np.int32).max,
+                             "the two lowest int32 values are reserved for padding")
     return q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
+
+
+def check_positive_int(value, name: str) -> int:
+    """``value`` (a Python or NumPy integer, not a bool, at least 1) as a Python int."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+            or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def check_concrete_range(values, name: str, low: int, high: int, bounds: str) -> None:
+    """When ``values`` is concrete (traced values cannot be read): every value in
+    ``[low, high]``; ``bounds`` says where the limits come from."""
+    if isinstance(values, jax.core.Tracer) or not np.size(values):
+        return
+    concrete = np.asarray(values)  # numpy: jnp ops would trace under an outer jit
+    found_low, found_high = int(concrete.min()), int(concrete.max())
+    if found_low < low or found_high > high:
+        raise ValueError(f"{name} must lie in [{low}, {high}] ({bounds}), got values in "
+                         f"[{found_low}, {found_high}]")
+
+
+def check_lengths(lengths, name: str, batch: int, seq: int, bounds: str) -> None:
+    """Per-sequence lengths: an integer array ``[batch]``, concrete values in ``[0, seq]``."""
+    if getattr(lengths, "shape", None) != (batch,):
+        raise ValueError(f"{name} must have shape [batch] = {(batch,)}, "
+                         f"got {getattr(lengths, 'shape', None)}")
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"{name} must have an integer dtype, got {lengths.dtype}")
+    check_concrete_range(lengths, name, 0, seq, bounds)
 
 
 def canonical_bool(flag, name: str) -> bool:

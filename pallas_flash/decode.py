@@ -34,7 +34,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_flash import dispatch
 from pallas_flash.arguments import (
@@ -43,6 +42,7 @@ from pallas_flash.arguments import (
     canonical_scale,
     canonical_window,
     check_deterministic,
+    check_lengths,
     check_sinks,
     check_soft_cap,
     resolve_config,
@@ -179,18 +179,7 @@ def _check_lengths(lengths, batch: int, seq_kv: int):
     concrete."""
     if lengths is None:
         return None
-    if getattr(lengths, "shape", None) != (batch,):
-        raise ValueError(f"key_value_seq_lengths must have shape [batch] = {(batch,)}, "
-                         f"got {getattr(lengths, 'shape', None)}")
-    if not jnp.issubdtype(lengths.dtype, jnp.integer):
-        raise ValueError(
-            f"key_value_seq_lengths must have an integer dtype, got {lengths.dtype}")
-    if not isinstance(lengths, jax.core.Tracer):
-        concrete = np.asarray(lengths)  # numpy: jnp ops would trace under an outer jit
-        low, high = int(concrete.min()), int(concrete.max())
-        if low < 0 or high > seq_kv:
-            raise ValueError(f"key_value_seq_lengths must lie in [0, {seq_kv}] (the cache "
-                             f"length), got values in [{low}, {high}]")
+    check_lengths(lengths, "key_value_seq_lengths", batch, seq_kv, "the cache length")
     return lengths.astype(jnp.int32)
 
 

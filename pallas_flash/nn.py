@@ -36,7 +36,7 @@ except ImportError as error:   # the core package needs only jax; the layers nee
 
 from pallas_flash import dispatch
 from pallas_flash.api import Implementation, attention
-from pallas_flash.arguments import check_sinks, check_soft_cap
+from pallas_flash.arguments import check_positive_int, check_sinks, check_soft_cap
 from pallas_flash.decode import MAX_DECODE_SEQ_Q, decode_attention
 from pallas_flash.masking import CausalAlignment
 
@@ -130,12 +130,6 @@ def _check_rope_base(base, name: str) -> None:
         raise ValueError(f"{name} must be a positive finite number, got {base!r}")
 
 
-def _check_positive_int(value, name: str) -> None:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
-            or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
 def check_cache_room(index: jax.Array | int, new_tokens: int, max_length: int) -> None:
     """Raise if writing ``new_tokens`` at cache slot ``index`` would run past ``max_length``.
 
@@ -155,7 +149,7 @@ def check_cache_room(index: jax.Array | int, new_tokens: int, max_length: int) -
     if isinstance(new_tokens, bool) or not isinstance(new_tokens, (int, np.integer)) \
             or new_tokens < 0:
         raise ValueError(f"new_tokens must be a non-negative int, got {new_tokens!r}")
-    _check_positive_int(max_length, "max_length")
+    check_positive_int(max_length, "max_length")
     if not isinstance(index, jax.core.Tracer) and (
             isinstance(index, (bool, str)) or np.ndim(index) != 0
             or not np.issubdtype(np.result_type(index), np.integer)):
@@ -237,12 +231,12 @@ class FlashSelfAttention(nnx.Module):
         kernel_init: nnx.Initializer = _default_kernel_init,
         rngs: nnx.Rngs,
     ) -> None:
-        _check_positive_int(d_model, "d_model")
-        _check_positive_int(num_heads, "num_heads")
+        check_positive_int(d_model, "d_model")
+        check_positive_int(num_heads, "num_heads")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        _check_positive_int(num_kv_heads, "num_kv_heads")
+        check_positive_int(num_kv_heads, "num_kv_heads")
         head_dim = d_model // num_heads if head_dim is None else head_dim
-        _check_positive_int(head_dim, "head_dim")
+        check_positive_int(head_dim, "head_dim")
         if rope_base is not None:
             _check_rope_base(rope_base, "rope_base")
         if attention_fn is not None and not callable(attention_fn):
@@ -299,8 +293,8 @@ class FlashSelfAttention(nnx.Module):
         """
         if not self.is_causal:
             raise ValueError("decoding with a KV cache needs is_causal=True")
-        _check_positive_int(batch_size, "batch_size")
-        _check_positive_int(max_length, "max_length")
+        check_positive_int(batch_size, "batch_size")
+        check_positive_int(max_length, "max_length")
         dtype = dtype or self.dtype or jnp.float32
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"dtype must be a floating dtype for the cache, got {dtype}")

@@ -30,7 +30,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_flash import dispatch
 from pallas_flash.api import attention
@@ -38,6 +37,7 @@ from pallas_flash.arguments import (
     Implementation,
     canonical_scale,
     canonical_window,
+    check_concrete_range,
     check_deterministic,
     check_sinks,
     check_soft_cap,
@@ -154,6 +154,9 @@ def paged_attention(
     return attention(query, key, value, mask=visible[:, None], key_value_seq_lengths=lengths,
                      **options)
 
+
+#: What bounds a sequence's cached tokens, for the length checks' messages.
+_ADDRESSED = "max_pages_per_seq · page_size, what the page_table addresses"
 
 #: Smallest page the direct read takes: a Triton tile has at least 16 rows and lies
 #: within one page.
@@ -277,7 +280,8 @@ def write_pages(key_pages: jax.Array, value_pages: jax.Array, page_table: jax.Ar
         raise ValueError(f"new_key and new_value must have the same shape, got "
                          f"{new_key.shape} and {new_value.shape}")
     seq_new = new_key.shape[1]
-    _check_capacity(cache_lengths + seq_new, max_pages * page_size, "cache_lengths + seq_new")
+    check_concrete_range(cache_lengths + seq_new, "cache_lengths + seq_new", 0,
+                         max_pages * page_size, _ADDRESSED)
     positions = cache_lengths.astype(jnp.int32)[:, None] + jnp.arange(seq_new, dtype=jnp.int32)
     page_ids = jnp.take_along_axis(page_table, positions // page_size, axis=1, mode="clip")
     slots = positions % page_size
@@ -314,15 +318,5 @@ def _check_pages(key_pages, value_pages, page_table, cache_lengths) -> None:
         raise ValueError(f"cache_lengths must be an integer array [batch] = {(batch,)}, got "
                          f"shape {getattr(cache_lengths, 'shape', None)} dtype "
                          f"{getattr(cache_lengths, 'dtype', None)}")
-    _check_capacity(cache_lengths, page_table.shape[1] * key_pages.shape[1], "cache_lengths")
-
-
-def _check_capacity(lengths, capacity: int, name: str) -> None:
-    """When ``lengths`` is concrete: every value in ``[0, capacity]``."""
-    if isinstance(lengths, jax.core.Tracer):
-        return
-    concrete = np.asarray(lengths)  # numpy: jnp ops would trace under an outer jit
-    low, high = int(concrete.min()), int(concrete.max())
-    if low < 0 or high > capacity:
-        raise ValueError(f"{name} must lie in [0, {capacity}] (max_pages_per_seq · page_size, "
-                         f"what the page_table addresses), got values in [{low}, {high}]")
+    check_concrete_range(cache_lengths, "cache_lengths", 0,
+                         page_table.shape[1] * key_pages.shape[1], _ADDRESSED)

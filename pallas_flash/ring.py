@@ -55,6 +55,7 @@ from pallas_flash.arguments import (
     canonical_segments,
     canonical_window,
     check_deterministic,
+    check_positive_int,
     check_sinks,
     check_soft_cap,
     resolve_config,
@@ -75,8 +76,7 @@ __all__ = ["LAYOUTS", "Layout", "from_zigzag", "ring_attention", "to_zigzag"]
 
 def _zigzag_order(num_shards: int) -> list[int]:
     """Global chunk indices in zigzag storage order: 0, 2n-1, 1, 2n-2, ..."""
-    if not isinstance(num_shards, int) or isinstance(num_shards, bool) or num_shards < 1:
-        raise ValueError(f"num_shards must be a positive int, got {num_shards!r}")
+    num_shards = check_positive_int(num_shards, "num_shards")
     return [c for i in range(num_shards) for c in (i, 2 * num_shards - 1 - i)]
 
 
