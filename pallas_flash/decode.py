@@ -208,9 +208,10 @@ class CacheVisibility:
         return jnp.maximum(lengths - self.seq_q - self.window[0], 0)
 
     def token_visible(self, lengths: jax.Array, positions: jax.Array) -> jax.Array:
-        """``[B, T, P]``: token ``t`` of row ``b`` sees the key at ``positions[p]``."""
+        """``[B, T, P]``: token ``t`` of row ``b`` sees the key at ``positions[p]`` (``[P]``,
+        or per row ``[B, P]``)."""
         query_pos = (lengths[:, None] - self.seq_q + jnp.arange(self.seq_q))[:, :, None]
-        keys = positions[None, None, :]
+        keys = positions[:, None, :] if positions.ndim == 2 else positions[None, None, :]
         visible = (keys < lengths[:, None, None]) & (keys >= 0)
         if self.is_causal:
             visible &= keys <= query_pos
@@ -285,21 +286,41 @@ def paged_split_forward(query, key_pages, value_pages, page_table, lengths, *,
 
     Like :func:`decode_attention` (``is_causal=True``, per-row ``lengths [B]`` int32) on the
     cache that ``page_table [B, M]`` addresses in ``key_pages, value_pages [P, page_size,
-    K, D]``, without gathering it: split ``i`` of sequence ``b`` is the table slice
-    ``page_table[b, i·M/n : (i+1)·M/n]`` (``num_splits`` divides ``M``), and the kernel
-    reads each K/V tile from its page (:func:`pallas_flash.triton.forward.forward`).
+    K, D]``, without gathering it. The splits are balanced per row
+    (:func:`_balanced_splits`): split ``i`` of sequence ``b`` covers the ``i``-th of
+    ``num_splits`` equal parts of the keys its queries can see, wherever the row's length
+    ends, so every split has work and a row's time follows its own length. A split is a
+    window of ``ceil(M / n) + 1`` table entries that starts at the page holding its first
+    key; the kernel reads each K/V tile from its page
+    (:func:`pallas_flash.triton.forward.forward`) and, by the kv segment ids, only the tiles
+    of the split's own keys.
 
     Returns ``(out [B, T, H, D], lse [B, H, T] float32)``.
     """
     batch, seq_q, heads, head_dim = query.shape
     max_pages, page_size = page_table.shape[1], key_pages.shape[1]
     kv_heads = key_pages.shape[2]
-    pages_per_split = max_pages // num_splits
-    chunk = pages_per_split * page_size
-    q_chunks = jnp.repeat(_pack_queries(query, kv_heads), num_splits, axis=0)
     rows = CacheVisibility(seq_q=seq_q, group=heads // kv_heads, is_causal=True, window=window)
-    segment_ids, attn_mask = _chunk_visibility(batch, q_chunks.shape[1], lengths, rows,
-                                               max_pages * page_size, num_splits, chunk)
+    bounds = _balanced_splits(rows.first_visible(lengths), lengths, num_splits)  # [B, n + 1]
+    first_page = bounds[:, :-1] // page_size  # [B, n]
+    pages_per_split = -(-max_pages // num_splits) + 1
+    window_pages = first_page[:, :, None] + jnp.arange(pages_per_split, dtype=jnp.int32)
+    # Entries past the table's end are clamped to its last page: their keys lie outside the
+    # split's bounds, so their ids hide them and their tiles are never read.
+    split_table = jnp.take_along_axis(
+        page_table[:, None, :], jnp.minimum(window_pages, max_pages - 1), axis=2)
+    chunk = pages_per_split * page_size
+    positions = (first_page * page_size)[:, :, None] + jnp.arange(chunk, dtype=jnp.int32)
+    mine = (positions >= bounds[:, :-1, None]) & (positions < bounds[:, 1:, None])
+    kv_ids = jnp.where(mine, 0, PADDED_KEY_ID).astype(jnp.int32)  # [B, n, chunk]
+    q_chunks = jnp.repeat(_pack_queries(query, kv_heads), num_splits, axis=0)
+    segment_ids = (jnp.zeros(q_chunks.shape[:2], jnp.int32),
+                   kv_ids.reshape(batch * num_splits, chunk))
+    attn_mask = None
+    if rows.needs_mask_array:
+        visible = rows.token_visible(lengths, positions.reshape(batch, -1))  # [B, T, n·C]
+        visible = jnp.repeat(visible, rows.group, axis=1).reshape(batch, -1, num_splits, chunk)
+        attn_mask = jnp.swapaxes(visible, 1, 2).reshape(batch * num_splits, 1, -1, chunk)
     spec = MaskSpec(seq_q=q_chunks.shape[1], seq_kv=chunk)
     kv_shape = (batch * num_splits, chunk, kv_heads, head_dim)
     triton = dispatch.backend("triton")
@@ -309,9 +330,18 @@ def paged_split_forward(query, key_pages, value_pages, page_table, lengths, *,
     out, lse = triton.KERNELS.forward(
         q_chunks, key_pages, value_pages, segment_ids, mask=spec, scale=scale, config=config,
         interpret=interpret, softcap=softcap, attn_mask=attn_mask,
-        page_table=page_table.reshape(batch * num_splits, pages_per_split))
+        page_table=split_table.reshape(batch * num_splits, pages_per_split))
     out, lse = _merge_chunks(out, lse, batch, num_splits)
     return _unpack(out, lse, heads)
+
+
+def _balanced_splits(first: jax.Array, end: jax.Array, num_splits: int) -> jax.Array:
+    """``[B, n + 1]`` int32 bounds cutting each row's visible keys ``[first, end)`` into
+    ``n`` parts of equal size (to a key): split ``i`` is ``[bounds[i], bounds[i + 1])``,
+    empty when the row has fewer than ``n`` keys left to give it."""
+    span = jnp.maximum(end - first, 0)
+    parts = jnp.arange(num_splits + 1, dtype=jnp.int32)
+    return first[:, None] + (span[:, None] * parts) // num_splits
 
 
 def _chunk_visibility(batch: int, rows_per_chunk: int, lengths, rows: CacheVisibility,

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -183,11 +182,10 @@ def _reads_pages(query, key_pages, page_table, implementation, interpret: bool) 
 
 
 def _page_splits(table_shape, pages_shape) -> int:
-    """The decode split count for this cache, lowered to a divisor of the table's width (a
-    split is a slice of whole pages)."""
+    """The decode split count for this cache (:func:`default_num_splits` of the cache the
+    table addresses; the splits are balanced per row, so a row's length leaves none idle)."""
     batch, max_pages = table_shape
-    return math.gcd(max_pages, default_num_splits(batch, pages_shape[2],
-                                                  max_pages * pages_shape[1]))
+    return default_num_splits(batch, pages_shape[2], max_pages * pages_shape[1])
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=[],

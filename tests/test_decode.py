@@ -295,6 +295,34 @@ def test_paged_reads_pages_in_place_on_triton(seq_q, monkeypatch):
     assert abs(forward - reverse) < 1e-4 * float(jnp.sum(jnp.abs(t_out * d_out)))
 
 
+@pytest.mark.parametrize(("seq_q", "num_splits"), [(1, 3), (1, 7), (4, 4)])
+def test_paged_splits_are_balanced_per_row(seq_q, num_splits):
+    """The direct read's splits cut each row's own keys into equal parts (Triton, interpret
+    mode): split counts that divide no page count, rows shorter than the split count (empty
+    splits), a window and the per-token band with 4 tokens; against the float64 oracle."""
+    from pallas_flash.decode import paged_split_forward
+
+    case = Case(batch=4, seq_q=seq_q, seq_kv=96, heads=4, kv_heads=2,
+                window=(40, 0) if seq_q == 4 else None)
+    q, k, v, _ = random_qkv(case.batch, case.seq_q, case.seq_kv, case.heads, case.kv_heads,
+                            case.head_dim)
+    key_pages, value_pages, table = _scattered_pool(k, v, page_size=16)
+    lengths = np.array([case.seq_kv, 2, 37, 64], np.int32)
+    ref_out, ref_lse = _oracle(case, q, k, v, lengths, None)
+    out, lse = jax.jit(functools.partial(
+        paged_split_forward, window=case.window, scale=case.head_dim ** -0.5, softcap=None,
+        interpret=True, num_splits=num_splits))(q, key_pages, value_pages, table,
+                                                jnp.asarray(lengths))
+    assert_matches(out, jnp.swapaxes(lse, 1, 2), (), ref_out, ref_lse, (), F32, names=())
+
+
+def test_balanced_splits_cut_each_row_evenly():
+    from pallas_flash.decode import _balanced_splits
+
+    bounds = np.asarray(_balanced_splits(jnp.array([0, 5, 0]), jnp.array([10, 7, 0]), 4))
+    np.testing.assert_array_equal(bounds, [[0, 2, 5, 7, 10], [5, 5, 6, 6, 7], [0] * 5])
+
+
 def test_out_of_range_page_ids_are_clamped_on_read():
     pages = jax.random.normal(fresh_key(), (5, 8, 1, 4), jnp.float32)
     table = jnp.array([[7, -3, 2]], jnp.int32)
