@@ -38,7 +38,9 @@ the median over rounds gives TFLOP/s (forward 4·B·H·L²·D, halved when causa
 * ``ours_bf16``: ``pallas_flash.attention`` (``--bf16-implementation``, default the
   package's choice);
 * ``ours_tensor_e4m3out`` (only when named): ``attention_fp8_quantized`` on cuDNN's very
-  operands with an e4m3 output, cuDNN's exact contract.
+  operands with an e4m3 output, cuDNN's exact contract;
+* ``ours_fp8_persistent`` (only when named): ``ours_fp8`` with persistent CTAs
+  (``MosaicConfig.persistent``) in the kernel's default config.
 
 Before timing, each output's last ``--check-rows`` rows of the first two heads of the first
 sequence are compared with the float64 oracle: relative error ‖out − ref‖ / ‖ref‖ above
@@ -91,11 +93,12 @@ from pallas_flash.reference import attention_float64
 E4M3_MAX = fp8.E4M3_MAX
 
 SPEED_IMPLS = ("cudnn_fp8", "cudnn_bf16", "fa3", "ours_fp8", "ours_fp8_quantized", "ours_bf16",
-               "ours_tensor_e4m3out")
+               "ours_tensor_e4m3out", "ours_fp8_persistent")
 DEFAULT_SPEED_IMPLS = SPEED_IMPLS[:6]
 #: The speeds every other implementation is divided by (when they ran at the point).
 ANCHORS = ("cudnn_fp8", "ours_bf16", "cudnn_bf16")
-_FP8 = frozenset({"cudnn_fp8", "ours_fp8", "ours_fp8_quantized", "ours_tensor_e4m3out"})
+_FP8 = frozenset({"cudnn_fp8", "ours_fp8", "ours_fp8_quantized", "ours_tensor_e4m3out",
+                  "ours_fp8_persistent"})
 
 DISTRIBUTIONS = ("gaussian", "outliers")
 CUDNN_METHODS = ("cudnn_fp8", "cudnn_fp8_hadamard")
@@ -193,6 +196,11 @@ def make_calls(names: Sequence[str], q, k, v, causal: bool, args) -> dict[str, C
                 calls[name] = Call(jax.jit(lambda q, k, v: fp8.attention_fp8(
                     q, k, v, is_causal=causal, implementation=args.fp8_implementation)),
                     (q, k, v))
+            elif name == "ours_fp8_persistent":  # the whole call, persistent CTAs
+                calls[name] = Call(jax.jit(functools.partial(
+                    fp8.attention_fp8, is_causal=causal, implementation=args.fp8_implementation,
+                    config=dataclasses.replace(forward_fp8.default_config(head_dim),
+                                               persistent=True))), (q, k, v))
             elif name == "ours_fp8_quantized":
                 config = forward_fp8.default_config(head_dim)
                 ops = fp8.quantize_operands(q, k, v, block_q=config.block_q,
@@ -299,7 +307,8 @@ def _cell(row: dict | None) -> str:
 
 #: (numerator, anchor) ratio columns of the speed table.
 SPEED_RATIOS = (("ours_fp8", "cudnn_fp8"), ("ours_fp8", "ours_bf16"),
-                ("ours_fp8", "cudnn_bf16"), ("ours_fp8_quantized", "cudnn_fp8"))
+                ("ours_fp8", "cudnn_bf16"), ("ours_fp8_quantized", "cudnn_fp8"),
+                ("ours_fp8_persistent", "cudnn_fp8"), ("ours_fp8_persistent", "ours_bf16"))
 
 
 def speed_table(header: str, rows: list[dict], rounds: int) -> str:

@@ -403,7 +403,7 @@ def attention_fp8(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool =
       hadamard_key: rotate Q and K by :func:`random_hadamard` before quantizing (D must
         be a power of two).
       config: the kernel's tiles and schedule (:class:`~pallas_flash.mosaic.MosaicConfig`;
-        not ``persistent``; three consumers need ``block_kv + head_dim <= 256``); Q is
+        three consumers need ``block_kv + head_dim <= 256``); Q is
         quantized per ``block_q`` rows and K, V per ``block_kv`` keys, whichever
         implementation runs. Default:
         :func:`pallas_flash.mosaic.forward_fp8.default_config`.

@@ -59,8 +59,14 @@ CASES = {
     # Three consumers (192 rows per CTA): the round robin over three warpgroups, odd lengths.
     "three_consumers_causal_odd_gqa": (1, 200, 230, 2, 1, 64, True, False, 64, 64, True, 3),
     "three_consumers_dense_d128": (1, 192, 256, 1, 1, 128, False, False, 64, 128, True, 3),
+    # Persistent CTAs (2 in interpret mode), each looping over several tiles: causal tiles
+    # in pairs (an even count of 128-row tiles), the P/O union reused across tiles; dense
+    # odd lengths with GQA in the serial schedule.
+    "persistent_overlap_causal": (1, 256, 256, 3, 1, 64, True, False, 64, 64, True, 2),
+    "persistent_dense_odd_gqa": (2, 200, 230, 2, 1, 64, False, False, 64, 64, False, 2),
 }
-RACE_CHECKED = ("causal_odd_gqa", "overlap_causal_odd_gqa", "three_consumers_causal_odd_gqa")
+RACE_CHECKED = ("causal_odd_gqa", "overlap_causal_odd_gqa", "three_consumers_causal_odd_gqa",
+                "persistent_overlap_causal")
 
 
 def _rel(a, b) -> float:
@@ -82,7 +88,7 @@ def measure(case: str) -> dict:
     q, k, v = _inputs(batch, seq_q, seq_kv, heads, kv_heads, head_dim, seed=len(case))
     key = jax.random.key(1) if rotate else None
     config = MosaicConfig(block_q=bq, block_kv=bkv, num_stages=2, overlap=overlap,
-                          num_consumers=consumers)
+                          num_consumers=consumers, persistent=case.startswith("persistent"))
     kwargs = dict(is_causal=causal, hadamard_key=key, config=config, return_residual=True)
     # The interpreter's vector-clock race detector on one case per schedule (barrier
     # protocol, P and O tiles): about twice as slow.
@@ -185,6 +191,16 @@ def test_odd_shapes_lower_for_cuda(pretend_hopper):
     _lower_for_cuda((1, 1000, 4, 96), (1, 1100, 2, 96), MosaicConfig(64, 64, 3), causal=True)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_lowers_for_cuda(overlap, causal, pretend_hopper):
+    """Persistent CTAs take no more shared memory than one CTA per tile (O still goes
+    through the P tiles' memory)."""
+    config = MosaicConfig(64, 256, 2, overlap=overlap, persistent=True)
+    assert forward_fp8.smem_bytes(config, 128) <= mosaic_config.SMEM_BUDGET
+    _lower_for_cuda((2, 1024, 8, 128), (2, 1024, 2, 128), config, causal)
+
+
 @pytest.mark.parametrize(("head_dim", "config"), [
     (128, MosaicConfig(64, 128, 4)),   # fits
     (256, MosaicConfig(64, 64, 3)),    # fits
@@ -250,7 +266,6 @@ def test_quantize_operands_layout():
     (dict(config=MosaicConfig(64, 256, 2, overlap=True, num_consumers=3)), "num_consumers"),
     (dict(q_shape=(1, 64, 2, 256), kv_shape=(1, 64, 1, 256),
           config=MosaicConfig(64, 64, 2, overlap=True, num_consumers=3)), "block_kv"),
-    (dict(config=MosaicConfig(64, 128, 2, persistent=True)), "persistent"),
     (dict(q_shape=(1, 64, 2, 256), kv_shape=(1, 64, 1, 256), config=MosaicConfig(64, 256, 2)),
      "shared memory"),
     (dict(q_shape=(1, 64, 2, 96), kv_shape=(1, 64, 1, 96), hadamard_key=jax.random.key(0)),

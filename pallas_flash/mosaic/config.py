@@ -93,8 +93,11 @@ class MosaicConfig:
         tiles (FA3's persistent kernel) instead of one CTA per tile. The producer then
         streams the next tile's K/V, and each consumer loads its next Q tile, while the
         consumers still finish the current tile, so a CTA's fixed costs (pipeline fill,
-        epilogue, launch) overlap work: they weigh most on short rows. Costs an O tile
-        of SMEM beside Q's (a TMA store may still read it when the next Q lands).
+        epilogue, launch) overlap work: they weigh most on short rows. Causal tiles go
+        out in pairs of equal total work (:mod:`pallas_flash.mosaic.scheduler`). The
+        bf16 kernel pays an O tile of SMEM beside Q's (a TMA store may still read it when
+        the next Q lands); the FP8 kernel stores O through its P tiles' memory as
+        without, and syncs its consumers once more per tile.
     """
 
     block_q: int = 64

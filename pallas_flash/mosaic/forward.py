@@ -109,8 +109,8 @@ from pallas_flash.mosaic.mainloop import (
     softmax_under_pv,
     sync,
 )
-from pallas_flash.mosaic.pipeline import observe_releases, ring_slot, stream_kv
-from pallas_flash.mosaic.scheduler import Tile, TileGrid, for_each_tile, persistent_ctas
+from pallas_flash.mosaic.pipeline import block_slots, observe_releases, stream_kv
+from pallas_flash.mosaic.scheduler import Tile, TileGrid, for_each_tile, persistent
 from pallas_flash.mosaic.softmax import online_softmax_step
 from pallas_flash.mosaic.tiles import (
     DTYPES,
@@ -174,10 +174,6 @@ class _Static:
         return TileGrid(num_q_tiles=self.num_q_tiles, reverse_q_tiles=self.reverse_q_tiles,
                         batch=self.batch, heads=self.heads,
                         persistent_ctas=self.persistent_ctas)
-
-    @property
-    def num_tiles(self) -> int:
-        return self.tile_grid.num_tiles
 
     @property
     def logits_in_base2(self) -> bool:
@@ -352,14 +348,6 @@ def _cta_blocks(st: _Static, spans_ref, tile: Tile):
     return first, last
 
 
-def _slot_of(st: _Static, ring_base, cta_first):
-    """The ring slot of K/V block j of a tile whose first block is ``cta_first``, after
-    ``ring_base`` ring steps of the CTA's earlier tiles."""
-    def slot(j):
-        return ring_slot(ring_base + j - cta_first, st.num_stages)
-    return slot
-
-
 def _consumer_tiles(st: _Static, gmem: _Gmem, smem: _Smem, wg, tiles) -> None:
     """Consumer ``wg``: its rows of each of the CTA's tiles (``tiles``: count, tile_at)."""
     bq, consumers = st.block_q, st.num_consumers
@@ -401,7 +389,7 @@ def _consumer_tiles(st: _Static, gmem: _Gmem, smem: _Smem, wg, tiles) -> None:
             load_next_q=load_next_q if st.persistent_ctas else None, batch=batch,
             head=head, q0=q0, row_inputs=_ScoreInputs(q_ids, bias_rows, mask_rows),
             ranges=ranges, cta_first=cta_first, cta_last=cta_last,
-            slot=_slot_of(st, ring_base, cta_first))
+            slot=block_slots(st.num_stages, ring_base, cta_first))
         return ring_base + cta_last - cta_first
 
     load_q(tile_at(0))
@@ -424,7 +412,7 @@ def _producer_tiles(st: _Static, gmem: _Gmem, smem: _Smem, tiles) -> None:
         batch, head = tile.batch, tile.head
         kv_head = lax.div(head, st.group)  # GQA: K/V are indexed, never repeated
         cta_first, cta_last = _cta_blocks(st, gmem.spans, tile)
-        slot = _slot_of(st, loaded, cta_first)
+        slot = block_slots(st.num_stages, loaded, cta_first)
 
         def load(ref, ring, ready, j):
             rows = (batch, pl.ds(j * bkv, bkv), kv_head)
@@ -766,8 +754,8 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         segmented=segmented, num_consumers=config.num_consumers, bias=bias_array,
         attn_mask=mask_array, heads=heads, batch=batch)
     if config.persistent:
-        st = dataclasses.replace(
-            st, persistent_ctas=persistent_ctas(st.num_tiles, interpret=interpret))
+        st = dataclasses.replace(st, persistent_ctas=persistent(
+            st.tile_grid, interpret=interpret).persistent_ctas)
 
     operands = [pad_operand(q, seq_q_pad, dim), pad_operand(k, seq_kv_pad, dim),
                 pad_operand(v, seq_kv_pad, dim)]

@@ -34,7 +34,10 @@ What FP8 changes, and why:
 
 Both consumer schedules of the bf16 kernel exist (``MosaicConfig.overlap``): serial, and
 FA3's intra-warpgroup overlap, where P̃ going through SMEM costs a second P tile per
-consumer instead of P's registers (:func:`_overlapped_loop`).
+consumer instead of P's registers (:func:`_overlapped_loop`). So do its persistent CTAs
+(``MosaicConfig.persistent``, :mod:`pallas_flash.mosaic.scheduler`): the K/V ring and each
+consumer's next Q load run on across tiles; since O is stored through the P tiles' memory,
+the consumers meet once more per tile, after the O stores have read it.
 
 CPU testing: interpret mode runs FP8 wgmma, but not ``pl.run_state`` (how wgmma accumulates
 into the O registers). With ``interpret=True`` P·V lands in a fresh accumulator and is added
@@ -74,8 +77,8 @@ from pallas_flash.mosaic.mainloop import (
     softmax_under_pv,
     sync,
 )
-from pallas_flash.mosaic.pipeline import observe_releases, ring_slot, stream_kv
-from pallas_flash.mosaic.scheduler import TileGrid
+from pallas_flash.mosaic.pipeline import block_slots, observe_releases, stream_kv
+from pallas_flash.mosaic.scheduler import Tile, TileGrid, for_each_tile, persistent
 from pallas_flash.mosaic.softmax import online_softmax_step
 from pallas_flash.mosaic.tiles import LOG2E, REGISTERS, row
 from pallas_flash.padding import pad_axis, round_up
@@ -123,11 +126,13 @@ class _Static:
     batch: int
     heads: int
     overlap: bool = False  # FA3's intra-warpgroup pipelining (MosaicConfig.overlap)
+    persistent_ctas: int = 0  # CTAs that loop over the work tiles; 0: one CTA per tile
 
     @property
     def tile_grid(self) -> TileGrid:
         return TileGrid(num_q_tiles=self.num_q_tiles, reverse_q_tiles=self.reverse_q_tiles,
-                        batch=self.batch, heads=self.heads)
+                        batch=self.batch, heads=self.heads,
+                        persistent_ctas=self.persistent_ctas)
 
     @property
     def reverse_q_tiles(self) -> bool:
@@ -187,8 +192,6 @@ def check_config(config: MosaicConfig, head_dim: int) -> None:
     """Raises ValueError when ``config`` cannot run this kernel at ``head_dim`` on sm90."""
     if not isinstance(config, MosaicConfig):
         raise ValueError(f"config must be a MosaicConfig or None, got {config!r}")
-    if config.persistent:
-        raise ValueError("config.persistent: the FP8 kernel runs one CTA per tile")
     if config.num_consumers == 3 and config.block_kv + head_dim > _THREE_CONSUMER_COLUMNS:
         # S (block_kv / 2 f32 registers per thread) and O (head_dim / 2) in 160 registers;
         # at 320 columns ptxas gives up (64x256 at head_dim 64, 64x64 at 256, on an H200).
@@ -221,24 +224,18 @@ def default_config(head_dim: int) -> MosaicConfig:
 def _kernel(q_ref, k_ref, vt_ref, q_scale_ref, k_scale_ref, v_scale_ref, out_ref, lse_ref, *,
             st: _Static, q_smem, k_smem, vt_smem, p_o_smem, lse_smem, q_ready, k_ready,
             v_ready, k_free, v_free, turn, p_done):
-    """One CTA. GMEM: q/out [B, Tq, N, D], k [B, Tk, K, D], vt [B, K, D, Tk], lse [B, N, Tq],
-    scales [B, tiles, heads]. SMEM: q/p/o per consumer (p and o in one union), k/vt rings
-    of ``num_stages``."""
+    """One CTA: one work tile, or a persistent CTA's tiles (:class:`TileGrid`). GMEM: q/out
+    [B, Tq, N, D], k [B, Tk, K, D], vt [B, K, D, Tk], lse [B, N, Tq], scales [B, tiles,
+    heads]. SMEM: q/p/o per consumer (p and o in one union), k/vt rings of ``num_stages``,
+    filled across a persistent CTA's tiles as in the bf16 kernel."""
     p_smem, o_smem = p_o_smem
-    bq, bkv = st.block_q, st.block_kv
-    # One CTA per tile (the launch of st.tile_grid); its indices in the op order of the
-    # kernel measured on the H200 (TileGrid.tiles emits the same ones in another).
-    batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-    kv_head = lax.div(head, st.group)  # GQA: K/V are indexed, never repeated
-    q_tile = lax.axis_index("q_tiles")
-    if st.reverse_q_tiles:
-        q_tile = st.num_q_tiles - 1 - q_tile
-    consumers = st.num_consumers
-    cta_q0 = q_tile * (consumers * bq)
-    cta_first, _, _, cta_last = st.mask.kv_blocks(cta_q0, consumers * bq, bkv)
+    bq, bkv, consumers = st.block_q, st.block_kv, st.num_consumers
+    count, tile_at = st.tile_grid.tiles()
 
-    def slot(j):
-        return ring_slot(j - cta_first, st.num_stages)
+    def cta_blocks(tile: Tile):
+        first, _, _, last = st.mask.kv_blocks(tile.q_tile * (consumers * bq), consumers * bq,
+                                              bkv)
+        return first, last
 
     wg = lax.axis_index("wg")
     consumer_registers, producer_registers = REGISTERS[consumers]
@@ -246,47 +243,81 @@ def _kernel(q_ref, k_ref, vt_ref, q_scale_ref, k_scale_ref, v_scale_ref, out_ref
     @pl.when(wg < consumers)
     def _consumer():
         plgpu.set_max_registers(consumer_registers, action="increase")
-        q0 = cta_q0 + wg * bq
-        scales = (q_scale_ref[batch, lax.div(q0, bq), head],
-                  k_scale_ref.at[batch, :, kv_head], v_scale_ref.at[batch, :, kv_head])
-        _consumer_warpgroup(
-            wg, st, q_ref.at[batch, pl.ds(q0, bq), head], out_ref.at[batch, pl.ds(q0, bq), head],
-            lse_ref.at[batch, head, pl.ds(q0, bq)], scales, q_smem.at[wg], k_smem, vt_smem,
-            p_smem.at[wg], o_smem.at[wg], lse_smem.at[wg], q_ready.at[wg], k_ready, v_ready,
-            k_free, v_free, turn, p_done, q0=q0, cta_first=cta_first, cta_last=cta_last,
-            slot=slot)
+
+        def load_q(tile: Tile):
+            rows = pl.ds((tile.q_tile * consumers + wg) * bq, bq)
+            plgpu.copy_gmem_to_smem(q_ref.at[tile.batch, rows, tile.head], q_smem.at[wg],
+                                    q_ready.at[wg])
+
+        def tile_work(i, ring_base):
+            tile = tile_at(i)
+            batch, head = tile.batch, tile.head
+            kv_head = lax.div(head, st.group)  # GQA: K/V are indexed, never repeated
+            cta_first, cta_last = cta_blocks(tile)
+            q0 = (tile.q_tile * consumers + wg) * bq
+            scales = (q_scale_ref[batch, lax.div(q0, bq), head],
+                      k_scale_ref.at[batch, :, kv_head], v_scale_ref.at[batch, :, kv_head])
+
+            def load_next_q():
+                pl.when(i + 1 < count)(lambda: load_q(tile_at(i + 1)))
+
+            _consumer_warpgroup(
+                wg, st, out_ref.at[batch, pl.ds(q0, bq), head],
+                lse_ref.at[batch, head, pl.ds(q0, bq)], scales, q_smem.at[wg], k_smem,
+                vt_smem, p_smem.at[wg], o_smem.at[wg], lse_smem.at[wg], q_ready.at[wg],
+                k_ready, v_ready, k_free, v_free, turn, p_done, q0=q0, cta_first=cta_first,
+                cta_last=cta_last, slot=block_slots(st.num_stages, ring_base, cta_first),
+                load_next_q=load_next_q if st.persistent_ctas else None)
+            return ring_base + cta_last - cta_first
+
+        load_q(tile_at(0))
+        for_each_tile(count, tile_work, 0)
+        plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == consumers)  # the last warpgroup
     def _producer():
         # The bf16 kernel's producer, with Vᵀ tiles: (head_dim, block_kv) of vt.
         plgpu.set_max_registers(producer_registers, action="decrease")
 
-        def load_k(j):
-            plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(j * bkv, bkv), kv_head],
-                                    k_smem.at[slot(j)], k_ready.at[slot(j)])
+        def tile_loads(i, loaded):
+            tile = tile_at(i)
+            batch, kv_head = tile.batch, lax.div(tile.head, st.group)
+            cta_first, cta_last = cta_blocks(tile)
+            slot = block_slots(st.num_stages, loaded, cta_first)
 
-        def load_v(j):
-            plgpu.copy_gmem_to_smem(vt_ref.at[batch, kv_head, :, pl.ds(j * bkv, bkv)],
-                                    vt_smem.at[slot(j)], v_ready.at[slot(j)])
+            def load_k(j):
+                plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(j * bkv, bkv), kv_head],
+                                        k_smem.at[slot(j)], k_ready.at[slot(j)])
 
-        stream_kv(num_stages=st.num_stages, first=cta_first, last=cta_last, slot=slot,
-                  load_k=load_k, load_v=load_v, k_free=k_free, v_free=v_free)
-        observe_releases(num_stages=st.num_stages, loaded=cta_last - cta_first,
-                         k_free=k_free, v_free=v_free)
+            def load_v(j):
+                plgpu.copy_gmem_to_smem(vt_ref.at[batch, kv_head, :, pl.ds(j * bkv, bkv)],
+                                        vt_smem.at[slot(j)], v_ready.at[slot(j)])
+
+            stream_kv(num_stages=st.num_stages, first=cta_first, last=cta_last, slot=slot,
+                      load_k=load_k, load_v=load_v, k_free=k_free, v_free=v_free,
+                      loaded_before=loaded)
+            return loaded + cta_last - cta_first
+
+        loaded = for_each_tile(count, tile_loads, 0)
+        observe_releases(num_stages=st.num_stages, loaded=loaded, k_free=k_free,
+                         v_free=v_free)
 
 
-def _consumer_warpgroup(wg, st: _Static, q_gmem, out_gmem, lse_gmem, scales, q_tile, k_smem,
-                        vt_smem, p_tile, o_tile, lse_tile, q_ready, k_ready, v_ready, k_free,
-                        v_free, turn, p_done, *, q0, cta_first, cta_last, slot):
-    """Rows [q0, q0 + block_q): the bf16 kernel's consumer with FP8 GEMMs and scales.
+def _consumer_warpgroup(wg, st: _Static, out_gmem, lse_gmem, scales, q_tile, k_smem, vt_smem,
+                        p_tile, o_tile, lse_tile, q_ready, k_ready, v_ready, k_free, v_free,
+                        turn, p_done, *, q0, cta_first, cta_last, slot, load_next_q):
+    """Rows [q0, q0 + block_q) of one tile: the bf16 kernel's consumer with FP8 GEMMs and
+    scales. The Q tile's copy into ``q_tile`` was issued on ``q_ready`` by the caller.
 
     ``p_tile``: this consumer's e4m3 P tile, two of them ([2, block_q, block_kv]) with the
     overlapped schedule. ``o_tile`` shares its memory with every consumer's P tiles: it is
-    written once all have passed ``p_done`` (one arrival each), after their last P·V.
+    written once all have passed ``p_done`` (one arrival each), after their last P·V. A
+    persistent CTA (``load_next_q``: issues the next tile's Q copy, once this tile's last
+    Q·Kᵀ has read Q) meets at ``p_done`` once more after the O stores have read their tiles,
+    so that no consumer writes the next tile's P over another's O before it has left.
     """
     bq, bkv, d = st.block_q, st.block_kv, st.head_dim
     q_scale, k_scales, v_scales = scales
-    plgpu.copy_gmem_to_smem(q_gmem, q_tile, q_ready)
     ranges = tuple(jnp.clip(x, cta_first, cta_last) for x in st.mask.kv_blocks(q0, bq, bkv))
     # Dequantization of S_j = Q̃·K̃_jᵀ: s_Q·s_K,j folded into the exponent's scale.
     q_scale_log2 = q_scale * st.scale_log2
@@ -315,6 +346,8 @@ def _consumer_warpgroup(wg, st: _Static, q_gmem, out_gmem, lse_gmem, scales, q_t
         v_scales[0],
     )
     plgpu.barrier_wait(q_ready)
+    # The turns start and end with each tile (not once per CTA, as in the bf16 kernel):
+    # the consumers meet at p_done below, which the serial stagger would deadlock.
     loop, turns = (_overlapped_loop, OverlappedTurns) if st.overlap else (_serial_loop,
                                                                           SerialTurns)
     turns.begin(st.num_consumers, wg, turn)
@@ -323,6 +356,8 @@ def _consumer_warpgroup(wg, st: _Static, q_gmem, out_gmem, lse_gmem, scales, q_t
         k_free, v_free, turn, scales=(k_scales, v_scales), cta_first=cta_first,
         cta_last=cta_last, slot=slot)
     turns.end(st.num_consumers, wg, turn)
+    if load_next_q is not None:
+        load_next_q()  # its TMA runs under this epilogue
 
     # Epilogue: undo P's 448 and the last V scale, normalise; O and LSE leave via TMA.
     o, lse = normalized(o, m_i, l_i, fp8_scales=(v_scale, P_SCALE))
@@ -330,7 +365,9 @@ def _consumer_warpgroup(wg, st: _Static, q_gmem, out_gmem, lse_gmem, scales, q_t
     sync(p_done)  # every P tile is read: O may overwrite them
     o_tile[...] = o.astype(OUT_DTYPE)
     store_rows(o_tile, lse_tile, out_gmem, lse_gmem)
-    plgpu.wait_smem_to_gmem(0)
+    if load_next_q is not None:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        sync(p_done)  # every O tile is read: the next tile's P may overwrite them
 
 
 def _pv(st: _Static, o, p_tile, vt_tile, during):
@@ -516,6 +553,9 @@ def forward(ops: Fp8Operands, *, mask: MaskSpec, scale: float, config: MosaicCon
         group=heads // kv_heads, num_consumers=consumers, num_q_tiles=seq_q_pad // rows_per_cta,
         kv_padded=seq_kv_pad != seq_kv, interpret=interpret, batch=batch, heads=heads,
         overlap=config.overlap)
+    if config.persistent:
+        st = dataclasses.replace(st, persistent_ctas=persistent(
+            st.tile_grid, interpret=interpret).persistent_ctas)
 
     bq, bkv, stages = st.block_q, st.block_kv, st.num_stages
     scratch = dict(

@@ -32,6 +32,14 @@ def ring_slot(step: jax.Array, num_stages: int) -> jax.Array:
     return lax.rem(step, num_stages)
 
 
+def block_slots(num_stages: int, ring_base, first) -> Callable[[jax.Array], jax.Array]:
+    """``slot(j)``: the ring slot of K/V block j of a tile whose first block is ``first``,
+    after ``ring_base`` ring steps of the CTA's earlier tiles."""
+    def slot(j):
+        return ring_slot(ring_base + j - first, num_stages)
+    return slot
+
+
 def stream_kv(*, num_stages: int, first: jax.Array, last: jax.Array,
               slot: Callable[[jax.Array], jax.Array], load_k: Callable[[jax.Array], None],
               load_v: Callable[[jax.Array], None], k_free, v_free,

@@ -5,15 +5,23 @@ per tile (the launch grid is ``(heads, q_tiles, batch)``), or FA3's persistent k
 CTA per SM that loops over tiles, so that a CTA's fixed costs (pipeline fill, epilogue,
 launch) overlap the next tile's loads. Causal rows run heaviest first either way
 (FA3 / tokamax's causal load balancing: the last tiles to start are the short ones).
+
+A persistent CTA's tiles are fixed before launch, so under a causal mask they must add up
+to the same work on every CTA: there the CTAs take *pairs* of one (batch, head)'s q tiles,
+the k-th heaviest with the k-th lightest (``n - 1 - k`` and ``k`` of ``n`` tiles, together
+``n + 1`` tiles' worth of key blocks whatever ``k``), heavier first. Handing out single
+tiles in turn instead gives some CTAs only long tiles and others only short ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 #: Persistent CTAs in interpret mode: few, so that the CPU tests give each several tiles.
@@ -50,6 +58,16 @@ class TileGrid:
     def num_tiles(self) -> int:
         return self.batch * self.heads * self.num_q_tiles
 
+    @property
+    def pairs_tiles(self) -> bool:
+        """Whether a persistent CTA takes causal tiles in balanced pairs (an even count)."""
+        return self.reverse_q_tiles and self.num_q_tiles % 2 == 0
+
+    @property
+    def num_units(self) -> int:
+        """Units of work a persistent CTA takes whole: pairs of tiles or single tiles."""
+        return self.num_tiles // 2 if self.pairs_tiles else self.num_tiles
+
     def launch(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """``(grid, grid_names)`` of ``plgpu.kernel``."""
         if self.persistent_ctas:
@@ -59,29 +77,46 @@ class TileGrid:
     def tiles(self) -> tuple[jax.Array | int, Callable[[jax.Array | int], Tile]]:
         """This CTA's work tiles: ``(count, tile_at)``, ``tile_at(i)`` the i-th one.
 
-        One CTA per tile: the grid's indices, one tile. Persistent CTAs: tiles are numbered
-        in the order that grid launches its CTAs (Pallas makes the last grid axis CUDA's
-        fastest: batch, then q tiles, then heads), and CTA c takes tiles c, c + num_ctas,
-        ... That order matters: the tiles running at one time then share a head, hence the
-        K/V blocks they stream, which stay in L2.
+        One CTA per tile: the grid's indices, one tile. Persistent CTAs:
+        :meth:`persistent_tile`.
         """
-        def tile(batch, head, q_tile):
+        if not self.persistent_ctas:
+            q_tile = lax.axis_index("q_tiles")
             if self.reverse_q_tiles:
                 q_tile = self.num_q_tiles - 1 - q_tile
-            return Tile(batch, head, q_tile)
-
-        if not self.persistent_ctas:
-            only = tile(lax.axis_index("batch"), lax.axis_index("heads"),
-                        lax.axis_index("q_tiles"))
+            only = Tile(lax.axis_index("batch"), lax.axis_index("heads"), q_tile)
             return 1, lambda i: only
-        cta, ctas = lax.axis_index("ctas"), self.persistent_ctas
+        cta = lax.axis_index("ctas")
+        return self.persistent_count(cta), functools.partial(self.persistent_tile, cta)
 
-        def tile_at(i):
-            t = cta + i * ctas
+    def persistent_count(self, cta):
+        """How many tiles persistent CTA ``cta`` runs (it takes units cta, cta + ctas, ...)."""
+        ctas = self.persistent_ctas
+        units = lax.div(self.num_units - cta + ctas - 1, ctas)
+        return 2 * units if self.pairs_tiles else units
+
+    def persistent_tile(self, cta, i) -> Tile:
+        """The ``i``-th tile of persistent CTA ``cta``.
+
+        Units are numbered in the order the one-CTA-per-tile grid launches its CTAs (Pallas
+        makes the last grid axis CUDA's fastest: batch, then q tiles or pairs, then heads),
+        and CTA c takes units c, c + num_ctas, ... That order matters: the tiles running at
+        one time then share a head, hence the K/V blocks they stream, which stay in L2.
+        """
+        if not self.pairs_tiles:
+            t = cta + i * self.persistent_ctas
             rest = lax.div(t, self.batch)
-            return tile(lax.rem(t, self.batch), lax.div(rest, self.num_q_tiles),
-                        lax.rem(rest, self.num_q_tiles))
-        return lax.div(self.num_tiles - cta + ctas - 1, ctas), tile_at
+            q_tile = lax.rem(rest, self.num_q_tiles)
+            if self.reverse_q_tiles:
+                q_tile = self.num_q_tiles - 1 - q_tile
+            return Tile(lax.rem(t, self.batch), lax.div(rest, self.num_q_tiles), q_tile)
+        half = self.num_q_tiles // 2
+        unit = cta + lax.div(i, 2) * self.persistent_ctas
+        rest = lax.div(unit, self.batch)
+        k = lax.rem(rest, half)
+        # The pair's heavier tile (the later rows) first: its loads start the CTA's ring.
+        q_tile = jnp.where(lax.rem(i, 2) == 0, self.num_q_tiles - 1 - k, k)
+        return Tile(lax.rem(unit, self.batch), lax.div(rest, half), q_tile)
 
 
 def for_each_tile(count, body, init):
@@ -91,10 +126,12 @@ def for_each_tile(count, body, init):
     return lax.fori_loop(0, count, body, init)
 
 
-def persistent_ctas(num_tiles: int, *, interpret: bool) -> int:
-    """CTAs of a persistent launch: one per streaming multiprocessor of the first GPU (one
-    CTA fills an SM: 3-4 warpgroups at up to 232 registers per thread), at most one per
-    tile; few in interpret mode (:data:`INTERPRET_CTAS`)."""
+def persistent(grid: TileGrid, *, interpret: bool) -> TileGrid:
+    """``grid`` with a persistent launch: one CTA per streaming multiprocessor of the first
+    GPU (one CTA fills an SM: 3-4 warpgroups at up to 232 registers per thread), at most
+    one per unit of work (:attr:`TileGrid.num_units`); few in interpret mode
+    (:data:`INTERPRET_CTAS`)."""
     # 132 (H100/H200 SXM) where the device does not say, e.g. when lowering on a CPU.
     sm_count = getattr(jax.devices()[0], "core_count", 132)
-    return min(num_tiles, INTERPRET_CTAS if interpret else sm_count)
+    ctas = min(grid.num_units, INTERPRET_CTAS if interpret else sm_count)
+    return dataclasses.replace(grid, persistent_ctas=ctas)
