@@ -39,8 +39,8 @@ the median over rounds gives TFLOP/s (forward 4·B·H·L²·D, halved when causa
   package's choice);
 * ``ours_tensor_e4m3out`` (only when named): ``attention_fp8_quantized`` on cuDNN's very
   operands with an e4m3 output, cuDNN's exact contract;
-* ``ours_fp8_persistent`` (only when named): ``ours_fp8`` with persistent CTAs
-  (``MosaicConfig.persistent``) in the kernel's default config.
+* ``ours_fp8:SPEC`` (only when named): ``ours_fp8`` with the kernel config ``SPEC``
+  (``64x128x2op``: ``block_q`` 64, ``block_kv`` 128, 2 stages, overlapped, persistent).
 
 Before timing, each output's last ``--check-rows`` rows of the first two heads of the first
 sequence are compared with the float64 oracle: relative error ‖out − ref‖ / ‖ref‖ above
@@ -83,6 +83,7 @@ from benchmarks.flops import attention_flops, problem_shape, tflops_per_s
 from benchmarks.fp8_accuracy import with_outliers
 from benchmarks.fp8_probe import rel_err
 from benchmarks.implementations import error_summary
+from benchmarks.mosaic_probe import parse_config
 from benchmarks.timing import time_fn
 from pallas_flash import fp8
 from pallas_flash.cli import int_list
@@ -93,12 +94,14 @@ from pallas_flash.reference import attention_float64
 E4M3_MAX = fp8.E4M3_MAX
 
 SPEED_IMPLS = ("cudnn_fp8", "cudnn_bf16", "fa3", "ours_fp8", "ours_fp8_quantized", "ours_bf16",
-               "ours_tensor_e4m3out", "ours_fp8_persistent")
+               "ours_tensor_e4m3out")
+#: ``ours_fp8:SPEC``: the whole ``attention_fp8`` with the kernel config ``SPEC``
+#: (:func:`benchmarks.mosaic_probe.parse_config`, e.g. ``64x128x2op``).
+CONFIGURED = "ours_fp8:"
 DEFAULT_SPEED_IMPLS = SPEED_IMPLS[:6]
 #: The speeds every other implementation is divided by (when they ran at the point).
 ANCHORS = ("cudnn_fp8", "ours_bf16", "cudnn_bf16")
-_FP8 = frozenset({"cudnn_fp8", "ours_fp8", "ours_fp8_quantized", "ours_tensor_e4m3out",
-                  "ours_fp8_persistent"})
+_FP8 = frozenset({"cudnn_fp8", "ours_fp8", "ours_fp8_quantized", "ours_tensor_e4m3out"})
 
 DISTRIBUTIONS = ("gaussian", "outliers")
 CUDNN_METHODS = ("cudnn_fp8", "cudnn_fp8_hadamard")
@@ -196,11 +199,10 @@ def make_calls(names: Sequence[str], q, k, v, causal: bool, args) -> dict[str, C
                 calls[name] = Call(jax.jit(lambda q, k, v: fp8.attention_fp8(
                     q, k, v, is_causal=causal, implementation=args.fp8_implementation)),
                     (q, k, v))
-            elif name == "ours_fp8_persistent":  # the whole call, persistent CTAs
+            elif name.startswith(CONFIGURED):
                 calls[name] = Call(jax.jit(functools.partial(
                     fp8.attention_fp8, is_causal=causal, implementation=args.fp8_implementation,
-                    config=dataclasses.replace(forward_fp8.default_config(head_dim),
-                                               persistent=True))), (q, k, v))
+                    config=parse_config(name.removeprefix(CONFIGURED)))), (q, k, v))
             elif name == "ours_fp8_quantized":
                 config = forward_fp8.default_config(head_dim)
                 ops = fp8.quantize_operands(q, k, v, block_q=config.block_q,
@@ -265,7 +267,8 @@ def run_point(head_dim: int, seq_len: int, causal: bool, args) -> list[dict]:
             rows[name]["error"] = error_summary(e)
             continue
         err = rel_err(got, expected)
-        tolerance = args.fp8_tolerance if name in _FP8 else args.tolerance
+        fp8_call = name in _FP8 or name.startswith(CONFIGURED)
+        tolerance = args.fp8_tolerance if fp8_call else args.tolerance
         rows[name].update(rel_err=err if math.isfinite(err) else None, tolerance=tolerance)
         if not err < tolerance:
             rows[name]["error"] = (f"wrong result: relative error {err:.3g} > {tolerance}"
@@ -307,15 +310,16 @@ def _cell(row: dict | None) -> str:
 
 #: (numerator, anchor) ratio columns of the speed table.
 SPEED_RATIOS = (("ours_fp8", "cudnn_fp8"), ("ours_fp8", "ours_bf16"),
-                ("ours_fp8", "cudnn_bf16"), ("ours_fp8_quantized", "cudnn_fp8"),
-                ("ours_fp8_persistent", "cudnn_fp8"), ("ours_fp8_persistent", "ours_bf16"))
+                ("ours_fp8", "cudnn_bf16"), ("ours_fp8_quantized", "cudnn_fp8"))
 
 
 def speed_table(header: str, rows: list[dict], rounds: int) -> str:
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     points = list(dict.fromkeys((r["head_dim"], r["seq_len"], r["causal"]) for r in rows))
     by_key = {(r["head_dim"], r["seq_len"], r["causal"], r["impl"]): r for r in rows}
-    ratios = [(a, b) for a, b in SPEED_RATIOS if a in impls and b in impls]
+    configured = [(a, b) for a in impls if a.startswith(CONFIGURED)
+                  for b in ("cudnn_fp8", "ours_bf16") if b in impls]
+    ratios = [(a, b) for a, b in SPEED_RATIOS if a in impls and b in impls] + configured
     lines = [f"# FP8 attention vs cuDNN FP8: {header}", "",
              "Forward TFLOP/s (4·B·H·L²·D, halved when causal; median over "
              f"{rounds} interleaved rounds); ratios: TFLOP/s over TFLOP/s at the same point. "
@@ -581,7 +585,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.seq_lens = (1024, 4096) if args.accuracy else (2048, 4096, 8192, 16384)
     if args.causal is None:
         args.causal = "no" if args.accuracy else "both"
-    unknown = set(args.impls.split(",")) - set(SPEED_IMPLS)
+    unknown = {name for name in args.impls.split(",") if name not in SPEED_IMPLS
+               and not name.startswith(CONFIGURED)}
+    for name in set(args.impls.split(",")) - unknown - set(SPEED_IMPLS):
+        try:
+            parse_config(name.removeprefix(CONFIGURED))
+        except ValueError:
+            unknown.add(name)
     if unknown:
         parser.error(f"unknown implementations {sorted(unknown)}; choose from "
                      f"{','.join(SPEED_IMPLS)}")

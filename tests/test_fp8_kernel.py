@@ -64,6 +64,8 @@ CASES = {
     # odd lengths with GQA in the serial schedule.
     "persistent_overlap_causal": (1, 256, 256, 3, 1, 64, True, False, 64, 64, True, 2),
     "persistent_dense_odd_gqa": (2, 200, 230, 2, 1, 64, False, False, 64, 64, False, 2),
+    # ... where O tiles of their own do not fit: O through the P tiles' memory.
+    "persistent_shared_o_causal_d256": (1, 256, 256, 2, 1, 256, True, False, 64, 128, True, 2),
 }
 RACE_CHECKED = ("causal_odd_gqa", "overlap_causal_odd_gqa", "three_consumers_causal_odd_gqa",
                 "persistent_overlap_causal")
@@ -194,11 +196,13 @@ def test_odd_shapes_lower_for_cuda(pretend_hopper):
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 def test_persistent_lowers_for_cuda(overlap, causal, pretend_hopper):
-    """Persistent CTAs take no more shared memory than one CTA per tile (O still goes
-    through the P tiles' memory)."""
-    config = MosaicConfig(64, 256, 2, overlap=overlap, persistent=True)
-    assert forward_fp8.smem_bytes(config, 128) <= mosaic_config.SMEM_BUDGET
-    _lower_for_cuda((2, 1024, 8, 128), (2, 1024, 2, 128), config, causal)
+    """Persistent CTAs, with O tiles of their own and through the P tiles' memory (at
+    256-key blocks overlapped, whose two P tiles per consumer leave no room for O)."""
+    for block_kv in (128, 256):
+        config = MosaicConfig(64, block_kv, 2, overlap=overlap, persistent=True)
+        o_apart = block_kv == 128 or not overlap
+        assert forward_fp8.separate_o_tiles(config, 128) == o_apart
+        _lower_for_cuda((2, 1024, 8, 128), (2, 1024, 2, 128), config, causal)
 
 
 @pytest.mark.parametrize(("head_dim", "config"), [
@@ -210,6 +214,9 @@ def test_persistent_lowers_for_cuda(overlap, causal, pretend_hopper):
     (128, MosaicConfig(64, 256, 3, overlap=True)),  # does not
     (128, MosaicConfig(64, 128, 4, overlap=True, num_consumers=3)),  # fits: 3 Q, P and O tiles
     (128, MosaicConfig(64, 128, 4, overlap=True, num_consumers=3)),  # does not
+    # Persistent: O tiles beside the P tiles where they fit, else in their memory.
+    (128, MosaicConfig(64, 128, 2, overlap=True, persistent=True)),
+    (128, MosaicConfig(64, 256, 2, overlap=True, persistent=True)),
 ])
 def test_smem_accounting_matches_lowering(head_dim, config, monkeypatch, pretend_hopper):
     shape = (1, 1024, 2, head_dim)

@@ -36,8 +36,9 @@ Both consumer schedules of the bf16 kernel exist (``MosaicConfig.overlap``): ser
 FA3's intra-warpgroup overlap, where P̃ going through SMEM costs a second P tile per
 consumer instead of P's registers (:func:`_overlapped_loop`). So do its persistent CTAs
 (``MosaicConfig.persistent``, :mod:`pallas_flash.mosaic.scheduler`): the K/V ring and each
-consumer's next Q load run on across tiles; since O is stored through the P tiles' memory,
-the consumers meet once more per tile, after the O stores have read it.
+consumer's next Q load run on across tiles; O gets tiles of its own where they fit
+(:func:`separate_o_tiles`), else it is stored through the P tiles' memory and the
+consumers meet once more per tile, after the O stores have read it.
 
 CPU testing: interpret mode runs FP8 wgmma, but not ``pl.run_state`` (how wgmma accumulates
 into the O registers). With ``interpret=True`` P·V lands in a fresh accumulator and is added
@@ -127,6 +128,7 @@ class _Static:
     heads: int
     overlap: bool = False  # FA3's intra-warpgroup pipelining (MosaicConfig.overlap)
     persistent_ctas: int = 0  # CTAs that loop over the work tiles; 0: one CTA per tile
+    o_apart: bool = False  # O tiles beside the P tiles, not in their memory
 
     @property
     def tile_grid(self) -> TileGrid:
@@ -167,13 +169,16 @@ def _transforms(minor: int, dtype) -> tuple:
 _THREE_CONSUMER_COLUMNS = 256
 
 
-def smem_bytes(config: MosaicConfig, head_dim: int) -> int:
+def smem_bytes(config: MosaicConfig, head_dim: int, *, o_apart: bool | None = None) -> int:
     """Shared memory of the kernel, as Mosaic GPU's lowering counts it (1 KiB per buffer).
 
     Q tiles and the K / Vᵀ rings in e4m3; one e4m3 P tile per consumer (two with
     ``overlap``) and a bf16 O tile per consumer (the e4m3 Q tile is too small to hold it)
-    in one union, since O is stored only once every P tile is dead; LSE, mbarriers.
+    in one union, since O is stored only once every P tile is dead, or side by side
+    (``o_apart``; default :func:`separate_o_tiles`); LSE, mbarriers.
     """
+    if o_apart is None:
+        o_apart = separate_o_tiles(config, head_dim)
     def align(nbytes):
         return round_up(nbytes, 1024)
     bq, bkv, stages = config.block_q, config.block_kv, config.num_stages
@@ -185,7 +190,14 @@ def smem_bytes(config: MosaicConfig, head_dim: int) -> int:
     lse = align(consumers * bq * 4)
     turns = consumers if config.overlap else 1  # as the bf16 kernel's barriers
     barriers = 8 * (consumers + 4 * stages + turns + 1)  # + P's end of use
-    return q + kv + max(p, o) + lse + barriers
+    return q + kv + (p + o if o_apart else max(p, o)) + lse + barriers
+
+
+def separate_o_tiles(config: MosaicConfig, head_dim: int) -> bool:
+    """Whether the O tiles get memory of their own: in a persistent CTA, where that fits.
+    Through the P tiles' memory, each tile's O store must have read it before any consumer
+    writes the next tile's P, so the consumers wait for it and meet once more per tile."""
+    return config.persistent and smem_bytes(config, head_dim, o_apart=True) <= SMEM_BUDGET
 
 
 def check_config(config: MosaicConfig, head_dim: int) -> None:
@@ -222,13 +234,15 @@ def default_config(head_dim: int) -> MosaicConfig:
 
 
 def _kernel(q_ref, k_ref, vt_ref, q_scale_ref, k_scale_ref, v_scale_ref, out_ref, lse_ref, *,
-            st: _Static, q_smem, k_smem, vt_smem, p_o_smem, lse_smem, q_ready, k_ready,
-            v_ready, k_free, v_free, turn, p_done):
+            st: _Static, q_smem, k_smem, vt_smem, lse_smem, q_ready, k_ready, v_ready, k_free,
+            v_free, turn, p_done, p_o_smem=None, p_smem=None, o_smem=None):
     """One CTA: one work tile, or a persistent CTA's tiles (:class:`TileGrid`). GMEM: q/out
     [B, Tq, N, D], k [B, Tk, K, D], vt [B, K, D, Tk], lse [B, N, Tq], scales [B, tiles,
-    heads]. SMEM: q/p/o per consumer (p and o in one union), k/vt rings of ``num_stages``,
-    filled across a persistent CTA's tiles as in the bf16 kernel."""
-    p_smem, o_smem = p_o_smem
+    heads]. SMEM: q/p/o per consumer (p and o in one union ``p_o_smem`` unless
+    ``st.o_apart``), k/vt rings of ``num_stages``, filled across a persistent CTA's tiles
+    as in the bf16 kernel."""
+    if p_o_smem is not None:
+        p_smem, o_smem = p_o_smem
     bq, bkv, consumers = st.block_q, st.block_kv, st.num_consumers
     count, tile_at = st.tile_grid.tiles()
 
@@ -310,11 +324,12 @@ def _consumer_warpgroup(wg, st: _Static, out_gmem, lse_gmem, scales, q_tile, k_s
     scales. The Q tile's copy into ``q_tile`` was issued on ``q_ready`` by the caller.
 
     ``p_tile``: this consumer's e4m3 P tile, two of them ([2, block_q, block_kv]) with the
-    overlapped schedule. ``o_tile`` shares its memory with every consumer's P tiles: it is
-    written once all have passed ``p_done`` (one arrival each), after their last P·V. A
-    persistent CTA (``load_next_q``: issues the next tile's Q copy, once this tile's last
-    Q·Kᵀ has read Q) meets at ``p_done`` once more after the O stores have read their tiles,
-    so that no consumer writes the next tile's P over another's O before it has left.
+    overlapped schedule. Unless ``st.o_apart``, ``o_tile`` shares its memory with every
+    consumer's P tiles: it is written once all have passed ``p_done`` (one arrival each),
+    after their last P·V, and a persistent CTA (``load_next_q``: issues the next tile's Q
+    copy, once this tile's last Q·Kᵀ has read Q) meets at ``p_done`` once more after the O
+    stores have read their tiles, so that no consumer writes the next tile's P over
+    another's O before it has left.
     """
     bq, bkv, d = st.block_q, st.block_kv, st.head_dim
     q_scale, k_scales, v_scales = scales
@@ -361,11 +376,14 @@ def _consumer_warpgroup(wg, st: _Static, out_gmem, lse_gmem, scales, q_tile, k_s
 
     # Epilogue: undo P's 448 and the last V scale, normalise; O and LSE leave via TMA.
     o, lse = normalized(o, m_i, l_i, fp8_scales=(v_scale, P_SCALE))
+    if st.o_apart:  # the previous tile's O and LSE stores must have read their tiles
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     lse_tile[...] = lse
-    sync(p_done)  # every P tile is read: O may overwrite them
+    if not st.o_apart:
+        sync(p_done)  # every P tile is read: O may overwrite them
     o_tile[...] = o.astype(OUT_DTYPE)
     store_rows(o_tile, lse_tile, out_gmem, lse_gmem)
-    if load_next_q is not None:
+    if load_next_q is not None and not st.o_apart:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         sync(p_done)  # every O tile is read: the next tile's P may overwrite them
 
@@ -555,18 +573,14 @@ def forward(ops: Fp8Operands, *, mask: MaskSpec, scale: float, config: MosaicCon
         overlap=config.overlap)
     if config.persistent:
         st = dataclasses.replace(st, persistent_ctas=persistent(
-            st.tile_grid, interpret=interpret).persistent_ctas)
+            st.tile_grid, interpret=interpret).persistent_ctas,
+            o_apart=separate_o_tiles(config, dim))
 
     bq, bkv, stages = st.block_q, st.block_kv, st.num_stages
     scratch = dict(
         q_smem=plgpu.SMEM((consumers, bq, dim), E4M3, transforms=_transforms(dim, E4M3)),
         k_smem=plgpu.SMEM((stages, bkv, dim), E4M3, transforms=_transforms(dim, E4M3)),
         vt_smem=plgpu.SMEM((stages, dim, bkv), E4M3, transforms=_transforms(bkv, E4M3)),
-        p_o_smem=plgpu.RefUnion(
-            plgpu.SMEM((consumers, *((2,) if st.overlap else ()), bq, bkv), E4M3,
-                       transforms=_transforms(bkv, E4M3)),
-            plgpu.SMEM((consumers, bq, dim), OUT_DTYPE,
-                       transforms=_transforms(dim, OUT_DTYPE))),
         lse_smem=plgpu.SMEM((consumers, bq), jnp.float32),
         q_ready=plgpu.Barrier(num_barriers=consumers),
         k_ready=plgpu.Barrier(num_barriers=stages),
@@ -578,6 +592,13 @@ def forward(ops: Fp8Operands, *, mask: MaskSpec, scale: float, config: MosaicCon
               else plgpu.Barrier(num_arrivals=consumers)),
         p_done=plgpu.Barrier(num_arrivals=consumers),
     )
+    p_tiles = plgpu.SMEM((consumers, *((2,) if st.overlap else ()), bq, bkv), E4M3,
+                         transforms=_transforms(bkv, E4M3))
+    o_tiles = plgpu.SMEM((consumers, bq, dim), OUT_DTYPE, transforms=_transforms(dim, OUT_DTYPE))
+    if st.o_apart:
+        scratch.update(p_smem=p_tiles, o_smem=o_tiles)
+    else:
+        scratch.update(p_o_smem=plgpu.RefUnion(p_tiles, o_tiles))
     grid, grid_names = st.tile_grid.launch()
     call = plgpu.kernel(
         functools.partial(_kernel, st=st),

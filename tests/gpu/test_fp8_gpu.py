@@ -44,10 +44,12 @@ _THREE_CONSUMERS = MosaicConfig(64, 128, 2, overlap=True, num_consumers=3)
     ((2, 2048, 2048, 8, 8, 128), True, False, None),   # ... with 256-key blocks, causal
     # Three consumers at their widest S + O (block_kv + head_dim = 256), odd lengths.
     ((1, 1500, 1300, 8, 2, 128), False, False, _THREE_CONSUMERS),
-    # Persistent CTAs (132 over 3 x 16 x 8 or 3 x 16 x 6 tiles): causal pairs, the P/O
-    # union across tiles; dense odd lengths with GQA.
+    # Persistent CTAs (132 over 3 x 16 x 8 or 3 x 16 x 6 tiles): causal pairs, O tiles of
+    # their own and through the P tiles' memory; dense odd lengths with GQA.
     ((3, 2048, 2048, 16, 16, 128), True, False,
      MosaicConfig(64, 256, 2, overlap=True, persistent=True)),
+    ((3, 2048, 2048, 16, 16, 128), True, False,
+     MosaicConfig(64, 128, 2, overlap=True, persistent=True)),
     ((3, 1500, 1500, 16, 4, 128), False, False,
      MosaicConfig(64, 256, 2, overlap=True, persistent=True)),
     ((2, 2048, 2048, 16, 8, 256), True, False,
