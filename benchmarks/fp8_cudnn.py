@@ -204,7 +204,8 @@ def make_calls(names: Sequence[str], q, k, v, causal: bool, args) -> dict[str, C
                     fp8.attention_fp8, is_causal=causal, implementation=args.fp8_implementation,
                     config=parse_config(name.removeprefix(CONFIGURED)))), (q, k, v))
             elif name == "ours_fp8_quantized":
-                config = forward_fp8.default_config(head_dim)
+                config = forward_fp8.default_config(head_dim, is_causal=causal,
+                                                    seq_kv=k.shape[1])
                 ops = fp8.quantize_operands(q, k, v, block_q=config.block_q,
                                             block_kv=config.block_kv)
                 calls[name] = Call(jax.jit(functools.partial(

@@ -114,7 +114,8 @@ def bench(path, head_dim: int, causal: bool, seq_len: int, *, config: MosaicConf
                        for key in keys)
             mask = MaskSpec(seq_q=seq_len, seq_kv=seq_len, is_causal=causal)
             scale = head_dim ** -0.5
-            config = config or forward_fp8.default_config(head_dim)
+            config = config or forward_fp8.default_config(head_dim, is_causal=causal,
+                                                              seq_kv=seq_len)
             entry["config"] = short(config)
             quantize, quantize_xla = (jax.jit(functools.partial(
                 fp8.quantize_operands, block_q=config.block_q, block_kv=config.block_kv,

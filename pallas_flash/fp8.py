@@ -441,7 +441,8 @@ def attention_fp8(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool =
     head_dim = q.shape[3]
     scale = canonical_scale(scale, head_dim)
     _check_key(hadamard_key, "hadamard_key", allow_none=True)
-    config = forward_fp8.default_config(head_dim) if config is None else config
+    if config is None:
+        config = forward_fp8.default_config(head_dim, is_causal=is_causal, seq_kv=k.shape[1])
     forward_fp8.check_config(config, padded_head_dim(head_dim))
     _check_out_scale(out_scale)
     call = _Fp8Call(is_causal=is_causal, scale=scale, config=config,
@@ -571,7 +572,8 @@ def attention_fp8_quantized(q: jax.Array, k: jax.Array, v: jax.Array, q_scale: j
     _check_shapes(q, k, k, is_causal)
     heads, seq_q = q.shape[2], q.shape[1]
     scale = canonical_scale(scale, head_dim)
-    config = forward_fp8.default_config(head_dim) if config is None else config
+    if config is None:
+        config = forward_fp8.default_config(head_dim, is_causal=is_causal, seq_kv=seq_kv)
     forward_fp8.check_config(config, padded_head_dim(head_dim))
     _check_out_scale(out_scale)
     q_block, kv_block = (config.block_q, config.block_kv) if scale_blocks is None \

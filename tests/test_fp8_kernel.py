@@ -290,8 +290,29 @@ def test_bad_arguments_are_refused(kwargs, message):
 
 def test_default_config_fits():
     for head_dim in (16, 64, 96, 128, 192, 256):
-        config = forward_fp8.default_config(head_dim)
-        forward_fp8.check_config(config, mosaic_config.padded_head_dim(head_dim))
+        for causal in (False, True):
+            for seq_kv in (None, 1024, 4096, 4097, 16384):
+                config = forward_fp8.default_config(head_dim, is_causal=causal, seq_kv=seq_kv)
+                forward_fp8.check_config(config, mosaic_config.padded_head_dim(head_dim))
+
+
+def test_short_causal_rows_take_128_key_blocks():
+    """The default follows the mask and the length at head_dim 128: 256-key blocks except
+    on causal rows of at most SHORT_CAUSAL_KEYS keys, and attention_fp8 passes both."""
+    short = forward_fp8.SHORT_CAUSAL_KEYS
+    assert forward_fp8.default_config(128).block_kv == 256
+    assert forward_fp8.default_config(128, is_causal=True, seq_kv=short).block_kv == 128
+    assert forward_fp8.default_config(128, is_causal=True, seq_kv=short + 1).block_kv == 256
+    assert forward_fp8.default_config(128, is_causal=False, seq_kv=short).block_kv == 256
+    q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+    seen = []
+    real = forward_fp8.check_config
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(forward_fp8, "check_config",
+                      lambda config, head_dim: seen.append(config) or real(config, head_dim))
+        fp8.attention_fp8(q, q, q, is_causal=True, implementation="xla")
+        fp8.attention_fp8(q, q, q, implementation="xla")
+    assert [c.block_kv for c in seen] == [128, 256]
 
 
 if __name__ == "__main__":

@@ -219,17 +219,27 @@ def check_config(config: MosaicConfig, head_dim: int) -> None:
             "block_kv or num_stages")
 
 
-def default_config(head_dim: int) -> MosaicConfig:
+#: Causal rows up to this many keys take 128-key blocks at head_dim 65-128.
+SHORT_CAUSAL_KEYS = 4096
+
+
+def default_config(head_dim: int, *, is_causal: bool = False,
+                   seq_kv: int | None = None) -> MosaicConfig:
     """64 rows per consumer and 2 stages, as the bf16 kernel, with FA3's overlapped
-    schedule: 128-key blocks above head_dim 128, 256-key blocks at 65-128, and three
-    consumers of 128-key blocks up to 64.
+    schedule: 128-key blocks above head_dim 128, 256-key blocks at 65-128 (128-key
+    blocks for causal rows of at most :data:`SHORT_CAUSAL_KEYS` keys, whose CTAs see few
+    blocks: a 256-key block then leaves much of the diagonal masked and the schedule's
+    first and last steps, which overlap nothing, weigh more), and three consumers of
+    128-key blocks up to 64.
     (measurements: docs/tuning.md#fp8-forward-default_config)
     """
     head_dim = padded_head_dim(head_dim)
     if head_dim > 128:
         return MosaicConfig(block_q=64, block_kv=128, num_stages=2, overlap=True)
     if head_dim > 64:
-        return MosaicConfig(block_q=64, block_kv=256, num_stages=2, overlap=True)
+        short_causal = is_causal and seq_kv is not None and seq_kv <= SHORT_CAUSAL_KEYS
+        return MosaicConfig(block_q=64, block_kv=128 if short_causal else 256, num_stages=2,
+                            overlap=True)
     return MosaicConfig(block_q=64, block_kv=128, num_stages=2, overlap=True, num_consumers=3)
 
 

@@ -62,7 +62,7 @@ def test_kernel_matches_references(shape, causal, rotate, config):
     k, v = (jax.random.normal(key, (batch, seq_kv, kv_heads, head_dim), jnp.bfloat16)
             for key in keys[1:3])
     hadamard_key = keys[3] if rotate else None
-    config = config or forward_fp8.default_config(head_dim)
+    config = config or forward_fp8.default_config(head_dim, is_causal=causal, seq_kv=seq_kv)
     out, lse = jax.jit(lambda q, k, v: fp8.attention_fp8(
         q, k, v, is_causal=causal, hadamard_key=hadamard_key, config=config,
         implementation="mosaic", return_residual=True))(q, k, v)

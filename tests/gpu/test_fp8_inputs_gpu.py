@@ -38,7 +38,7 @@ def _inputs(batch, seq_q, seq_kv, heads, kv_heads, head_dim, seed):
 ])
 def test_quantized_operands_match_attention_fp8(shape, causal, v_transposed):
     q, k, v = _inputs(*shape, seed=sum(shape))
-    config = forward_fp8.default_config(shape[-1])
+    config = forward_fp8.default_config(shape[-1], is_causal=causal, seq_kv=shape[2])
     ops = jax.jit(lambda q, k, v: fp8.quantize_operands(
         q, k, v, block_q=config.block_q, block_kv=config.block_kv))(q, k, v)
     v8 = ops.vt if v_transposed else jnp.transpose(ops.vt, (0, 3, 1, 2))
