@@ -220,7 +220,7 @@ def check_config(config: MosaicConfig, head_dim: int) -> None:
 
 
 #: Causal rows up to this many keys take 128-key blocks at head_dim 65-128.
-SHORT_CAUSAL_KEYS = 4096
+SHORT_CAUSAL_KEYS = 8192
 
 
 def default_config(head_dim: int, *, is_causal: bool = False,
