@@ -406,7 +406,8 @@ def attention_fp8(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool =
         three consumers need ``block_kv + head_dim <= 256``); Q is
         quantized per ``block_q`` rows and K, V per ``block_kv`` keys, whichever
         implementation runs. Default:
-        :func:`pallas_flash.mosaic.forward_fp8.default_config`.
+        :func:`pallas_flash.mosaic.forward_fp8.default_config` for this head_dim, mask and
+        key length.
       out_scale: return the output in e4m3 as well: ``out ≈ out_fp8 · out_scale`` (a
         positive float32 scalar, the delayed scaling of FP8 training recipes; values
         beyond ``±448 · out_scale`` saturate). The output's ``amax`` (max ``|out|`` before
