@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 
-from pallas_flash.mosaic.scheduler import INTERPRET_CTAS, TileGrid, persistent
+from pallas_flash.mosaic.scheduler import INTERPRET_CTAS, TileGrid, persistent_ctas
 
 
 def _cta_tiles(grid: TileGrid) -> list[list[tuple[int, int, int]]]:
@@ -44,8 +44,8 @@ def test_every_tile_runs_once(num_q_tiles, causal, batch, heads, ctas):
 def test_causal_tiles_balance_work(batch, heads, num_q_tiles):
     """Key blocks per CTA (q tile t of a causal row sees t + 1 blocks): no CTA does more
     than a whole pair (n + 1 blocks) above the mean."""
-    grid = persistent(TileGrid(num_q_tiles=num_q_tiles, reverse_q_tiles=True, batch=batch,
-                               heads=heads), interpret=False)
+    grid = TileGrid(num_q_tiles=num_q_tiles, reverse_q_tiles=True, batch=batch, heads=heads)
+    grid = dataclasses.replace(grid, persistent_ctas=persistent_ctas(grid, interpret=False))
     work = [sum(q + 1 for _, _, q in tiles) for tiles in _cta_tiles(grid)]
     mean = batch * heads * num_q_tiles * (num_q_tiles + 1) / 2 / len(work)
     assert max(work) <= mean + num_q_tiles + 1, (max(work), mean)
@@ -55,8 +55,8 @@ def test_causal_tiles_balance_work(batch, heads, num_q_tiles):
 
 def test_persistent_launch_has_no_idle_cta():
     grid = TileGrid(num_q_tiles=4, reverse_q_tiles=True, batch=1, heads=1)
-    assert persistent(grid, interpret=False).persistent_ctas == 2  # two pairs of tiles
-    assert persistent(dataclasses.replace(grid, reverse_q_tiles=False),
-                      interpret=False).persistent_ctas == 4
-    assert persistent(dataclasses.replace(grid, heads=64),
-                      interpret=True).persistent_ctas == INTERPRET_CTAS
+    assert persistent_ctas(grid, interpret=False) == 2  # two pairs of tiles
+    assert persistent_ctas(dataclasses.replace(grid, reverse_q_tiles=False),
+                           interpret=False) == 4
+    assert persistent_ctas(dataclasses.replace(grid, heads=64),
+                           interpret=True) == INTERPRET_CTAS

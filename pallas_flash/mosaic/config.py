@@ -96,8 +96,8 @@ class MosaicConfig:
         epilogue, launch) overlap work: they weigh most on short rows. Causal tiles go
         out in pairs of equal total work (:mod:`pallas_flash.mosaic.scheduler`). The
         bf16 kernel pays an O tile of SMEM beside Q's (a TMA store may still read it when
-        the next Q lands); the FP8 kernel stores O through its P tiles' memory as
-        without, and syncs its consumers once more per tile.
+        the next Q lands); the FP8 kernel gives O tiles of their own where they fit, else
+        stores O through its P tiles' memory and syncs its consumers once more per tile.
     """
 
     block_q: int = 64

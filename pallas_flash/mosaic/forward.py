@@ -110,7 +110,7 @@ from pallas_flash.mosaic.mainloop import (
     sync,
 )
 from pallas_flash.mosaic.pipeline import block_slots, observe_releases, stream_kv
-from pallas_flash.mosaic.scheduler import Tile, TileGrid, for_each_tile, persistent
+from pallas_flash.mosaic.scheduler import Tile, TileGrid, for_each_tile, persistent_ctas
 from pallas_flash.mosaic.softmax import online_softmax_step
 from pallas_flash.mosaic.tiles import (
     DTYPES,
@@ -754,8 +754,8 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         segmented=segmented, num_consumers=config.num_consumers, bias=bias_array,
         attn_mask=mask_array, heads=heads, batch=batch)
     if config.persistent:
-        st = dataclasses.replace(st, persistent_ctas=persistent(
-            st.tile_grid, interpret=interpret).persistent_ctas)
+        st = dataclasses.replace(
+            st, persistent_ctas=persistent_ctas(st.tile_grid, interpret=interpret))
 
     operands = [pad_operand(q, seq_q_pad, dim), pad_operand(k, seq_kv_pad, dim),
                 pad_operand(v, seq_kv_pad, dim)]

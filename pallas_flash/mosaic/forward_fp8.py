@@ -79,7 +79,7 @@ from pallas_flash.mosaic.mainloop import (
     sync,
 )
 from pallas_flash.mosaic.pipeline import block_slots, observe_releases, stream_kv
-from pallas_flash.mosaic.scheduler import Tile, TileGrid, for_each_tile, persistent
+from pallas_flash.mosaic.scheduler import Tile, TileGrid, for_each_tile, persistent_ctas
 from pallas_flash.mosaic.softmax import online_softmax_step
 from pallas_flash.mosaic.tiles import LOG2E, REGISTERS, row
 from pallas_flash.padding import pad_axis, round_up
@@ -582,8 +582,8 @@ def forward(ops: Fp8Operands, *, mask: MaskSpec, scale: float, config: MosaicCon
         kv_padded=seq_kv_pad != seq_kv, interpret=interpret, batch=batch, heads=heads,
         overlap=config.overlap)
     if config.persistent:
-        st = dataclasses.replace(st, persistent_ctas=persistent(
-            st.tile_grid, interpret=interpret).persistent_ctas,
+        st = dataclasses.replace(
+            st, persistent_ctas=persistent_ctas(st.tile_grid, interpret=interpret),
             o_apart=separate_o_tiles(config, dim))
 
     bq, bkv, stages = st.block_q, st.block_kv, st.num_stages

@@ -81,13 +81,16 @@ class TileGrid:
         :meth:`persistent_tile`.
         """
         if not self.persistent_ctas:
-            q_tile = lax.axis_index("q_tiles")
-            if self.reverse_q_tiles:
-                q_tile = self.num_q_tiles - 1 - q_tile
-            only = Tile(lax.axis_index("batch"), lax.axis_index("heads"), q_tile)
+            batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+            only = Tile(batch, head, self._in_order(lax.axis_index("q_tiles")))
             return 1, lambda i: only
         cta = lax.axis_index("ctas")
         return self.persistent_count(cta), functools.partial(self.persistent_tile, cta)
+
+    def _in_order(self, q_tile):
+        """The q tile run ``q_tile``-th along the sequence: the last rows first if
+        ``reverse_q_tiles``."""
+        return self.num_q_tiles - 1 - q_tile if self.reverse_q_tiles else q_tile
 
     def persistent_count(self, cta):
         """How many tiles persistent CTA ``cta`` runs (it takes units cta, cta + ctas, ...)."""
@@ -106,10 +109,8 @@ class TileGrid:
         if not self.pairs_tiles:
             t = cta + i * self.persistent_ctas
             rest = lax.div(t, self.batch)
-            q_tile = lax.rem(rest, self.num_q_tiles)
-            if self.reverse_q_tiles:
-                q_tile = self.num_q_tiles - 1 - q_tile
-            return Tile(lax.rem(t, self.batch), lax.div(rest, self.num_q_tiles), q_tile)
+            return Tile(lax.rem(t, self.batch), lax.div(rest, self.num_q_tiles),
+                        self._in_order(lax.rem(rest, self.num_q_tiles)))
         half = self.num_q_tiles // 2
         unit = cta + lax.div(i, 2) * self.persistent_ctas
         rest = lax.div(unit, self.batch)
@@ -126,12 +127,11 @@ def for_each_tile(count, body, init):
     return lax.fori_loop(0, count, body, init)
 
 
-def persistent(grid: TileGrid, *, interpret: bool) -> TileGrid:
-    """``grid`` with a persistent launch: one CTA per streaming multiprocessor of the first
-    GPU (one CTA fills an SM: 3-4 warpgroups at up to 232 registers per thread), at most
-    one per unit of work (:attr:`TileGrid.num_units`); few in interpret mode
+def persistent_ctas(grid: TileGrid, *, interpret: bool) -> int:
+    """CTAs of a persistent launch of ``grid``'s tiles: one per streaming multiprocessor of
+    the first GPU (one CTA fills an SM: 3-4 warpgroups at up to 232 registers per thread),
+    at most one per unit of work (:attr:`TileGrid.num_units`); few in interpret mode
     (:data:`INTERPRET_CTAS`)."""
     # 132 (H100/H200 SXM) where the device does not say, e.g. when lowering on a CPU.
     sm_count = getattr(jax.devices()[0], "core_count", 132)
-    ctas = min(grid.num_units, INTERPRET_CTAS if interpret else sm_count)
-    return dataclasses.replace(grid, persistent_ctas=ctas)
+    return min(grid.num_units, INTERPRET_CTAS if interpret else sm_count)
