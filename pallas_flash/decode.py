@@ -219,6 +219,16 @@ class CacheVisibility:
             visible &= (keys >= query_pos - self.window[0]) & (keys <= query_pos + self.window[1])
         return visible
 
+    def chunk_mask(self, lengths: jax.Array, positions: jax.Array,
+                   num_splits: int) -> jax.Array:
+        """The packed chunks' mask array ``[B·n, 1, T·G, C]``: chunk ``i`` of row ``b``
+        holds the keys at ``positions[..., i·C : (i+1)·C]`` (``positions`` ``[n·C]``, or
+        per row ``[B, n·C]``)."""
+        batch, chunk = lengths.shape[0], positions.shape[-1] // num_splits
+        visible = jnp.repeat(self.token_visible(lengths, positions), self.group, axis=1)
+        visible = visible.reshape(batch, -1, num_splits, chunk)  # [B, T·G, n, C]
+        return jnp.swapaxes(visible, 1, 2).reshape(batch * num_splits, 1, -1, chunk)
+
 
 def _pack_queries(query: jax.Array, kv_heads: int) -> jax.Array:
     """``[B, T, K·G, D]`` -> ``[B, T·G, K, D]``, row ``t·G + g`` = head ``k·G + g`` of token
@@ -318,9 +328,7 @@ def paged_split_forward(query, key_pages, value_pages, page_table, lengths, *,
                    kv_ids.reshape(batch * num_splits, chunk))
     attn_mask = None
     if rows.needs_mask_array:
-        visible = rows.token_visible(lengths, positions.reshape(batch, -1))  # [B, T, n·C]
-        visible = jnp.repeat(visible, rows.group, axis=1).reshape(batch, -1, num_splits, chunk)
-        attn_mask = jnp.swapaxes(visible, 1, 2).reshape(batch * num_splits, 1, -1, chunk)
+        attn_mask = rows.chunk_mask(lengths, positions.reshape(batch, -1), num_splits)
     spec = MaskSpec(seq_q=q_chunks.shape[1], seq_kv=chunk)
     kv_shape = (batch * num_splits, chunk, kv_heads, head_dim)
     triton = dispatch.backend("triton")
@@ -364,10 +372,7 @@ def _chunk_visibility(batch: int, rows_per_chunk: int, lengths, rows: CacheVisib
         q_ids = jnp.zeros((batch * num_splits, rows_per_chunk), jnp.int32)
         segment_ids = (q_ids, kv_ids.reshape(batch * num_splits, chunk))
     if rows.needs_mask_array:
-        visible = rows.token_visible(lengths, positions)  # [B, T, S']
-        visible = jnp.repeat(visible, rows.group, axis=1)  # [B, T·G, S']
-        visible = visible.reshape(batch, -1, num_splits, chunk)
-        attn_mask = jnp.swapaxes(visible, 1, 2).reshape(batch * num_splits, 1, -1, chunk)
+        attn_mask = rows.chunk_mask(lengths, positions, num_splits)
     return segment_ids, attn_mask
 
 
