@@ -559,7 +559,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tag", default="", help="appended to the file names")
     speed = parser.add_argument_group("speed")
     speed.add_argument("--impls", default=",".join(DEFAULT_SPEED_IMPLS),
-                       help=f"comma list among {','.join(SPEED_IMPLS)}")
+                       help=f"comma list among {','.join(SPEED_IMPLS)} and {CONFIGURED}SPEC")
     speed.add_argument("--bf16-implementation", default=None,
                        help="pallas_flash.attention's backend for ours_bf16 (default: its choice)")
     speed.add_argument("--tokens", type=int, default=16384, help="batch × seq_len")
@@ -586,21 +586,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.seq_lens = (1024, 4096) if args.accuracy else (2048, 4096, 8192, 16384)
     if args.causal is None:
         args.causal = "no" if args.accuracy else "both"
-    unknown = {name for name in args.impls.split(",") if name not in SPEED_IMPLS
-               and not name.startswith(CONFIGURED)}
-    for name in set(args.impls.split(",")) - unknown - set(SPEED_IMPLS):
-        try:
-            parse_config(name.removeprefix(CONFIGURED))
-        except ValueError:
-            unknown.add(name)
+    unknown = {name for name in args.impls.split(",") if not _known_impl(name)}
     if unknown:
         parser.error(f"unknown implementations {sorted(unknown)}; choose from "
-                     f"{','.join(SPEED_IMPLS)}")
+                     f"{','.join(SPEED_IMPLS)} or {CONFIGURED}SPEC (e.g. {CONFIGURED}64x128x2op)")
     unknown = set(args.distributions.split(",")) - set(DISTRIBUTIONS)
     if unknown:
         parser.error(f"unknown distributions {sorted(unknown)}; choose from "
                      f"{','.join(DISTRIBUTIONS)}")
     return args
+
+
+def _known_impl(name: str) -> bool:
+    """A name of :data:`SPEED_IMPLS`, or ``ours_fp8:SPEC`` with a config ``SPEC`` parses."""
+    if name in SPEED_IMPLS:
+        return True
+    try:
+        return name.startswith(CONFIGURED) and bool(parse_config(name.removeprefix(CONFIGURED)))
+    except ValueError:
+        return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
