@@ -58,6 +58,11 @@ from pallas_flash.triton.config import PAGED_DECODE_STAGES
 MAX_DECODE_SEQ_Q = 16
 #: Work units the split heuristic aims at: two per SM of an H200 (132 SMs).
 TARGET_WORK_UNITS = 2 * 132
+#: Fraction of :data:`TARGET_WORK_UNITS` one wave of CTAs must fill to need no more splits.
+#: Past it, one more split adds a second, partly empty wave: 32 × 8192 with 8 kv heads
+#: (256 units of 264) read 1.03× cuDNN's GB/s with one split, 0.87× with two (H200,
+#: 2026-12-02, kernel alone 1.00× against 0.88×; docs/decode.md).
+FULL_WAVE = 0.9
 #: Shortest chunk the split heuristic makes (shorter ones are dominated by the merge).
 MIN_SPLIT_KEYS = 256
 
@@ -68,18 +73,20 @@ def default_num_splits(batch: int, kv_heads: int, seq_kv: int, *, ragged: bool =
 
     One unit of work is a (sequence, kv head, chunk) triple: the packed query rows of one kv
     head are one tile. Returns the smallest ``n`` with ``batch · kv_heads · n >=``
-    :data:`TARGET_WORK_UNITS` (twice that when ``ragged``: with per-row lengths, about half
-    of the chunks lie past their row's length and cost nothing, so twice as many keep the
-    SMs as busy), at most ``seq_kv //`` :data:`MIN_SPLIT_KEYS`, then lowered to a divisor
-    of ``seq_kv`` (so that the split is a reshape, not a padded copy); at least 1.
-    E.g. 32 × 8192 with 8 kv heads: 2; 8 × 32768: 4 (ragged: 8); 1 × 131072: 32.
-    (measurements: benchmarks/results/decode-sweep-2026-12-02-ragged.json, where 8 × 32768
-    ragged read 2274–2348 GB/s with 8–16 splits against 1684 with 4, and 32 × 8192 ragged
-    was fastest with 2)
+    :data:`FULL_WAVE` ``·`` :data:`TARGET_WORK_UNITS` (twice the target when ``ragged``:
+    with per-row lengths, about half of the chunks lie past their row's length and cost
+    nothing, so twice as many keep the SMs as busy), at most ``seq_kv //``
+    :data:`MIN_SPLIT_KEYS`, then raised to a divisor of ``seq_kv`` (so that the split is a
+    reshape, not a padded copy; lowered when no divisor lies above); at least 1.
+    E.g. 32 × 8192 with 8 kv heads: 1 (ragged: 2); 8 × 32768: 4 (ragged: 8); 1 × 131072: 32.
+    (measurements: docs/decode.md; benchmarks/results/decode-sweep-2026-12-02-ragged.json,
+    where 8 × 32768 ragged read 2274–2348 GB/s with 8–16 splits against 1684 with 4, and
+    32 × 8192 ragged was fastest with 2)
     """
     target = TARGET_WORK_UNITS * (2 if ragged else 1)
-    wanted = math.ceil(target / max(1, batch * kv_heads))  # empty batches: one split
-    n = max(1, min(wanted, seq_kv // MIN_SPLIT_KEYS))
+    most = max(1, seq_kv // MIN_SPLIT_KEYS)
+    wanted = min(math.ceil(FULL_WAVE * target / max(1, batch * kv_heads)), most)
+    n = next((n for n in range(max(1, wanted), most + 1) if seq_kv % n == 0), max(1, wanted))
     while seq_kv % n:
         n -= 1
     return n
