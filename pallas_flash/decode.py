@@ -59,10 +59,11 @@ MAX_DECODE_SEQ_Q = 16
 #: Work units the split heuristic aims at: two per SM of an H200 (132 SMs).
 TARGET_WORK_UNITS = 2 * 132
 #: Fraction of :data:`TARGET_WORK_UNITS` one wave of CTAs must fill to need no more splits.
-#: Past it, one more split adds a second, partly empty wave: 32 × 8192 with 8 kv heads
-#: (256 units of 264) read 1.03× cuDNN's GB/s with one split, 0.87× with two (H200,
-#: 2026-12-02, kernel alone 1.00× against 0.88×; docs/decode.md).
-FULL_WAVE = 0.9
+#: Past it, one more split adds a second wave and a merge for little more occupancy. At
+#: 8 kv heads on the H200 (2026-12-02, benchmarks/results/decode-sweep-2026-12-02-splits.json),
+#: 1 split against 2, over cuDNN's GB/s: 1.06 against 0.90 at 32 × 8192 (256 units, 97 %),
+#: 1.12 against 1.08 at 24 × 8192 (73 %), 1.08 against 1.07 at 20 × 8192 (61 %).
+FULL_WAVE = 0.6
 #: Shortest chunk the split heuristic makes (shorter ones are dominated by the merge).
 MIN_SPLIT_KEYS = 256
 

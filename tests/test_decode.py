@@ -199,10 +199,11 @@ def test_merge_splits_takes_minus_inf_chunks_without_nan():
 
 @pytest.mark.parametrize(("batch", "kv_heads", "seq_kv", "expected"), [
     (32, 8, 8192, 1),      # 256 units fill 264 slots to 97 %: one wave, no second
-    (24, 8, 8192, 2),      # 192 units fill 73 %: 2 splits
-    (8, 8, 32768, 4),      # 3.7 wanted, 4 divides
-    (1, 8, 131072, 32),    # 29.7 wanted, raised to 32, the next divisor
-    (8, 8, 12289, 1),      # prime: no divisor from 4 up, lowered to 1
+    (20, 8, 8192, 1),      # 160 units fill 61 %: still one
+    (16, 8, 8192, 2),      # 128 units fill 48 %: 2 splits
+    (8, 8, 32768, 4),      # 2.5 wanted, raised to 4, the next divisor
+    (1, 8, 131072, 32),    # 19.8 wanted, raised to 32, the next divisor
+    (8, 8, 12289, 1),      # prime: no divisor from 3 up, lowered to 1
     (1, 1, 300, 1),        # a chunk of at least 256 keys
     (64, 8, 4096, 1),      # enough units already
 ])
@@ -211,9 +212,9 @@ def test_default_num_splits(batch, kv_heads, seq_kv, expected):
 
 
 @pytest.mark.parametrize(("batch", "kv_heads", "seq_kv", "expected"), [
-    (32, 8, 8192, 2),      # 475 units wanted: 2
-    (8, 8, 32768, 8),      # 7.4 wanted, 8 divides
-    (24, 8, 8192, 4),      # 2.5 wanted, raised to 4, the next divisor
+    (32, 8, 8192, 2),      # 1.24 wanted: 2
+    (8, 8, 32768, 8),      # 4.95 wanted, raised to 8, the next divisor
+    (12, 8, 8192, 4),      # 3.3 wanted, raised to 4
 ])
 def test_default_num_splits_ragged_aims_at_twice_the_units(batch, kv_heads, seq_kv, expected):
     assert default_num_splits(batch, kv_heads, seq_kv, ragged=True) == expected
