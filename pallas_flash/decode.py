@@ -331,6 +331,10 @@ def paged_split_forward(query, key_pages, value_pages, page_table, lengths, *,
     positions = (first_page * page_size)[:, :, None] + jnp.arange(chunk, dtype=jnp.int32)
     mine = (positions >= bounds[:, :-1, None]) & (positions < bounds[:, 1:, None])
     kv_ids = jnp.where(mine, 0, PADDED_KEY_ID).astype(jnp.int32)  # [B, n, chunk]
+    # The same keys as an interval of each split's chunk: the kernel's segment walk takes
+    # its spans from it instead of reducing over kv_ids.
+    intervals = jnp.clip(jnp.stack([bounds[:, :-1], bounds[:, 1:]], axis=-1)
+                         - (first_page * page_size)[:, :, None], 0, chunk)
     q_chunks = jnp.repeat(_pack_queries(query, kv_heads), num_splits, axis=0)
     segment_ids = (jnp.zeros(q_chunks.shape[:2], jnp.int32),
                    kv_ids.reshape(batch * num_splits, chunk))
@@ -346,7 +350,8 @@ def paged_split_forward(query, key_pages, value_pages, page_table, lengths, *,
     out, lse = triton.KERNELS.forward(
         q_chunks, key_pages, value_pages, segment_ids, mask=spec, scale=scale, config=config,
         interpret=interpret, softcap=softcap, attn_mask=attn_mask,
-        page_table=split_table.reshape(batch * num_splits, pages_per_split))
+        page_table=split_table.reshape(batch * num_splits, pages_per_split),
+        kv_intervals=intervals.reshape(batch * num_splits, 2))
     out, lse = _merge_chunks(out, lse, batch, num_splits)
     return _unpack(out, lse, heads)
 

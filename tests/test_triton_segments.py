@@ -76,6 +76,37 @@ def test_span_of_a_tile_that_meets_nothing_is_empty():
     np.testing.assert_array_equal(np.asarray(spans[0, :2]).T, [[0, 2], [0, 0]])
 
 
+@pytest.mark.parametrize(("block_q", "block_kv"), [(16, 16), (16, 64), (32, 32)])
+def test_interval_spans_equal_the_spans_of_the_ids(block_q, block_kv):
+    """A decode split's keys hold the queries' id on one interval [lo, hi): the spans in
+    closed form equal those reduced from the id arrays, for every interval of a 256-key
+    chunk (empty, inside one tile, on tile edges, the whole chunk), with real and padded
+    query rows (the decode's other key ids, as pallas_flash.decode writes them)."""
+    from pallas_flash.arguments import PADDED_KEY_ID
+    chunk, rows = 256, 20                       # 20 query rows: the last tile padded
+    edges = sorted({0, 1, 15, 16, 17, 63, 64, 100, 128, 200, 255, 256, block_kv})
+    intervals = np.array([(lo, hi) for lo in edges for hi in edges], np.int32)
+    positions = np.arange(chunk)
+    kv_ids = np.where((positions >= intervals[:, :1]) & (positions < intervals[:, 1:]),
+                      0, PADDED_KEY_ID).astype(np.int32)
+    q_ids = np.zeros((len(intervals), rows), np.int32)
+    padded_q = -(-rows // block_q) * block_q
+    segment_ids = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    (_, _, want), _ = segment_operands(segment_ids, padded_q, chunk, block_q, block_kv,
+                                       walk_kv=True)
+    (_, _, got), _ = segment_operands(segment_ids, padded_q, chunk, block_q, block_kv,
+                                      walk_kv=True, kv_intervals=jnp.asarray(intervals))
+    assert got.shape == want.shape == (len(intervals), 4, padded_q // block_q)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_interval_spans_are_for_the_forward_walk_only():
+    ids = (jnp.zeros((1, 16), jnp.int32), jnp.zeros((1, 16), jnp.int32))
+    with pytest.raises(ValueError, match="kv_intervals"):
+        segment_operands(ids, 16, 16, 16, 16, walk_kv=False,
+                         kv_intervals=jnp.zeros((1, 2), jnp.int32))
+
+
 def test_segment_walk_lowers_for_hopper():
     """The compiled kernels' walk with segment ids (masked edges, unmasked one-id tiles)
     lowers to Triton for an H200 on the CPU: forward, dK/dV and dQ; only a GPU compiles

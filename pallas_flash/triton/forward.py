@@ -118,7 +118,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, page_ref, seg_refs, bias_ref, mask_ref,
 
 def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: TritonConfig,
             interpret: bool, softcap: float | None = None, bias=None, attn_mask=None,
-            page_table=None):
+            page_table=None, kv_intervals=None):
     """q: [B, T, N, D], k/v: [B, S, K, D] -> (out [B, T, N, D], lse [B, N, T] float32).
 
     bias, attn_mask: None or canonical ``[B', N', T', S']`` (pallas_flash.bias); the mask
@@ -129,6 +129,10 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: Trito
     position ``p`` is slot ``p % page_size`` of page ``page_table[b, p // page_size]``
     (``S = pages · page_size``). The kernel reads the pages in place (no gather); forward
     only (:mod:`pallas_flash.paged` differentiates through the gathered cache).
+
+    kv_intervals: None, or int32 ``[B, 2]`` with ``segment_ids`` when row ``b``'s keys hold
+    the queries' id exactly on ``[lo, hi)`` (a decode split): the segment walk's spans are
+    then computed in closed form (:func:`pallas_flash.segments.interval_spans`).
     """
     batch, seq_q, heads, head_dim = q.shape
     kv_heads = k.shape[2]
@@ -180,7 +184,8 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: Trito
     segments = seg_specs = None
     if segment_ids is not None:
         segments, seg_specs = (tuple(x) for x in segment_operands(
-            segment_ids, padded_q, padded_kv, block_q, block_kv, walk_kv=True))
+            segment_ids, padded_q, padded_kv, block_q, block_kv, walk_kv=True,
+            kv_intervals=kv_intervals))
     inputs.append(segments)
     in_specs.append(seg_specs)
     for x in (bias, None if attn_mask is None else attn_mask.astype(jnp.int8)):
