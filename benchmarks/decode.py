@@ -39,6 +39,9 @@ from pallas_flash.decode import default_num_splits
 
 DEFAULT_POINTS = "32x8192@128,8x32768@128,1x131072@128,32x8192@64,32x8192@256"
 DEFAULT_IMPLS = "pallas_flash,paged64,paged128,cudnn,xla,fa3"
+#: What the table's ratios compare against: the anchors, and the contiguous read (for the
+#: paged rows).
+RATIO_BASES = ("cudnn", "fa3", "pallas_flash")
 
 
 def parse_point(text: str) -> tuple[int, int, int]:
@@ -176,6 +179,12 @@ def run_point(point: tuple[int, int, int], args) -> list[dict]:
         ms = statistics.median(samples[name])
         rows[name].update(ms=ms, round_ms=samples[name],
                           gbps=kv_gbps(cached, args.kv_heads, head_dim, dtype.itemsize, ms))
+        # Paired ratios: the card drifts by several percent between runs, much less within
+        # one round, so the median of per-round ratios is steadier than a ratio of medians.
+        for base in RATIO_BASES:
+            if base != name and base in samples:
+                rows[name][f"vs_{base}"] = statistics.median(
+                    b / x for b, x in zip(samples[base], samples[name], strict=True))
     return list(rows.values())
 
 
@@ -194,6 +203,19 @@ def table(header: str, rows: list[dict]) -> str:
             row = by_key.get((b, s, d, impl), {})
             cells.append(f"{row['gbps']:.0f}" if "gbps" in row else "—")
         lines.append(f"| {b} × {s} @ {d} | " + " | ".join(cells) + " |")
+    ours = [impl for impl in impls if impl == "pallas_flash" or impl.startswith("paged")]
+    pairs = [(impl, base) for base in RATIO_BASES for impl in ours
+             if any(f"vs_{base}" in r for r in rows if r["impl"] == impl)]
+    if pairs:
+        lines += ["", "Speed ratios (median over rounds of the per-round ratio; above 1: faster "
+                  "than the base).", "",
+                  "| batch × cache @ head_dim | "
+                  + " | ".join(f"{impl} / {base}" for impl, base in pairs) + " |",
+                  "|---|" + "---:|" * len(pairs)]
+        for b, s, d in points:
+            cells = [by_key.get((b, s, d, impl), {}).get(f"vs_{base}") for impl, base in pairs]
+            lines.append(f"| {b} × {s} @ {d} | "
+                         + " | ".join("—" if c is None else f"{c:.2f}" for c in cells) + " |")
     errors = [r for r in rows if "error" in r]
     if errors:
         lines += ["", "Not run:", ""]

@@ -466,7 +466,13 @@ def test_decode_benchmark_runs_on_tiny_shapes(tmp_path):
         assert rows[name]["gbps"] > 0 and len(rows[name]["round_ms"]) == 2
         assert rows[name]["max_abs_diff"] < 1e-5, name
     assert "head_dim 128 only" in rows["fa3"]["error"]
-    assert json_path.with_suffix(".md").exists()
+    # Paired ratios: per-round base / own time, their median.
+    per_round = [b / x for b, x in zip(rows["pallas_flash"]["round_ms"],
+                                       rows["paged64"]["round_ms"], strict=True)]
+    assert rows["paged64"]["vs_pallas_flash"] == pytest.approx(np.median(per_round))
+    assert "vs_fa3" not in rows["pallas_flash"]        # fa3 did not run
+    markdown = json_path.with_suffix(".md").read_text()
+    assert "| paged64 / pallas_flash |" in markdown and "/ fa3" not in markdown
 
 
 def test_decode_benchmark_bandwidth_and_points():
