@@ -87,7 +87,7 @@ def default_num_splits(batch: int, kv_heads: int, seq_kv: int, *, ragged: bool =
     target = TARGET_WORK_UNITS * (2 if ragged else 1)
     most = max(1, seq_kv // MIN_SPLIT_KEYS)
     wanted = min(math.ceil(FULL_WAVE * target / max(1, batch * kv_heads)), most)
-    n = next((n for n in range(max(1, wanted), most + 1) if seq_kv % n == 0), max(1, wanted))
+    n = next((n for n in range(wanted, most + 1) if seq_kv % n == 0), wanted)
     while seq_kv % n:
         n -= 1
     return n
