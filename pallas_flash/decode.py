@@ -328,13 +328,14 @@ def paged_split_forward(query, key_pages, value_pages, page_table, lengths, *,
     split_table = jnp.take_along_axis(
         page_table[:, None, :], jnp.minimum(window_pages, max_pages - 1), axis=2)
     chunk = pages_per_split * page_size
-    positions = (first_page * page_size)[:, :, None] + jnp.arange(chunk, dtype=jnp.int32)
-    mine = (positions >= bounds[:, :-1, None]) & (positions < bounds[:, 1:, None])
-    kv_ids = jnp.where(mine, 0, PADDED_KEY_ID).astype(jnp.int32)  # [B, n, chunk]
-    # The same keys as an interval of each split's chunk: the kernel's segment walk takes
-    # its spans from it instead of reducing over kv_ids.
+    offsets = jnp.arange(chunk, dtype=jnp.int32)
+    positions = (first_page * page_size)[:, :, None] + offsets
+    # Each split's own keys as an interval [lo, hi) of its chunk: the kv ids mark it (for
+    # the masked edge tiles) and the segment walk takes its spans from it.
     intervals = jnp.clip(jnp.stack([bounds[:, :-1], bounds[:, 1:]], axis=-1)
-                         - (first_page * page_size)[:, :, None], 0, chunk)
+                         - (first_page * page_size)[:, :, None], 0, chunk)  # [B, n, 2]
+    mine = (offsets >= intervals[:, :, :1]) & (offsets < intervals[:, :, 1:])
+    kv_ids = jnp.where(mine, 0, PADDED_KEY_ID).astype(jnp.int32)  # [B, n, chunk]
     q_chunks = jnp.repeat(_pack_queries(query, kv_heads), num_splits, axis=0)
     segment_ids = (jnp.zeros(q_chunks.shape[:2], jnp.int32),
                    kv_ids.reshape(batch * num_splits, chunk))

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_flash.padding import round_up
 from pallas_flash.triton.tiles import segment_operands
 
 
@@ -90,7 +91,7 @@ def test_interval_spans_equal_the_spans_of_the_ids(block_q, block_kv):
     kv_ids = np.where((positions >= intervals[:, :1]) & (positions < intervals[:, 1:]),
                       0, PADDED_KEY_ID).astype(np.int32)
     q_ids = np.zeros((len(intervals), rows), np.int32)
-    padded_q = -(-rows // block_q) * block_q
+    padded_q = round_up(rows, block_q)
     segment_ids = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
     (_, _, want), _ = segment_operands(segment_ids, padded_q, chunk, block_q, block_kv,
                                        walk_kv=True)
