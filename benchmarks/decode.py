@@ -1,13 +1,16 @@
 """Decode bandwidth: one new token (or a few) against a KV cache, in GB/s of K/V read.
 
-    PYTHONUNBUFFERED=1 python3 -m benchmarks.decode --out $OUT [--ragged]
+    PYTHONUNBUFFERED=1 python3 -m benchmarks.decode --out $OUT [--ragged | --fill F]
 
 GB/s = ``2 · (cached tokens) · kv_heads · head_dim · itemsize / time``: the K and V bytes a
 decode step must read (the cached tokens are ``batch · seq_kv``, or the sum of the ragged
-lengths). Points ``BxS@D``: batch × cache length at head_dim D, 32 query heads / 8 kv heads,
-bf16 on GPU. Every implementation of a point is timed in each of ``--rounds`` interleaved
-rounds (same process, same inputs) with the package's timer; the table shows each one's
-median over rounds.
+lengths). ``--ragged`` draws each row's length uniformly in ``[seq_q, S]``; ``--fill F``
+gives every row ``round(F · S)`` tokens (a cache filled up to the step's index, as in
+:class:`pallas_flash.nn.FlashSelfAttention`'s decode, which passes that one length as a
+scalar; the anchors take it per row). Points ``BxS@D``: batch × cache length at head_dim
+D, 32 query heads / 8 kv heads, bf16 on GPU. Every implementation of a point is timed in
+each of ``--rounds`` interleaved rounds (same process, same inputs) with the package's
+timer; the table shows each one's median over rounds.
 
 Implementations (``--impls``):
 
@@ -103,16 +106,21 @@ def _fa3(lengths, num_splits: int) -> Callable:
 
 
 def make_calls(impls: list[str], q, k, v, lengths, implementation: str | None,
-               seed: int) -> dict[str, tuple[Callable, tuple] | str]:
-    """name -> (jitted fn, its args), or a sentence saying why it cannot run here."""
+               seed: int, *, uniform: bool = False) -> dict[str, tuple[Callable, tuple] | str]:
+    """name -> (jitted fn, its args), or a sentence saying why it cannot run here.
+
+    ``uniform``: every row of ``lengths`` is equal, and ``pallas_flash`` gets it as the
+    scalar its decode takes for a cache filled up to one index."""
     full = jnp.full((q.shape[0],), k.shape[1], jnp.int32)
     cache_lengths = full if lengths is None else lengths
+    own_lengths = lengths[0] if uniform and lengths is not None else lengths
     calls: dict[str, tuple[Callable, tuple] | str] = {}
     for name in impls:
         try:
             if name == "pallas_flash":
                 fn = jax.jit(lambda q, k, v: pf.decode_attention(
-                    q, k, v, key_value_seq_lengths=lengths, implementation=implementation))
+                    q, k, v, key_value_seq_lengths=own_lengths,
+                    implementation=implementation))
                 calls[name] = (fn, (q, k, v))
             elif name.startswith("paged"):
                 pools = scattered_pools(k, v, int(name.removeprefix("paged")), seed)
@@ -147,11 +155,13 @@ def run_point(point: tuple[int, int, int], args) -> list[dict]:
     if args.ragged:  # uniform in [seq_q, S]: every query token has its own key
         rng = np.random.default_rng(args.seed)
         lengths = jnp.asarray(rng.integers(args.seq_q, seq_kv + 1, batch), jnp.int32)
+    elif args.fill is not None:
+        lengths = jnp.full((batch,), max(args.seq_q, round(args.fill * seq_kv)), jnp.int32)
     cached = batch * seq_kv if lengths is None else int(jnp.sum(lengths))
     calls = make_calls(args.impls.split(","), q, k, v, lengths, args.implementation,
-                       args.seed)
+                       args.seed, uniform=args.fill is not None)
     base = dict(batch=batch, seq_kv=seq_kv, head_dim=head_dim, heads=args.heads,
-                kv_heads=args.kv_heads, seq_q=args.seq_q, ragged=args.ragged,
+                kv_heads=args.kv_heads, seq_q=args.seq_q, ragged=args.ragged, fill=args.fill,
                 cached_tokens=cached, dtype=dtype.name)
     rows = {name: dict(base, impl=name) for name in calls}
     reference = None
@@ -236,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-q", type=int, default=1, help="new tokens per sequence")
     parser.add_argument("--ragged", action="store_true",
                         help="cache lengths uniform in [seq_q, S] (seeded)")
+    parser.add_argument("--fill", type=float, default=None,
+                        help="every row's cache length round(F · S), F in (0, 1]")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=10)
@@ -243,23 +255,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
+    if args.fill is not None and (args.ragged or not 0 < args.fill <= 1):
+        parser.error(f"--fill must be in (0, 1] and without --ragged, got {args.fill}")
+    lengths = ", ragged" if args.ragged else ""
+    if args.fill is not None:
+        lengths = f", lengths {args.fill:g} · S"
     points = [parse_point(p) for p in args.points.split(",")]
     header = (f"{jax.devices()[0].device_kind}, jax {jax.__version__}, "
               f"{datetime.date.today()}, {args.heads} q heads / {args.kv_heads} kv heads, "
-              f"seq_q {args.seq_q}, {args.dtype}{', ragged' if args.ragged else ''}")
+              f"seq_q {args.seq_q}, {args.dtype}{lengths}")
     rows: list[dict] = []
     for point in points:
         rows += run_point(point, args)
         for row in rows[-len(args.impls.split(",")):]:
             print(json.dumps(row), flush=True)
         if args.out:  # after every point: a run cut short keeps what it measured
-            _write(args.out, header, rows, args.ragged)
+            _write(args.out, header, rows, args)
     print(table(header, rows))
     return 0
 
 
-def _write(out: str, header: str, rows: list[dict], ragged: bool) -> None:
-    stem = f"decode{'-ragged' if ragged else ''}-{datetime.date.today()}"
+def _write(out: str, header: str, rows: list[dict], args) -> None:
+    lengths = "-ragged" if args.ragged else ""
+    if args.fill is not None:
+        lengths = f"-fill{args.fill:g}"
+    stem = f"decode{lengths}-{datetime.date.today()}"
     report.write_rows(out, stem, header, jax.__version__, rows, table(header, rows))
 
 

@@ -387,11 +387,11 @@ class FlashSelfAttention(nnx.Module):
         if self.decode_fn is not None and query.shape[1] <= MAX_DECODE_SEQ_Q:
             # The cache holds index + T tokens, the last T the queries' own: decode's
             # per-row bottom-right alignment. Slots past them hold zeros or stale (finite)
-            # entries, which the lengths hide.
-            lengths = jnp.full((query.shape[0],), index + query.shape[1], jnp.int32)
+            # entries, which the length hides (one for every row: the splits are sized
+            # for equal rows).
             return self.decode_fn(
                 query, cached_key.astype(query.dtype), cached_value.astype(query.dtype),
-                is_causal=True, key_value_seq_lengths=lengths,
+                is_causal=True, key_value_seq_lengths=index + query.shape[1],
                 local_window_size=None if left is None else (left, 0),
                 **self._score_options())
         # Slots past the newest token hold zeros (or stale entries): the causal mask with

@@ -72,6 +72,12 @@ def _oracle(case: Case, q, k, v, lengths, sinks, d_out=None):
     and, with ``d_out``, (dq, dk, dv, [d_sinks]) with zero key gradients past the length."""
     outs, lses, grads = [], [], []
     for b, length in enumerate(np.asarray(lengths)):
+        if length == 0 and d_out is None:  # no key: out 0, the lse of the sinks alone
+            outs.append(np.zeros((1, case.seq_q, case.heads, case.head_dim)))
+            lses.append(np.broadcast_to(
+                np.float32(EMPTY_ROW_LSE) if sinks is None else np.asarray(sinks)[:, None],
+                (1, case.heads, case.seq_q)))
+            continue
         spec = MaskSpec(seq_q=case.seq_q, seq_kv=int(length), is_causal=case.is_causal,
                         causal_alignment="bottom_right", window=case.window)
         rows = slice(b, b + 1)
@@ -139,6 +145,65 @@ def test_decode_triton_interpret():
         sinks=sinks, num_splits=2, return_lse=True,
         **BACKENDS["triton"].kwargs(case.head_dim))
     assert_matches(out, lse, (), ref_out, ref_lse, (), F32, names=())
+
+
+BALANCED_CASES = [
+    # seq_q 1, GQA, a softcap and sinks; a row of no key. Lengths past 256 keys: the run-
+    # time split counts differ per row (4, 2, 1, 1).
+    (Case(batch=4, seq_kv=1024, heads=4, kv_heads=1, softcap=2.0, sinks=True), None,
+     (1024, 300, 5, 0)),
+    # A window's left edge moves each row's first visible key; fixed 3 splits per row.
+    (Case(seq_q=1, seq_kv=200, heads=6, kv_heads=2, window=(37, 0)), 3, None),
+    # Several tokens that see the same keys (no per-token mask): 8 packed rows per split.
+    (Case(seq_q=4, seq_kv=130, heads=4, kv_heads=2, is_causal=False), 2, None),
+    # One length for every row, as a scalar (a cache filled up to one index).
+    (Case(batch=2, seq_kv=700, heads=4, kv_heads=2), None, 517),
+]
+
+
+@pytest.mark.parametrize(("case", "num_splits", "lengths"), BALANCED_CASES,
+                         ids=lambda x: str(x) if isinstance(x, Case) else None)
+def test_decode_balanced_splits_match_oracle(case, num_splits, lengths, monkeypatch):
+    """The Triton layout with splits balanced per row (interpret mode, float32), and that
+    it is the one taken: splits as groups of query tiles against each row's own K/V."""
+    import pallas_flash.decode as decode_module
+    taken = []
+    balanced = decode_module._balanced_split_forward
+    monkeypatch.setattr(decode_module, "_balanced_split_forward",
+                        lambda *a, **k: taken.append(1) or balanced(*a, **k))
+    q, k, v, _ = random_qkv(case.batch, case.seq_q, case.seq_kv, case.heads, case.kv_heads,
+                            case.head_dim)
+    lengths = _lengths(case) if lengths is None else lengths
+    sinks = _sinks(case)
+    ref_out, ref_lse = _oracle(case, q, k, v, np.broadcast_to(lengths, (case.batch,)), sinks)
+    out, lse = pf.decode_attention(
+        q, k, v, is_causal=case.is_causal, local_window_size=case.window,
+        key_value_seq_lengths=jnp.asarray(lengths, jnp.int32), logits_soft_cap=case.softcap,
+        sinks=sinks, num_splits=num_splits, return_lse=True, implementation="triton",
+        interpret=True)
+    assert taken
+    assert_matches(out, lse, (), ref_out, ref_lse, (), F32, names=())
+
+
+def test_decode_balanced_splits_differentiate_through_the_chunks():
+    """Gradients of the balanced layout (a forward-only kernel call) come from the fixed
+    chunks' formulation: Triton interpret, against the oracle."""
+    case = Case(seq_kv=64, heads=4, kv_heads=2, sinks=True)
+    q, k, v, d_out = random_qkv(case.batch, case.seq_q, case.seq_kv, case.heads,
+                                case.kv_heads, case.head_dim)
+    lengths, sinks = _lengths(case), _sinks(case)
+
+    def f(q, k, v, sinks):
+        return pf.decode_attention(q, k, v, key_value_seq_lengths=jnp.asarray(lengths),
+                                   sinks=sinks, num_splits=2, implementation="triton",
+                                   interpret=True)
+
+    out, vjp = jax.vjp(f, q, k, v, sinks)
+    grads = vjp(d_out)
+    ref_out, _, ref_grads = _oracle(case, q, k, v, lengths, sinks, d_out)
+    assert rel_err(out, ref_out) < 1e-5
+    for name, got, want in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads, strict=True):
+        assert rel_err(got, want) < 2e-5, (name, rel_err(got, want))
 
 
 def test_decode_gradients_match_oracle():
@@ -435,6 +500,8 @@ def test_write_pages_rejects_bad_input(overrides, match):
     (dict(num_splits=2.0), "num_splits"),
     (dict(key_value_seq_lengths=jnp.array([1, 33])), "key_value_seq_lengths must lie in"),
     (dict(key_value_seq_lengths=jnp.array([1])), "key_value_seq_lengths must have shape"),
+    (dict(key_value_seq_lengths=33), "key_value_seq_lengths must lie in"),
+    (dict(key_value_seq_lengths=jnp.array(2.0)), "integer dtype"),
     (dict(key_value_seq_lengths=jnp.array([1.0, 2.0])), "integer dtype"),
     (dict(is_causal=1), "is_causal must be a bool"),
     (dict(sinks=jnp.ones((3,))), "sinks must have shape"),
@@ -473,6 +540,22 @@ def test_decode_benchmark_runs_on_tiny_shapes(tmp_path):
     assert "vs_fa3" not in rows["pallas_flash"]        # fa3 did not run
     markdown = json_path.with_suffix(".md").read_text()
     assert "| paged64 / pallas_flash |" in markdown and "/ fa3" not in markdown
+
+
+def test_decode_benchmark_fill_gives_every_row_that_length(tmp_path):
+    from benchmarks import decode as bench
+
+    assert bench.main(["--points", "2x96@16", "--impls", "pallas_flash,xla",
+                       "--implementation", "xla", "--heads", "4", "--kv-heads", "2",
+                       "--dtype", "float32", "--rounds", "1", "--iters", "1", "--fill", "0.25",
+                       "--out", str(tmp_path)]) == 0
+    (json_path,) = tmp_path.glob("decode-fill0.25-*.json")
+    rows = json.loads(json_path.read_text())["rows"]
+    assert [r["cached_tokens"] for r in rows] == [2 * 24, 2 * 24]
+    assert rows[0]["max_abs_diff"] == 0 and rows[1]["max_abs_diff"] < 1e-5
+    for bad in (["--fill", "0"], ["--fill", "0.5", "--ragged"]):
+        with pytest.raises(SystemExit):
+            bench.main(["--points", "2x96@16", *bad])
 
 
 def test_decode_benchmark_bandwidth_and_points():

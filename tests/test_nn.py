@@ -145,7 +145,7 @@ def test_decode_steps_run_decode_attention_unless_an_attention_fn_is_given(monke
     real = pnn.decode_attention
 
     def spy(*args, **kwargs):
-        lengths.append(int(kwargs["key_value_seq_lengths"][0]))
+        lengths.append(int(kwargs["key_value_seq_lengths"]))  # one for every row
         return real(*args, **kwargs)
 
     monkeypatch.setattr(pnn, "decode_attention", spy)

@@ -96,7 +96,7 @@ def test_interval_spans_equal_the_spans_of_the_ids(block_q, block_kv):
     (_, _, want), _ = segment_operands(segment_ids, padded_q, chunk, block_q, block_kv,
                                        walk_kv=True)
     (_, _, got), _ = segment_operands(segment_ids, padded_q, chunk, block_q, block_kv,
-                                      walk_kv=True, kv_intervals=jnp.asarray(intervals))
+                                      walk_kv=True, kv_intervals=jnp.asarray(intervals)[:, None])
     assert got.shape == want.shape == (len(intervals), 4, padded_q // block_q)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -105,7 +105,7 @@ def test_interval_spans_are_for_the_forward_walk_only():
     ids = (jnp.zeros((1, 16), jnp.int32), jnp.zeros((1, 16), jnp.int32))
     with pytest.raises(ValueError, match="kv_intervals"):
         segment_operands(ids, 16, 16, 16, 16, walk_kv=False,
-                         kv_intervals=jnp.zeros((1, 2), jnp.int32))
+                         kv_intervals=jnp.zeros((1, 1, 2), jnp.int32))
 
 
 def test_segment_walk_lowers_for_hopper():

@@ -130,9 +130,10 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: Trito
     (``S = pages · page_size``). The kernel reads the pages in place (no gather); forward
     only (:mod:`pallas_flash.paged` differentiates through the gathered cache).
 
-    kv_intervals: None, or int32 ``[B, 2]`` with ``segment_ids`` when row ``b``'s keys hold
-    the queries' id exactly on ``[lo, hi)`` (a decode split): the segment walk's spans are
-    then computed in closed form (:func:`pallas_flash.segments.interval_spans`).
+    kv_intervals: None, or int32 ``[B, G, 2]`` with ``segment_ids`` when the query tiles of
+    row ``b`` form ``G`` equal groups (decode splits) and group ``g``'s id is held by the
+    keys exactly on ``[lo, hi) = kv_intervals[b, g]``: the segment walk's spans are then
+    computed in closed form (:func:`pallas_flash.segments.interval_spans`).
     """
     batch, seq_q, heads, head_dim = q.shape
     kv_heads = k.shape[2]

@@ -43,8 +43,8 @@ def segment_operands(segment_ids, padded_q: int, padded_kv: int, block_q: int,
     ``walk_kv``), ``spans[b, :2, i]`` is the ``(lo, hi)`` range of walked tiles whose ids
     can meet tile ``i`` (:func:`~pallas_flash.segments.tile_spans`) and ``spans[b, 2:, i]``
     the range of those that need no segment mask
-    (:func:`~pallas_flash.segments.uniform_spans`). ``kv_intervals``: None, or ``[B, 2]``
-    when each row's keys share the queries' id on one interval
+    (:func:`~pallas_flash.segments.uniform_spans`). ``kv_intervals``: None, or ``[B, G, 2]``
+    when the keys of each of ``G`` groups of query tiles share the group's id on one interval
     (:func:`~pallas_flash.segments.interval_spans`, forward only): the spans then come in
     closed form.
     """

@@ -41,6 +41,7 @@ def _f32(*xs):
          sinks=True),
     Case(batch=2, seq_q=1, seq_kv=16384, heads=32, kv_heads=8, head_dim=256),
     Case(batch=1, seq_q=16, seq_kv=32768, heads=32, kv_heads=8, head_dim=128),
+    Case(batch=3, seq_q=1, seq_kv=32768, heads=32, kv_heads=8, head_dim=128, window=(5000, 0)),
 ], ids=lambda c: f"b{c.batch}-s{c.seq_kv}-d{c.head_dim}-{c}")
 @pytest.mark.parametrize("implementation", ["triton", "mosaic"])
 def test_decode_matches_oracle(case, implementation):
