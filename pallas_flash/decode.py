@@ -210,7 +210,7 @@ def decode_attention(
 
 def _check_lengths(lengths, batch: int, seq_kv: int) -> tuple[jax.Array | None, bool]:
     """``key_value_seq_lengths`` as int32 ``[batch]`` (None: every key), range-checked when
-    concrete, and whether every row has one length (given as a scalar, or None)."""
+    concrete, and whether every row has one length (given as a scalar, None, or one row)."""
     if lengths is None:
         return None, True
     if isinstance(lengths, int) and not isinstance(lengths, bool):
@@ -219,7 +219,7 @@ def _check_lengths(lengths, batch: int, seq_kv: int) -> tuple[jax.Array | None, 
         check_lengths(lengths[None], "key_value_seq_lengths", 1, seq_kv, "the cache length")
         return jnp.broadcast_to(lengths.astype(jnp.int32), (batch,)), True
     check_lengths(lengths, "key_value_seq_lengths", batch, seq_kv, "the cache length")
-    return lengths.astype(jnp.int32), False
+    return lengths.astype(jnp.int32), batch == 1
 
 
 @dataclasses.dataclass(frozen=True)
