@@ -149,12 +149,13 @@ def decode_attention(
     window and without a per-token mask (``seq_q == 1``, or neither causal nor windowed),
     no ``config``: split ``i`` of row ``b`` takes the ``i``-th of equal parts of the keys
     the row's queries see, wherever its length ends, so a row's time follows its own
-    length (:func:`_balanced_split_forward`). With ``num_splits=None``, rows of one length
-    (a scalar ``key_value_seq_lengths``, or a window alone) take a full cache's count
-    (:func:`default_num_splits`); ``[batch]`` lengths take a count per row at run time, as
-    many parts as a full cache has spread over the keys actually visible, at most the
-    ragged count (a longer row gets more of them; the CTAs of unused parts cost 7–17 % on
-    a full cache on the H200, where ragged rows gained 10–18 %; 2026-12-02).
+    length (docs/decode.md, "Splits balanced per row"). With ``num_splits=None``, rows of
+    one length (a scalar ``key_value_seq_lengths``, one row, or a window alone) take a
+    full cache's count (:func:`default_num_splits`); ``[batch]`` lengths take a count per
+    row at run time, as many parts as a full cache has spread over the keys actually
+    visible, at most the ragged count (a longer row gets more of them; the CTAs of unused
+    parts cost 7–17 % on a full cache on the H200, where ragged rows gained 10–18 %;
+    2026-12-03).
 
     Returns:
       ``out: [batch, seq_q, heads, head_dim]`` in the input dtype, or ``(out, lse)``; rows
