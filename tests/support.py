@@ -143,14 +143,19 @@ def fresh_key() -> jax.Array:
     return jax.random.PRNGKey(next(_seed))
 
 
+def fresh_rng() -> np.random.Generator:
+    """A NumPy generator on a new seed: host-side draws, which compile nothing (an eager
+    ``jax.random`` draw compiles one small XLA program per shape, ~50 ms each on CPU)."""
+    return np.random.default_rng(next(_seed))
+
+
 def random_qkv(batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype=jnp.float32):
     """q [B, T, N, D], k/v [B, S, K, D] and a cotangent dO, all N(0, 1) (never zeros)."""
-    keys = jax.random.split(fresh_key(), 4)
-    q = jax.random.normal(keys[0], (batch, seq_q, heads, head_dim), jnp.float32)
-    k = jax.random.normal(keys[1], (batch, seq_kv, kv_heads, head_dim), jnp.float32)
-    v = jax.random.normal(keys[2], (batch, seq_kv, kv_heads, head_dim), jnp.float32)
-    d_out = jax.random.normal(keys[3], (batch, seq_q, heads, head_dim), jnp.float32)
-    return tuple(x.astype(dtype) for x in (q, k, v, d_out))
+    rng = fresh_rng()
+    shapes = [(batch, seq_q, heads, head_dim), (batch, seq_kv, kv_heads, head_dim),
+              (batch, seq_kv, kv_heads, head_dim), (batch, seq_q, heads, head_dim)]
+    return tuple(jnp.asarray(rng.standard_normal(shape, np.float32).astype(dtype))
+                 for shape in shapes)
 
 
 def bits(x) -> np.ndarray:
@@ -185,12 +190,15 @@ def run_attention(backend: Backend | str, q, k, v, d_out, **kwargs):
     """Forward (out, lse [B, T, N]) and (dq, dk, dv) of <out, d_out> through ``backend``."""
     backend = BACKENDS[backend] if isinstance(backend, str) else backend
 
-    def f(q, k, v):
-        return backend.attention(q, k, v, return_lse=True, **kwargs)
+    # One jitted program: run eagerly, every small op around the kernels would compile
+    # on its own (most of a CPU test's time).
+    @jax.jit
+    def forward_and_grads(q, k, v, d_out):
+        (out, lse), vjp = jax.vjp(
+            lambda q, k, v: backend.attention(q, k, v, return_lse=True, **kwargs), q, k, v)
+        return out, lse, vjp((d_out, jnp.zeros_like(lse)))
 
-    (out, lse), vjp = jax.vjp(f, q, k, v)
-    grads = vjp((d_out, jnp.zeros_like(lse)))
-    return out, lse, grads
+    return forward_and_grads(q, k, v, d_out)
 
 
 def assert_matches(out, lse, grads, ref_out, ref_lse, ref_grads, dtype, *,

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from support import BACKENDS, backends, rel_err, tolerance
 
@@ -84,10 +84,21 @@ def _check(backend, p: dict) -> None:
     out_abs = np.abs(np.asarray(out, np.float64) - ref_out).max()
     assert rel_err(out, ref_out) < tol or out_abs < tol
     assert rel_err(lse, np.transpose(ref_lse, (0, 2, 1))) < 1e-5
-    for got, want in zip(grads, ref_grads, strict=True):
-        assert (rel_err(got, want) < grad_tol
+    # dbias in 16 bits gets twice the gradients' bound: it sums dS = P ∘ (dP − δ) over the
+    # bias's broadcast rows, and δ = rowsum(dO ∘ O) reads the rounded output (FA2's backward,
+    # as every kernel does), so where dP − δ cancels over a few rows the rounding of O shows.
+    # Seen once (bf16, 7 × 47, causal, segments, sinks, softcap, a [B, N, 1, S] bias): 0.030
+    # on every backend alike, the float32 dbias being one XLA computation for all of them.
+    bounds = [grad_tol] * 3 + [grad_tol if dtype == jnp.float32 else 2 * grad_tol]
+    for got, want, bound in zip(grads, ref_grads, bounds[:len(grads)], strict=True):
+        assert (rel_err(got, want) < bound
                 or np.abs(np.asarray(got, np.float64) - want).max() < tol)
 
+
+# The case behind dbias's 16-bit bound in _check (drawn in a full run here, 2026-12-03).
+_DBIAS_CANCELS = dict(batch=1, seq_q=7, seq_kv=47, kv_heads=1, heads=1, head_dim=32, causal=True,
+                      alignment="top_left", window=None, softcap=29.720672906462678,
+                      segments=True, sinks=True, bias="BN1S", mask="11TS", seed=2**31 - 1)
 
 # Examples per backend: interpret mode compiles every new shape (Mosaic's is the slowest).
 EXAMPLES = {"xla": 5, "triton": 3, "mosaic": 3}  # each example compiles anew: suite time
@@ -97,9 +108,11 @@ EXAMPLES = {"xla": 5, "triton": 3, "mosaic": 3}  # each example compiles anew: s
 def test_random_problems(backend):
     assert set(EXAMPLES) == set(BACKENDS)
 
-    @settings(max_examples=EXAMPLES[backend.name], deadline=None,
+    # derandomize: CI draws the same examples every run (a failure is reproducible there).
+    @settings(max_examples=EXAMPLES[backend.name], deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow])
     @given(p=problems())
+    @example(p=_DBIAS_CANCELS)
     def check(p):
         _check(backend, p)
 
