@@ -18,7 +18,11 @@ Implementations (``--impls``):
 * ``paged64``, ``paged128``: :func:`pallas_flash.paged_attention` on pools whose pages are
   scattered at random (page size 64 / 128);
 * ``cudnn``, ``xla``: ``jax.nn.dot_product_attention(implementation=...)``;
-* ``fa3``: ``flash_attn3_jax.flash_mha_with_kvcache`` when importable (head_dim 128).
+* ``fa3``: ``flash_attn3_jax.flash_mha_with_kvcache`` when importable (head_dim 128);
+* ``read_triton``, ``read_tma``: the read floors of :mod:`benchmarks.read_floor`, kernels
+  that only read the cache in the decode's grid (its split count for a full cache), through
+  Pallas-Triton loads or through a TMA ring (full caches only; their output is no attention
+  and is not compared).
 
 ``--implementation`` is passed to the pallas_flash calls (None: the package's choice).
 """
@@ -36,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_flash as pf
-from benchmarks import report
+from benchmarks import read_floor, report
 from benchmarks.timing import time_fn
 from pallas_flash.decode import default_num_splits
 
@@ -44,7 +48,8 @@ DEFAULT_POINTS = "32x8192@128,8x32768@128,1x131072@128,32x8192@64,32x8192@256"
 DEFAULT_IMPLS = "pallas_flash,paged64,paged128,cudnn,xla,fa3"
 #: What the table's ratios compare against: the anchors, and the contiguous read (for the
 #: paged rows).
-RATIO_BASES = ("cudnn", "fa3", "pallas_flash")
+RATIO_BASES = ("cudnn", "fa3", "pallas_flash", "read_triton", "read_tma")
+READ_FLOORS = ("read_triton", "read_tma")
 
 
 def parse_point(text: str) -> tuple[int, int, int]:
@@ -105,6 +110,16 @@ def _fa3(lengths, num_splits: int) -> Callable:
     return call
 
 
+def _read_floor(name: str, shape: tuple[int, ...]) -> Callable:
+    splits = default_num_splits(shape[0], shape[2], shape[1])
+    chunk = shape[1] // splits
+    # Tiles of at most 128 keys and 32 KiB of bf16 (two stages of K and V fit in SMEM).
+    block_kv = next(b for b in (128, 64, 32, 16, 8, 1)
+                    if chunk % b == 0 and b * shape[3] <= 16384)
+    reader = read_floor.triton_reader if name == "read_triton" else read_floor.tma_reader
+    return reader(shape, splits, block_kv=block_kv, interpret=jax.default_backend() == "cpu")
+
+
 def make_calls(impls: list[str], q, k, v, lengths, implementation: str | None,
                seed: int, *, uniform: bool = False) -> dict[str, tuple[Callable, tuple] | str]:
     """name -> (jitted fn, its args), or a sentence saying why it cannot run here.
@@ -135,6 +150,11 @@ def make_calls(impls: list[str], q, k, v, lengths, implementation: str | None,
                     continue
                 splits = default_num_splits(k.shape[0], k.shape[2], k.shape[1])
                 calls[name] = (jax.jit(_fa3(lengths, splits)), (q, k, v))
+            elif name in READ_FLOORS:
+                if lengths is not None:
+                    calls[name] = "the read floors read a full cache"
+                    continue
+                calls[name] = (_read_floor(name, k.shape), (q, k, v))
             else:
                 raise ValueError(f"unknown implementation {name!r}; choose from "
                                  f"{DEFAULT_IMPLS}")
@@ -173,6 +193,8 @@ def run_point(point: tuple[int, int, int], args) -> list[dict]:
             out = np.asarray(jax.block_until_ready(call[0](*call[1])), np.float32)
         except Exception as e:  # a failing implementation is a row, not a crash
             rows[name]["error"] = str(e).splitlines()[0][:160]
+            continue
+        if name in READ_FLOORS:
             continue
         if reference is None:
             reference = (name, out)

@@ -558,6 +558,34 @@ def test_decode_benchmark_fill_gives_every_row_that_length(tmp_path):
             bench.main(["--points", "2x96@16", *bad])
 
 
+def test_read_floors_read_every_key_of_their_split(tmp_path):
+    from benchmarks import decode as bench
+    from benchmarks import read_floor
+
+    k, v = (jnp.asarray(np.random.default_rng(i).standard_normal((2, 96, 2, 16)), jnp.float32)
+            for i in (0, 1))
+    sums = read_floor.triton_reader(k.shape, 3, block_kv=16, interpret=True)(None, k, v)
+    want = (k + v).reshape(2, 3, 32, 2, 16).sum(axis=2).transpose(0, 2, 1, 3)
+    np.testing.assert_allclose(sums, want, rtol=1e-5, atol=1e-5)
+    zeros = read_floor.tma_reader(k.shape, 3, block_kv=16, interpret=True)(None, k, v)
+    assert zeros.shape == (2 * 2 * 3, 8, 16) and not np.any(zeros)
+    with pytest.raises(ValueError, match="block_kv 64"):
+        read_floor.triton_reader(k.shape, 3, block_kv=64)
+    # In the benchmark: timed, not compared with the attention calls, and the ratio bases.
+    assert bench.main(["--points", "2x128@16", "--impls", "pallas_flash,read_triton,read_tma",
+                       "--implementation", "xla", "--heads", "4", "--kv-heads", "2",
+                       "--dtype", "float32", "--rounds", "2", "--iters", "1",
+                       "--out", str(tmp_path)]) == 0
+    (json_path,) = tmp_path.glob("decode-*.json")
+    rows = {r["impl"]: r for r in json.loads(json_path.read_text())["rows"]}
+    assert "max_abs_diff" not in rows["read_tma"] and rows["read_tma"]["gbps"] > 0
+    assert rows["pallas_flash"]["vs_read_tma"] > 0 and rows["pallas_flash"]["vs_read_triton"] > 0
+    assert "| pallas_flash / read_tma |" in json_path.with_suffix(".md").read_text()
+    rows = bench.make_calls(["read_tma"], *[jnp.zeros((1, 8, 1, 8))] * 3,
+                            jnp.ones((1,), jnp.int32), None, 0)
+    assert "full cache" in rows["read_tma"]
+
+
 def test_decode_benchmark_bandwidth_and_points():
     from benchmarks import decode as bench
 
