@@ -3,11 +3,10 @@
 * Numerics in Mosaic GPU interpret mode, which runs FP8 (e4m3) wgmma: the kernel against
   ``fp8.attention_fp8_online`` (the kernel's arithmetic in XLA: same rounding, other
   summation order), ``fp8.attention_fp8_reference`` (P rounded against the final row
-  maximum instead of the running one) and the float64 oracle. These cases run in a child
-  process started with ``PJRT_NPROC=8``: the interpreter runs each warpgroup as a thread
-  whose barrier waits block inside XLA host callbacks, and XLA's CPU thread pool has one
-  thread per core, so on a 2-core machine two blocked warpgroups can starve the third
-  (a hang, not an error). The variable must be set before JAX creates its CPU client.
+  maximum instead of the running one) and the float64 oracle. They need ``PJRT_NPROC=8``
+  (set by ``tests/conftest.py`` before JAX creates its CPU client): the interpreter runs
+  each warpgroup as a thread whose barrier waits block inside XLA host callbacks, and on a
+  2-core machine two blocked warpgroups could starve the third (a hang, not an error).
 * The GPU kernel lowered for ``cuda`` on the CPU (layouts, FP8 wgmma operand majorness,
   the shared-memory budget), the XLA fallback of ``attention_fp8``, and argument checks.
 
@@ -19,9 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +32,6 @@ from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import MosaicConfig, forward_fp8
 from pallas_flash.mosaic import config as mosaic_config
 from pallas_flash.reference import attention_float64
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # (batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal, hadamard, block_q, block_kv,
 #  overlap, consumers)
@@ -115,18 +110,10 @@ def measure(case: str) -> dict:
         lse_vs_exact=float(np.abs(lse - exact_lse).max()))
 
 
-@pytest.fixture(scope="module")
-def interpreted() -> dict:
-    env = dict(os.environ, PJRT_NPROC="8", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, __file__, *CASES], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_interpret_matches_references(case, interpreted):
-    got = interpreted[case]
+def test_interpret_matches_references(case):
+    assert os.environ.get("PJRT_NPROC") == "8"  # else the interpreter can hang (above)
+    got = measure(case)
     batch, seq_q, _, heads, _, head_dim = CASES[case][:6]
     assert got["shape"] == [batch, seq_q, heads, head_dim] and got["dtype"] == "bfloat16"
     assert got["finite"] and not got["races"]
