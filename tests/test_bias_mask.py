@@ -23,6 +23,7 @@ from support import (
     backend_cases,
     backends,
     fresh_key,
+    fresh_rng,
     random_qkv,
     rel_err,
     tolerance,
@@ -39,27 +40,32 @@ def _shape(spec: str, batch, heads, seq_q, seq_kv) -> tuple[int, ...]:
 
 
 def random_bias(spec: str, batch, heads, seq_q, seq_kv, dtype=jnp.float32):
-    return (2 * jax.random.normal(fresh_key(), _shape(spec, batch, heads, seq_q, seq_kv))
-            ).astype(dtype)
+    shape = _shape(spec, batch, heads, seq_q, seq_kv)
+    return jnp.asarray(2 * fresh_rng().standard_normal(shape, np.float32)).astype(dtype)
 
 
 def random_mask(spec: str, batch, heads, seq_q, seq_kv, keep=0.7):
-    return jax.random.bernoulli(fresh_key(), keep, _shape(spec, batch, heads, seq_q, seq_kv))
+    return jnp.asarray(fresh_rng().random(_shape(spec, batch, heads, seq_q, seq_kv)) < keep)
 
 
 def run(backend, q, k, v, d_out, *, bias=None, mask=None, bias_grad=True, **kwargs):
     """(out, lse [B, T, N], (dq, dk, dv[, dbias])) through ``backend``; dbias only when
-    ``bias_grad`` (otherwise the bias is a constant of the call, as an additive mask)."""
+    ``bias_grad`` (otherwise the bias is a constant of the call, as an additive mask).
+    One jitted program, as ``support.run_attention``."""
 
     def f(q, k, v, bias):
         return backend.attention(q, k, v, bias, mask, return_lse=True, **kwargs)
 
-    if bias is not None and not bias_grad:
-        (out, lse), vjp = jax.vjp(lambda q, k, v: f(q, k, v, bias), q, k, v)
-        return out, lse, vjp((d_out, jnp.zeros_like(lse)))
-    (out, lse), vjp = jax.vjp(f, q, k, v, bias)
-    grads = vjp((d_out, jnp.zeros_like(lse)))
-    return out, lse, grads if bias is not None else grads[:3]
+    @jax.jit
+    def forward_and_grads(q, k, v, bias, d_out):
+        if bias is not None and not bias_grad:
+            (out, lse), vjp = jax.vjp(lambda q, k, v: f(q, k, v, bias), q, k, v)
+            return out, lse, vjp((d_out, jnp.zeros_like(lse)))
+        (out, lse), vjp = jax.vjp(f, q, k, v, bias)
+        grads = vjp((d_out, jnp.zeros_like(lse)))
+        return out, lse, grads if bias is not None else grads[:3]
+
+    return forward_and_grads(q, k, v, bias, d_out)
 
 
 def check(backend, q, k, v, d_out, *, bias=None, mask=None, spec: MaskSpec | None = None,
