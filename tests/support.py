@@ -186,19 +186,26 @@ def lse_tolerance(dtype) -> float:
     return 1e-5 if jnp.dtype(dtype) == jnp.float32 else 1e-4
 
 
-def run_attention(backend: Backend | str, q, k, v, d_out, **kwargs):
-    """Forward (out, lse [B, T, N]) and (dq, dk, dv) of <out, d_out> through ``backend``."""
+def run_attention(backend: Backend | str, q, k, v, d_out, *, bias=None, bias_grad=True,
+                  **kwargs):
+    """Forward (out, lse [B, T, N]) and (dq, dk, dv) of <out, d_out> through ``backend``;
+    with a ``bias`` and ``bias_grad``, dbias follows dv (without ``bias_grad`` the bias is a
+    constant of the call, as an additive mask)."""
     backend = BACKENDS[backend] if isinstance(backend, str) else backend
+    differentiated = bias is not None and bias_grad
 
     # One jitted program: run eagerly, every small op around the kernels would compile
     # on its own (most of a CPU test's time).
     @jax.jit
-    def forward_and_grads(q, k, v, d_out):
-        (out, lse), vjp = jax.vjp(
-            lambda q, k, v: backend.attention(q, k, v, return_lse=True, **kwargs), q, k, v)
+    def forward_and_grads(q, k, v, bias, d_out):
+        def f(q, k, v, *grad_bias):
+            return backend.attention(q, k, v, *(grad_bias or (bias,)), return_lse=True,
+                                     **kwargs)
+
+        (out, lse), vjp = jax.vjp(f, q, k, v, *((bias,) if differentiated else ()))
         return out, lse, vjp((d_out, jnp.zeros_like(lse)))
 
-    return forward_and_grads(q, k, v, d_out)
+    return forward_and_grads(q, k, v, bias, d_out)
 
 
 def assert_matches(out, lse, grads, ref_out, ref_lse, ref_grads, dtype, *,

@@ -26,6 +26,7 @@ from support import (
     fresh_rng,
     random_qkv,
     rel_err,
+    run_attention,
     tolerance,
 )
 
@@ -48,34 +49,15 @@ def random_mask(spec: str, batch, heads, seq_q, seq_kv, keep=0.7):
     return jnp.asarray(fresh_rng().random(_shape(spec, batch, heads, seq_q, seq_kv)) < keep)
 
 
-def run(backend, q, k, v, d_out, *, bias=None, mask=None, bias_grad=True, **kwargs):
-    """(out, lse [B, T, N], (dq, dk, dv[, dbias])) through ``backend``; dbias only when
-    ``bias_grad`` (otherwise the bias is a constant of the call, as an additive mask).
-    One jitted program, as ``support.run_attention``."""
-
-    def f(q, k, v, bias):
-        return backend.attention(q, k, v, bias, mask, return_lse=True, **kwargs)
-
-    @jax.jit
-    def forward_and_grads(q, k, v, bias, d_out):
-        if bias is not None and not bias_grad:
-            (out, lse), vjp = jax.vjp(lambda q, k, v: f(q, k, v, bias), q, k, v)
-            return out, lse, vjp((d_out, jnp.zeros_like(lse)))
-        (out, lse), vjp = jax.vjp(f, q, k, v, bias)
-        grads = vjp((d_out, jnp.zeros_like(lse)))
-        return out, lse, grads if bias is not None else grads[:3]
-
-    return forward_and_grads(q, k, v, bias, d_out)
-
-
 def check(backend, q, k, v, d_out, *, bias=None, mask=None, spec: MaskSpec | None = None,
           segment_ids=None, bias_grad=True, **kwargs):
     """out, lse, dq, dk, dv and dbias of ``backend`` vs the float64 oracle; returns
-    ``(out, lse, grads)`` as :func:`run`."""
+    ``(out, lse, grads)`` as ``support.run_attention``."""
     spec = spec or MaskSpec(q.shape[1], k.shape[1])
-    out, lse, grads = run(backend, q, k, v, d_out, bias=bias, mask=mask, bias_grad=bias_grad,
-                          is_causal=spec.is_causal, causal_alignment=spec.causal_alignment,
-                          local_window_size=spec.window, **kwargs)
+    out, lse, grads = run_attention(
+        backend, q, k, v, d_out, bias=bias, mask=mask, bias_grad=bias_grad,
+        is_causal=spec.is_causal, causal_alignment=spec.causal_alignment,
+        local_window_size=spec.window, **kwargs)
     ref_out, ref_lse, ref_grads = attention_float64(
         q, k, v, mask=spec, segment_ids=segment_ids, bias=bias, attn_mask=mask, d_out=d_out)
     assert out.dtype == q.dtype
@@ -158,7 +140,7 @@ def test_bias_constant_along_keys_has_zero_gradient(backend):
     # nothing, and its gradient (the row sum of dS) is zero up to rounding.
     q, k, v, d_out = random_qkv(1, 40, 40, 2, 2, 32, backend.dtype)
     bias = random_bias("BNT1", 1, 2, 40, 40)
-    out, _, grads = run(backend, q, k, v, d_out, bias=bias, is_causal=True)
+    out, _, grads = run_attention(backend, q, k, v, d_out, bias=bias, is_causal=True)
     ref_out, _, ref_grads = attention_float64(q, k, v, mask=MaskSpec(40, 40, True),
                                               d_out=d_out)
     assert rel_err(out, ref_out) < tolerance(q.dtype)
