@@ -18,10 +18,18 @@ heads by default), causal and not, forward and forward + backward, this times:
   queries on all keys; not causal: ``n`` dense calls on ``L``) — ``sim{n}`` should be
   within noise of it.
 
+Two readings of "a ring step costs no more than the plain kernel": ``step / plain`` is
+``sim{n} / n`` over ``plain``, the mean step against one plain call on the local shapes
+(a zigzag causal ring's later steps are dense calls on half the queries, about the FLOPs
+of the local causal call); ``sim{n} / calls{n}`` is the ring against its own kernel calls
+made alone, i.e. what the transfers, merges and plan switch add on top of the kernels. On
+one device the transfer is a copy through the same memory the kernels use, where on a
+real ring it crosses NVLink.
+
 Every variant is timed in each of ``--rounds`` interleaved rounds with the package's timer
 (:func:`benchmarks.timing.time_fn`); the table shows medians over rounds, and the ratios
-``ring1 / plain`` and ``sim{n} / calls{n}``. ``--quick``: tiny float32 shapes on the XLA
-backend (a CPU smoke run, seconds).
+``ring1 / plain``, ``step / plain`` and ``sim{n} / calls{n}``. ``--quick``: tiny float32
+shapes on the XLA backend (a CPU smoke run, seconds).
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import re
 import statistics
 from collections.abc import Callable
 
@@ -107,6 +117,18 @@ def make_calls(causal: bool, steps: int, backward: bool, implementation: str | N
     }
 
 
+def collective_permutes(hlo_text: str) -> dict[str, int]:
+    """The collective-permutes of a compiled program's entry computation: ``async`` (a
+    start / done pair, which can run behind the kernels) and ``sync`` (blocking the
+    stream). XLA overlaps one asynchronous collective at a time by default, so the second
+    of a step's K and V transfers comes out synchronous unless XLA combines them
+    (``--xla_gpu_collective_permute_combine_threshold_bytes``) or overlaps more
+    (``--xla_gpu_experimental_parallel_collective_overlap_limit``)."""
+    entry = hlo_text[hlo_text.find("\nENTRY"):]
+    return {"sync": len(re.findall(r" collective-permute\(", entry)),
+            "async": len(re.findall(r" collective-permute-start\(", entry))}
+
+
 def run_point(seq: int, causal: bool, backward: bool, args) -> dict:
     """Every variant at one point, timed in interleaved rounds; ``ms[name]`` medians."""
     dtype = jnp.dtype(args.dtype)
@@ -116,13 +138,17 @@ def run_point(seq: int, causal: bool, backward: bool, args) -> dict:
     row: dict = dict(seq_local=seq, causal=causal, pass_="fwdbwd" if backward else "fwd",
                      batch=args.batch, heads=args.heads, head_dim=args.head_dim,
                      dtype=dtype.name, steps=args.steps,
-                     implementation=args.implementation, ms={}, errors={})
+                     implementation=args.implementation,
+                     xla_flags=os.environ.get("XLA_FLAGS", ""), ms={}, errors={})
     calls = make_calls(causal, args.steps, backward, args.implementation)
     runnable = {}
     for name, fn in calls.items():
         try:
             jax.block_until_ready(fn(q, k, v, d_out))
             runnable[name] = fn
+            if name.startswith("sim"):
+                row["collective_permutes"] = collective_permutes(
+                    fn.lower(q, k, v, d_out).compile().as_text())
         except Exception as e:  # a variant that fails is a row entry, not a crash
             row["errors"][name] = str(e).splitlines()[0][:200]
     # ring1 computes the same function as plain: a wrong result would make the time moot.
@@ -143,6 +169,8 @@ def run_point(seq: int, causal: bool, backward: bool, args) -> dict:
                                if "ring1" in ms and "plain" in ms else None)
     sim, sep = f"sim{args.steps}", f"calls{args.steps}"
     row["sim_over_calls"] = ms[sim] / ms[sep] if sim in ms and sep in ms else None
+    row["step_over_plain"] = (ms[sim] / args.steps / ms["plain"]
+                              if sim in ms and "plain" in ms else None)
     return row
 
 
@@ -154,8 +182,8 @@ def table(header: str, rows: list[dict]) -> str:
              "Milliseconds per call (median over interleaved rounds; — where it did not "
              "run).", "",
              "| pass | causal | L local | " + " | ".join(names)
-             + f" | ring1 / plain | sim{steps} / calls{steps} |",
-             "|---|---|---:|" + "---:|" * (len(names) + 2)]
+             + f" | ring1 / plain | step / plain | sim{steps} / calls{steps} |",
+             "|---|---|---:|" + "---:|" * (len(names) + 3)]
 
     def ratio(x):
         return "—" if x is None else f"{x:.3f}"
@@ -164,7 +192,8 @@ def table(header: str, rows: list[dict]) -> str:
         cells = [f"{r['ms'][n]:.3f}" if n in r["ms"] else "—" for n in names]
         lines.append(f"| {r['pass_']} | {'yes' if r['causal'] else 'no'} | {r['seq_local']} | "
                      + " | ".join(cells)
-                     + f" | {ratio(r['ring1_over_plain'])} | {ratio(r['sim_over_calls'])} |")
+                     + f" | {ratio(r['ring1_over_plain'])} | {ratio(r['step_over_plain'])} "
+                     f"| {ratio(r['sim_over_calls'])} |")
     errors = [(r, name, e) for r in rows for name, e in r["errors"].items()]
     if errors:
         lines += ["", "Not run:", ""]

@@ -313,6 +313,10 @@ def test_ring_main_quick_on_cpu(tmp_path, capsys):
     (row,) = json.loads(json_path.read_text())["rows"]
     assert row["errors"] == {} and set(row["ms"]) == {"plain", "ring1", "sim2", "calls2"}
     assert row["ring1_max_abs_diff"] < 1e-5 and row["sim_over_calls"] > 0
+    assert row["step_over_plain"] == row["ms"]["sim2"] / 2 / row["ms"]["plain"]
+    # n = 2: one step passes K and V on (the last step passes nothing).
+    permutes = row["collective_permutes"]
+    assert permutes["sync"] + permutes["async"] == 2, permutes
     assert json_path.with_suffix(".md").exists()
     assert "| fwd | yes | 64 |" in capsys.readouterr().out
 
