@@ -445,11 +445,20 @@ def _split_forward(packed_q, key, value, lengths, rows: CacheVisibility, *, num_
                                   q_chunks.dtype, spec, features)
     if reason is not None:
         raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
-    config = resolve_config(config, implementation, q_chunks, k_chunks, v_chunks, spec,
-                            interpret)
-    static = StaticArgs(kernels=dispatch.backend(implementation).KERNELS, mask=spec,
-                        scale=scale, config=config, interpret=interpret, softcap=softcap,
-                        deterministic=deterministic)
+    module = dispatch.backend(implementation)
+    # A backend may have a kernel of its own for packed decode calls (Mosaic: one
+    # warpgroup per chunk and kv head, pallas_flash.mosaic.decode).
+    own = getattr(module, "decode_kernels", lambda *a, **kw: None)(
+        q_chunks.shape, k_chunks.shape, q_chunks.dtype, spec,
+        has_segments=segment_ids is not None, has_mask=attn_mask is not None, config=config)
+    if own is not None:
+        kernels, config = own
+    else:
+        kernels = module.KERNELS
+        config = resolve_config(config, implementation, q_chunks, k_chunks, v_chunks, spec,
+                                interpret)
+    static = StaticArgs(kernels=kernels, mask=spec, scale=scale, config=config,
+                        interpret=interpret, softcap=softcap, deterministic=deterministic)
     out, lse = attention_with_lse(q_chunks, k_chunks, v_chunks, segment_ids, None, None,
                                   attn_mask, static)
     return _merge_chunks(out, lse, batch, num_splits)

@@ -20,6 +20,7 @@ from support import BACKENDS, F32, assert_matches, fresh_key, random_qkv, rel_er
 import pallas_flash as pf
 from pallas_flash.decode import default_num_splits, merge_splits
 from pallas_flash.masking import MaskSpec
+from pallas_flash.mosaic import DecodeConfig
 from pallas_flash.paged import gather_pages
 from pallas_flash.reference import EMPTY_ROW_LSE, attention_float64
 
@@ -237,6 +238,90 @@ def test_decode_mosaic_interpret_one_small_case():
         q, k, v, key_value_seq_lengths=jnp.asarray(lengths), num_splits=2,
         return_lse=True, **BACKENDS["mosaic"].kwargs(case.head_dim))
     assert_matches(out, lse, (), ref_out, ref_lse, (), jnp.bfloat16, names=())
+
+
+MOSAIC_DECODE_CASES = [
+    Case(batch=2, seq_q=1, seq_kv=256, heads=4, kv_heads=2, head_dim=64, softcap=5.0,
+         sinks=True),
+    Case(batch=1, seq_q=4, seq_kv=128, heads=8, kv_heads=2, head_dim=64, is_causal=False),
+]
+
+
+@pytest.mark.parametrize("config", [None, DecodeConfig(block_kv=64, warp_specialized=True)],
+                         ids=["default", "warp_specialized"])
+@pytest.mark.parametrize("case", MOSAIC_DECODE_CASES, ids=str)
+def test_mosaic_decode_kernel_on_a_full_cache(case, config):
+    """A full cache, every key visible: the Mosaic decode kernel runs (one warpgroup per
+    chunk and kv head), in interpret mode, against the float64 oracle, output and lse."""
+    q, k, v, _ = random_qkv(case.batch, case.seq_q, case.seq_kv, case.heads, case.kv_heads,
+                            case.head_dim, jnp.bfloat16)
+    sinks = jnp.linspace(-1.0, 1.0, case.heads) if case.sinks else None
+
+    def decode(q, k, v):
+        return pf.decode_attention(q, k, v, is_causal=case.is_causal, sinks=sinks,
+                                   logits_soft_cap=case.softcap, num_splits=2, return_lse=True,
+                                   implementation="mosaic", interpret=True, config=config)
+    assert "decode_kernel" in str(jax.make_jaxpr(decode)(q, k, v))
+    out, lse = jax.jit(decode)(q, k, v)
+    full = np.full((case.batch,), case.seq_kv, np.int32)
+    ref_out, ref_lse = _oracle(case, *(x.astype(jnp.float32) for x in (q, k, v)), full, sinks)
+    assert_matches(out, lse, (), ref_out, ref_lse, (), jnp.bfloat16, names=())
+
+
+def test_mosaic_decode_kernel_gradients_take_the_main_backward():
+    case = Case(batch=1, seq_q=1, seq_kv=128, heads=4, kv_heads=2, head_dim=64)
+    q, k, v, d_out = random_qkv(case.batch, case.seq_q, case.seq_kv, case.heads,
+                                case.kv_heads, case.head_dim, jnp.bfloat16)
+    out, vjp = jax.vjp(jax.jit(lambda q, k, v: pf.decode_attention(
+        q, k, v, num_splits=2, implementation="mosaic", interpret=True)), q, k, v)
+    full = np.full((case.batch,), case.seq_kv, np.int32)
+    ref_out, _, ref_grads = _oracle(case, *(x.astype(jnp.float32) for x in (q, k, v, )),
+                                    full, None, d_out.astype(jnp.float32))
+    assert rel_err(out, ref_out) < 1e-2
+    for name, got, want in zip(("dq", "dk", "dv"), vjp(d_out), ref_grads, strict=True):
+        assert rel_err(got, want) < 2e-2, name
+
+
+def test_mosaic_decode_kernel_is_taken_only_for_a_full_cache():
+    """Lengths, a window or a per-token mask take the main Mosaic forward; a DecodeConfig
+    for such a call, or one that cannot run the shapes, raises."""
+    from pallas_flash import mosaic
+    packed, chunk = (4, 8, 2, 128), (4, 256, 2, 128)
+    plain = MaskSpec(seq_q=8, seq_kv=256)
+    kernels, config = mosaic.decode_kernels(packed, chunk, jnp.bfloat16, plain,
+                                            has_segments=False, has_mask=False, config=None)
+    assert kernels is mosaic.DECODE_KERNELS and config == DecodeConfig(block_kv=128)
+    for overrides in (dict(has_segments=True), dict(has_mask=True)):
+        kw = {"has_segments": False, "has_mask": False, **overrides}
+        assert mosaic.decode_kernels(packed, chunk, jnp.bfloat16, plain, config=None,
+                                     **kw) is None
+    causal = MaskSpec(seq_q=8, seq_kv=256, is_causal=True)
+    assert mosaic.decode_kernels(packed, chunk, jnp.bfloat16, causal, has_segments=False,
+                                 has_mask=False, config=None) is None
+    assert mosaic.decode_kernels(packed, chunk, jnp.bfloat16, plain, has_segments=False,
+                                 has_mask=False, config=mosaic.MosaicConfig()) is None
+    with pytest.raises(ValueError, match="whole blocks"):
+        mosaic.decode_kernels(packed, (4, 192, 2, 128), jnp.bfloat16,
+                              MaskSpec(seq_q=8, seq_kv=192), has_segments=False,
+                              has_mask=False, config=DecodeConfig(block_kv=128))
+    with pytest.raises(ValueError, match="shared memory"):
+        mosaic.decode_kernels(packed, chunk, jnp.bfloat16, plain, has_segments=False,
+                              has_mask=False, config=DecodeConfig(block_kv=128, num_stages=4))
+    with pytest.raises(ValueError, match="at most 64 packed rows"):
+        mosaic.decode_kernels((4, 65, 2, 128), chunk, jnp.bfloat16,
+                              MaskSpec(seq_q=65, seq_kv=256), has_segments=False,
+                              has_mask=False, config=DecodeConfig())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(block_kv=96), "block_kv must be a positive multiple of 64"),
+    (dict(block_kv=True), "block_kv must be"),
+    (dict(num_stages=0), "num_stages must be a positive int"),
+    (dict(warp_specialized=1), "warp_specialized must be a bool"),
+])
+def test_decode_config_rejects_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DecodeConfig(**kwargs)
 
 
 def test_rows_without_any_key_give_zero_and_the_empty_lse():

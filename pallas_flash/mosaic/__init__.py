@@ -1,13 +1,17 @@
 """The Mosaic GPU (Hopper, sm90) backend: a FlashAttention-3 forward kernel.
 
 Exposes the backend interface of :mod:`pallas_flash.api`: ``KERNELS``,
-``default_config``, ``unsupported`` and ``unsupported_backward``.
+``default_config``, ``unsupported`` and ``unsupported_backward``; and
+``DECODE_KERNELS`` (the decode kernel's forward, the same backward) with
+:func:`decode_kernels`, which :mod:`pallas_flash.decode` asks for a packed split-KV call.
 """
 
 from pallas_flash.kernel_args import Kernels
+from pallas_flash.mosaic import decode
 from pallas_flash.mosaic.backward import backward, unsupported_backward
 from pallas_flash.mosaic.config import (
     CONFIG_TYPES,
+    DecodeConfig,
     MosaicBackwardConfig,
     MosaicCallConfig,
     MosaicConfig,
@@ -17,7 +21,33 @@ from pallas_flash.mosaic.config import (
 from pallas_flash.mosaic.forward import forward, unsupported
 
 KERNELS = Kernels(name="mosaic", forward=forward, backward=backward)
+# The backward of a decode call is the main one: its config is the backward's default
+# (mosaic.config.backward_config ignores a DecodeConfig).
+DECODE_KERNELS = Kernels(name="mosaic", forward=decode.forward, backward=backward)
 
-__all__ = ["CONFIG_TYPES", "KERNELS", "MosaicBackwardConfig", "MosaicCallConfig",
-           "MosaicConfig", "default_backward_config", "default_config", "forward",
-           "unsupported", "unsupported_backward"]
+
+def decode_kernels(q_shape, kv_shape, dtype, mask, *, has_segments: bool, has_mask: bool,
+                   config) -> tuple[Kernels, object] | None:
+    """``(DECODE_KERNELS, its DecodeConfig)`` for a packed split-KV decode call (queries
+    ``[chunks, rows, kv_heads, head_dim]`` against cache chunks) that the decode kernel
+    runs, else None (the call takes :data:`KERNELS`). ``config``: the caller's, None or a
+    :class:`DecodeConfig` for the decode kernel (any other Mosaic config: None).
+
+    Raises:
+      ValueError: a :class:`DecodeConfig` given for a call the decode kernel cannot run.
+    """
+    if config is not None and not isinstance(config, DecodeConfig):
+        return None
+    chosen = decode.decode_config(config, q_shape, kv_shape, dtype)
+    reason = decode.unsupported(q_shape, kv_shape, dtype, mask, has_segments=has_segments,
+                                has_mask=has_mask, config=chosen)
+    if reason is None:
+        return DECODE_KERNELS, chosen
+    if config is not None:
+        raise ValueError(f"config={config!r} is for the Mosaic decode kernel: {reason}")
+    return None
+
+
+__all__ = ["CONFIG_TYPES", "DECODE_KERNELS", "KERNELS", "DecodeConfig", "MosaicBackwardConfig",
+           "MosaicCallConfig", "MosaicConfig", "decode_kernels", "default_backward_config",
+           "default_config", "forward", "unsupported", "unsupported_backward"]

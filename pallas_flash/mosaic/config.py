@@ -411,6 +411,57 @@ class MosaicCallConfig:
                 f"backward must be a MosaicBackwardConfig or None, got {self.backward!r}")
 
 
+#: Query rows of the one wgmma a decode CTA computes (``group · seq_q`` must fit).
+DECODE_ROWS = 64
+#: SMEM bytes of one K (or V) tile of the decode kernel: what one TMA ring stage of the
+#: read floor carried (``benchmarks/read_floor.py``).
+DECODE_TILE_BYTES = 32 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Tiles of the Mosaic decode kernel (:mod:`pallas_flash.mosaic.decode`), which
+    ``decode_attention(..., implementation="mosaic")`` runs on a full cache.
+
+    Attributes:
+      block_kv: keys per K / V tile, a positive multiple of 64 that divides the chunk.
+      num_stages: K / V tiles in flight (the TMA ring's depth), at least 1.
+      warp_specialized: a producer warpgroup issues the TMA loads while the consumer
+        computes (``plgpu.emit_pipeline_warp_specialized``); else one warpgroup issues
+        the next load after each step (``plgpu.emit_pipeline``).
+    """
+
+    block_kv: int = 128
+    num_stages: int = 2
+    warp_specialized: bool = False
+
+    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        """SMEM the decode kernel takes at the padded ``head_dim``: the K and V ring, the
+        64-row Q tile (which carries O out), and 4 KiB for barriers and the LSE tile (the
+        H200's compiler reported 232480 bytes for 64 keys, 3 stages, head_dim 256: 3104
+        over the tiles)."""
+        tiles = (2 * self.num_stages * self.block_kv + DECODE_ROWS) * head_dim * itemsize
+        return tiles + 4096
+
+    def __post_init__(self) -> None:
+        if (not isinstance(self.block_kv, int) or isinstance(self.block_kv, bool)
+                or self.block_kv < 64 or self.block_kv % 64):
+            raise ValueError(f"block_kv must be a positive multiple of 64, got "
+                             f"{self.block_kv!r}")
+        if (not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool)
+                or self.num_stages < 1):
+            raise ValueError(f"num_stages must be a positive int, got {self.num_stages!r}")
+        if not isinstance(self.warp_specialized, bool):
+            raise ValueError(f"warp_specialized must be a bool, got {self.warp_specialized!r}")
+
+
+def default_decode_config(head_dim: int, itemsize: int = 2) -> DecodeConfig:
+    """The largest ``block_kv`` (at most 128) whose K tile fits
+    :data:`DECODE_TILE_BYTES`, two stages."""
+    block_kv = max(64, min(128, DECODE_TILE_BYTES // (padded_head_dim(head_dim) * itemsize)))
+    return DecodeConfig(block_kv=block_kv - block_kv % 64)
+
+
 #: What ``attention(config=...)`` accepts for the Mosaic backend.
 CONFIG_TYPES = (MosaicConfig, MosaicBackwardConfig, MosaicCallConfig)
 
