@@ -143,7 +143,11 @@ def decode_attention(
       implementation, interpret, config: as :func:`pallas_flash.attention`; ``config``
         configures the per-chunk forward (packed shapes ``[batch · num_splits,
         seq_q · group, kv_heads, head_dim]`` against chunks ``[batch · num_splits,
-        seq_kv / num_splits, kv_heads, head_dim]``) and so keeps the chunked layout.
+        seq_kv / num_splits, kv_heads, head_dim]``) and so keeps the chunked layout. With
+        ``implementation="mosaic"`` a full cache (no lengths, window or per-token mask)
+        runs the Mosaic decode kernel, which ``config`` may tune with a
+        :class:`~pallas_flash.mosaic.config.DecodeConfig` (a ``MosaicConfig`` selects the
+        main forward instead).
 
     Splits balanced per row. On the Triton backend, with ``key_value_seq_lengths`` or a
     window and without a per-token mask (``seq_q == 1``, or neither causal nor windowed),

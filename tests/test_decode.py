@@ -247,8 +247,8 @@ MOSAIC_DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("config", [None, DecodeConfig(block_kv=64, warp_specialized=True)],
-                         ids=["default", "warp_specialized"])
+@pytest.mark.parametrize("config", [None, DecodeConfig(block_kv=64, num_stages=3)],
+                         ids=["default", "b64s3"])
 @pytest.mark.parametrize("case", MOSAIC_DECODE_CASES, ids=str)
 def test_mosaic_decode_kernel_on_a_full_cache(case, config):
     """A full cache, every key visible: the Mosaic decode kernel runs (one warpgroup per
@@ -317,7 +317,7 @@ def test_mosaic_decode_kernel_is_taken_only_for_a_full_cache():
     (dict(block_kv=96), "block_kv must be a positive multiple of 64"),
     (dict(block_kv=True), "block_kv must be"),
     (dict(num_stages=0), "num_stages must be a positive int"),
-    (dict(warp_specialized=1), "warp_specialized must be a bool"),
+    (dict(num_stages=2.0), "num_stages must be a positive int"),
 ])
 def test_decode_config_rejects_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -426,14 +426,14 @@ class DecodeConfig:
     Attributes:
       block_kv: keys per K / V tile, a positive multiple of 64 that divides the chunk.
       num_stages: K / V tiles in flight (the TMA ring's depth), at least 1.
-      warp_specialized: a producer warpgroup issues the TMA loads while the consumer
-        computes (``plgpu.emit_pipeline_warp_specialized``); else one warpgroup issues
-        the next load after each step (``plgpu.emit_pipeline``).
+
+    A warp-specialized variant (a producer warpgroup issuing the loads,
+    ``plgpu.emit_pipeline_warp_specialized``) ran no faster on the H200 (2026-12-03,
+    ``benchmarks/results/decode-2026-12-03-mosaic-kernel.md``) and is not kept.
     """
 
     block_kv: int = 128
     num_stages: int = 2
-    warp_specialized: bool = False
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
         """SMEM the decode kernel takes at the padded ``head_dim``: the K and V ring, the
@@ -451,8 +451,6 @@ class DecodeConfig:
         if (not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool)
                 or self.num_stages < 1):
             raise ValueError(f"num_stages must be a positive int, got {self.num_stages!r}")
-        if not isinstance(self.warp_specialized, bool):
-            raise ValueError(f"warp_specialized must be a bool, got {self.warp_specialized!r}")
 
 
 def default_decode_config(head_dim: int, itemsize: int = 2) -> DecodeConfig:

@@ -8,6 +8,12 @@ least 128 query rows per K/V tile, where a decode tile has ``group · seq_q`` re
 whose bare reads reached 3.8-3.9 TB/s on the H200 (``benchmarks/read_floor.py``), against
 3.2-3.9 for the Triton loads.
 
+Measured on the H200 (2026-12-03, ``benchmarks/results/decode-2026-12-03-mosaic-kernel.md``)
+it reads the cache at 0.95-1.00x the Triton decode's rate, so :func:`pallas_flash.dispatch.
+choose_decode` keeps Triton first; ``decode_attention(..., implementation="mosaic")`` runs
+it on a full cache (no lengths, window or per-token mask) instead of the main forward,
+whose 128-row CTAs made that call 1.0-1.7x slower.
+
 The caller (:mod:`pallas_flash.decode`) packs the queries (GQA: the query heads of one kv
 head, times the new tokens, are the rows of one tile) and splits the cache into chunks
 that become batch entries; this kernel sees a plain multi-head call ``q [B', R, K, D]``
@@ -39,8 +45,6 @@ from pallas_flash.mosaic.mainloop import accumulate_pv
 from pallas_flash.mosaic.softmax import online_softmax_step
 from pallas_flash.mosaic.tiles import DTYPES, LOG2E, a_operand, pad_operand, smem_transforms
 
-ROWS = DECODE_ROWS
-
 
 def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, *, has_segments: bool,
                 has_mask: bool, config: DecodeConfig) -> str | None:
@@ -52,8 +56,9 @@ def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, *, has_segments: bool,
         return f"the Mosaic decode kernel shows every key, got mask {mask}"
     if jnp.dtype(dtype) not in DTYPES:
         return f"the Mosaic decode kernel takes bfloat16 or float16, got {jnp.dtype(dtype)}"
-    if rows > ROWS:
-        return f"the Mosaic decode kernel computes at most {ROWS} packed rows, got {rows}"
+    if rows > DECODE_ROWS:
+        return (f"the Mosaic decode kernel computes at most {DECODE_ROWS} packed rows, got "
+                f"{rows}")
     if head_dim > 256:
         return f"the Mosaic decode kernel takes head_dim up to 256, got {head_dim}"
     smem = config.smem_bytes(padded_head_dim(head_dim), jnp.dtype(dtype).itemsize)
@@ -114,16 +119,13 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         program = lax.axis_index("program")
         chunk, head = program // kv_heads, program % kv_heads
 
-        def step(_, k_tile, v_tile, *rest):
-            *consumed, carry = rest
+        def step(_, k_tile, v_tile, carry):
             o, m_i, l_i = carry
 
             def qk(s_acc):
                 plgpu.wgmma(s_acc, q_tile, k_tile.T)
                 return s_acc[...]
-            scores = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
-            if consumed:  # K's slot is free once S is in registers
-                plgpu.barrier_arrive(consumed[0])
+            scores = pl.run_scoped(qk, plgpu.ACC((DECODE_ROWS, block_kv), jnp.float32))
             if softcap is not None:  # the tile in base 2 already; no scale in exp2
                 scores, _ = log2_logits(scores, scale, softcap, None)
             p, m_new, alpha = online_softmax_step(
@@ -132,55 +134,44 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
             o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
             o = accumulate_pv(o, a_operand(p.astype(dtype), p_tile), v_tile, lambda: None,
                               interpret=interpret)
-            if consumed:
-                plgpu.barrier_arrive(consumed[1])
             return o, m_new, l_i
 
-        def compute(pipeline):
-            plgpu.copy_gmem_to_smem(q_gmem.at[chunk, :, head], q_tile, q_ready)
-            carry = (
-                plgpu.layout_cast(jnp.zeros((ROWS, dim), jnp.float32), plgpu.Layout.WGMMA),
-                plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32),
-                                  plgpu.Layout.WGMMA.reduce(1)),
-                plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32),
-                                  plgpu.Layout.WGMMA.reduce(1)),
-            )
-            plgpu.barrier_wait(q_ready)
-            o, m_i, l_i = pipeline(carry)
-            o, lse = normalized(o, m_i, l_i)
-            q_tile[...] = o.astype(dtype)  # Q is dead: its tile carries O out
-            lse_tile[...] = lse
-            store_rows(q_tile, lse_tile, out_gmem.at[chunk, :, head], lse_gmem.at[chunk, head])
-            plgpu.wait_smem_to_gmem(0)
-
+        plgpu.copy_gmem_to_smem(q_gmem.at[chunk, :, head], q_tile, q_ready)
+        carry = (
+            plgpu.layout_cast(jnp.zeros((DECODE_ROWS, dim), jnp.float32),
+                              plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((DECODE_ROWS,), -jnp.inf, jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1)),
+            plgpu.layout_cast(jnp.zeros((DECODE_ROWS,), jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1)),
+        )
+        plgpu.barrier_wait(q_ready)
+        # The pipeline issues tile i + num_stages - 1's TMA loads once step i - 1 is done,
+        # so up to num_stages K / V tiles are in flight under each step's math.
         spec = plgpu.BlockSpec((block_kv, dim), lambda i: (i, 0), transforms=transforms)
-        operands = (k_gmem.at[chunk, :, head], v_gmem.at[chunk, :, head])
-        if config.warp_specialized:
-            plgpu.emit_pipeline_warp_specialized(
-                step, grid=(steps,), memory_registers=40, in_specs=[spec, spec],
-                max_concurrent_steps=config.num_stages, wg_axis="wg", num_compute_wgs=1,
-                manual_consumed_barriers=True, compute_context=compute)(*operands)
-        else:
-            compute(lambda carry: plgpu.emit_pipeline(
-                step, grid=(steps,), in_specs=[spec, spec],
-                max_concurrent_steps=config.num_stages, init_carry=carry)(*operands))
+        o, m_i, l_i = plgpu.emit_pipeline(
+            step, grid=(steps,), in_specs=[spec, spec], max_concurrent_steps=config.num_stages,
+            init_carry=carry)(k_gmem.at[chunk, :, head], v_gmem.at[chunk, :, head])
+        o, lse = normalized(o, m_i, l_i)
+        q_tile[...] = o.astype(dtype)  # Q is dead: its tile carries O out
+        lse_tile[...] = lse
+        store_rows(q_tile, lse_tile, out_gmem.at[chunk, :, head], lse_gmem.at[chunk, head])
+        plgpu.wait_smem_to_gmem(0)
 
-    scratch = dict(q_tile=plgpu.SMEM((ROWS, dim), dtype, transforms=transforms),
-                   lse_tile=plgpu.SMEM((ROWS,), jnp.float32), q_ready=plgpu.Barrier())
+    scratch = dict(q_tile=plgpu.SMEM((DECODE_ROWS, dim), dtype, transforms=transforms),
+                   lse_tile=plgpu.SMEM((DECODE_ROWS,), jnp.float32), q_ready=plgpu.Barrier())
     if interpret:  # a wgmma A operand from registers goes through SMEM there
-        scratch["p_tile"] = plgpu.SMEM((ROWS, block_kv), dtype, transforms=transforms)
+        scratch["p_tile"] = plgpu.SMEM((DECODE_ROWS, block_kv), dtype, transforms=transforms)
     call = plgpu.kernel(
         decode_kernel,
-        out_type=(jax.ShapeDtypeStruct((chunks, ROWS, kv_heads, dim), dtype),
-                  jax.ShapeDtypeStruct((chunks, kv_heads, ROWS), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((chunks, DECODE_ROWS, kv_heads, dim), dtype),
+                  jax.ShapeDtypeStruct((chunks, kv_heads, DECODE_ROWS), jnp.float32)),
         grid=(chunks * kv_heads,),
         grid_names=("program",),
-        num_threads=2 if config.warp_specialized else None,
-        thread_name="wg" if config.warp_specialized else None,
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    out, lse = call(pad_operand(q, ROWS, dim), pad_operand(k, k.shape[1], dim),
+    out, lse = call(pad_operand(q, DECODE_ROWS, dim), pad_operand(k, k.shape[1], dim),
                     pad_operand(v, v.shape[1], dim))
     return out[:, :rows, :, :head_dim], lse[:, :, :rows]

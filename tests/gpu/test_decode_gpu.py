@@ -130,8 +130,8 @@ def test_attention_routes_decode_steps_through_decode(is_causal, monkeypatch):
 
 
 @pytest.mark.parametrize("config", [None, DecodeConfig(block_kv=64, num_stages=3),
-                                    DecodeConfig(num_stages=3, warp_specialized=True)],
-                         ids=["default", "b64s3", "ws"])
+                                    DecodeConfig(block_kv=128, num_stages=3)],
+                         ids=["default", "b64s3", "b128s3"])
 @pytest.mark.parametrize("case", [
     Case(batch=8, seq_q=1, seq_kv=8192, heads=32, kv_heads=8, head_dim=128),
     Case(batch=4, seq_q=1, seq_kv=8192, heads=32, kv_heads=8, head_dim=64, softcap=30.0,
