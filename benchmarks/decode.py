@@ -182,7 +182,7 @@ def run_point(point: tuple[int, int, int], args) -> list[dict]:
                        args.seed, uniform=args.fill is not None)
     base = dict(batch=batch, seq_kv=seq_kv, head_dim=head_dim, heads=args.heads,
                 kv_heads=args.kv_heads, seq_q=args.seq_q, ragged=args.ragged, fill=args.fill,
-                cached_tokens=cached, dtype=dtype.name)
+                cached_tokens=cached, dtype=dtype.name, implementation=args.implementation)
     rows = {name: dict(base, impl=name) for name in calls}
     reference = None
     for name, call in calls.items():  # compile, and compare with the first that runs
@@ -286,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"{jax.devices()[0].device_kind}, jax {jax.__version__}, "
               f"{datetime.date.today()}, {args.heads} q heads / {args.kv_heads} kv heads, "
               f"seq_q {args.seq_q}, {args.dtype}{lengths}")
+    if args.implementation:
+        header += f", pallas_flash on implementation={args.implementation!r}"
     rows: list[dict] = []
     for point in points:
         rows += run_point(point, args)

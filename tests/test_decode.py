@@ -625,6 +625,8 @@ def test_decode_benchmark_runs_on_tiny_shapes(tmp_path):
     assert "vs_fa3" not in rows["pallas_flash"]        # fa3 did not run
     markdown = json_path.with_suffix(".md").read_text()
     assert "| paged64 / pallas_flash |" in markdown and "/ fa3" not in markdown
+    assert rows["pallas_flash"]["implementation"] == "xla"
+    assert "pallas_flash on implementation='xla'" in markdown
 
 
 def test_decode_benchmark_fill_gives_every_row_that_length(tmp_path):
