@@ -146,8 +146,9 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
                               plgpu.Layout.WGMMA.reduce(1)),
         )
         plgpu.barrier_wait(q_ready)
-        # The pipeline issues tile i + num_stages - 1's TMA loads once step i - 1 is done,
-        # so up to num_stages K / V tiles are in flight under each step's math.
+        # emit_pipeline keeps up to num_stages K / V tile pairs in flight: a slot's next
+        # TMA load is issued once the step that read it is done, so HBM keeps streaming
+        # under each step's GEMMs and softmax.
         spec = plgpu.BlockSpec((block_kv, dim), lambda i: (i, 0), transforms=transforms)
         o, m_i, l_i = plgpu.emit_pipeline(
             step, grid=(steps,), in_specs=[spec, spec], max_concurrent_steps=config.num_stages,
