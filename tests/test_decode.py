@@ -275,7 +275,7 @@ def test_mosaic_decode_kernel_gradients_take_the_main_backward():
     out, vjp = jax.vjp(jax.jit(lambda q, k, v: pf.decode_attention(
         q, k, v, num_splits=2, implementation="mosaic", interpret=True)), q, k, v)
     full = np.full((case.batch,), case.seq_kv, np.int32)
-    ref_out, _, ref_grads = _oracle(case, *(x.astype(jnp.float32) for x in (q, k, v, )),
+    ref_out, _, ref_grads = _oracle(case, *(x.astype(jnp.float32) for x in (q, k, v)),
                                     full, None, d_out.astype(jnp.float32))
     assert rel_err(out, ref_out) < 1e-2
     for name, got, want in zip(("dq", "dk", "dv"), vjp(d_out), ref_grads, strict=True):
