@@ -13,7 +13,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from support import random_qkv, rel_err
 
-from benchmarks import fp8_cudnn, lowered_modules, mosaic_bwd_probe, report, suite
+from benchmarks import fp8_cudnn, lowered_modules, mosaic_bwd_probe, report, ring_scaling, suite
 from benchmarks import ring as ring_bench
 from benchmarks.flops import attention_flops, problem_shape, tflops_per_s
 from benchmarks.implementations import IMPLEMENTATIONS, Implementation, error_summary
@@ -319,6 +319,28 @@ def test_ring_main_quick_on_cpu(tmp_path, capsys):
     assert permutes["sync"] + permutes["async"] == 2, permutes
     assert json_path.with_suffix(".md").exists()
     assert "| fwd | yes | 64 |" in capsys.readouterr().out
+
+
+def test_ring_scaling_quick_on_fake_devices(tmp_path, capsys):
+    """benchmarks/ring_scaling.py --quick on the CPU's 8 fake devices: the ring's forward
+    matches attention on the whole sequence in both layouts, efficiency is the ratio of the
+    per-device rates, n - 1 hops of K and V each."""
+    assert ring_scaling.main(["--quick", "--devices", "2,4", "--passes", "fwd",
+                              "--out", str(tmp_path)]) == 0
+    (json_path,) = tmp_path.glob("ring-scaling-*.json")
+    rows = json.loads(json_path.read_text())["rows"]
+    assert {(r["devices"], r["layout"]) for r in rows} == {
+        (n, layout) for n in (2, 4) for layout in ("zigzag", "contiguous")}
+    for r in rows:
+        assert r["errors"] == {} and r["max_abs_diff"] < 1e-5, r
+        rate = r["tflops_per_device"]
+        assert r["efficiency"] == rate["ring"] / rate["plain"]
+        permutes = r["collective_permutes"]
+        assert permutes["sync"] + permutes["async"] == 2 * (r["devices"] - 1)
+    assert "| fwd | 64 | 4 | zigzag | 16 |" in capsys.readouterr().out
+    assert json_path.with_suffix(".md").exists()
+    with pytest.raises(ValueError, match="--devices"):
+        ring_scaling.main(["--quick", "--devices", "16"])
 
 
 @pytest.mark.parametrize("only", ["dkdv", "dq"])
