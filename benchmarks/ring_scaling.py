@@ -97,11 +97,11 @@ def make_calls(devices: list, layout: str, causal: bool, backward: bool,
 
 
 def _inputs(shape: tuple[int, ...], dtype, mesh: Mesh, seed: int) -> list[jax.Array]:
-    """q, k, v, d_out of ``shape``, sharded along the sequence over ``mesh``."""
-    rng = np.random.default_rng(seed)
-    sharding = NamedSharding(mesh, SEQ)
-    return [jax.device_put(jnp.asarray(rng.standard_normal(shape, np.float32), dtype),
-                           sharding) for _ in range(4)]
+    """q, k, v, d_out of ``shape``, drawn on the devices of ``mesh`` (sharded along the
+    sequence; a 512k-token q is 2 GiB in bf16, too much to draw on the host and copy)."""
+    draw = jax.jit(lambda key: jax.random.normal(key, shape, dtype),
+                   out_shardings=NamedSharding(mesh, SEQ))
+    return [draw(key) for key in jax.random.split(jax.random.PRNGKey(seed), 4)]
 
 
 def _check(out: jax.Array, inputs: list[jax.Array], n: int, layout: str, args) -> float:
