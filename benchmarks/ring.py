@@ -57,7 +57,7 @@ AXIS = "ring"
 SEQ = P(None, AXIS)
 
 
-def _fwd_or_fwdbwd(attend: Callable, backward: bool) -> Callable:
+def fwd_or_fwdbwd(attend: Callable, backward: bool) -> Callable:
     """``(q, k, v, d_out) -> out`` or, with ``backward``, ``-> (out, dq, dk, dv)``."""
     if not backward:
         return lambda q, k, v, d_out: attend(q, k, v)
@@ -109,9 +109,9 @@ def make_calls(causal: bool, steps: int, backward: bool, implementation: str | N
         return (outs, *vjp(d_outs))
 
     return {
-        "plain": jax.jit(_fwd_or_fwdbwd(plain, backward)),
-        "ring1": jax.jit(_on_one_device_ring(_fwd_or_fwdbwd(ring1, backward), backward)),
-        f"sim{steps}": jax.jit(_on_one_device_ring(_fwd_or_fwdbwd(simulated, backward),
+        "plain": jax.jit(fwd_or_fwdbwd(plain, backward)),
+        "ring1": jax.jit(_on_one_device_ring(fwd_or_fwdbwd(ring1, backward), backward)),
+        f"sim{steps}": jax.jit(_on_one_device_ring(fwd_or_fwdbwd(simulated, backward),
                                                    backward)),
         f"calls{steps}": jax.jit(calls),
     }

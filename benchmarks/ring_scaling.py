@@ -46,27 +46,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import pallas_flash as pf
 from benchmarks import report
 from benchmarks.flops import attention_flops, tflops_per_s
-from benchmarks.ring import collective_permutes
+from benchmarks.ring import AXIS, SEQ, collective_permutes, fwd_or_fwdbwd
 from benchmarks.timing import time_fn
-
-AXIS = "ring"
-SEQ = P(None, AXIS)
-
-
-def _pass(attend: Callable, backward: bool) -> Callable:
-    """``(q, k, v, d_out) -> out``, or with ``backward`` ``-> (out, dq, dk, dv)``."""
-    if not backward:
-        return lambda q, k, v, d_out: attend(q, k, v)
-
-    def fwdbwd(q, k, v, d_out):
-        out, vjp = jax.vjp(attend, q, k, v)
-        return (out, *vjp(d_out))
-    return fwdbwd
 
 
 def make_calls(devices: list, layout: str, causal: bool, backward: bool,
@@ -84,15 +69,15 @@ def make_calls(devices: list, layout: str, causal: bool, backward: bool,
 
     specs = (SEQ,) * 4 if backward else SEQ
     calls = {
-        "ring": (jax.jit(jax.shard_map(_pass(ring, backward), mesh=mesh,
+        "ring": (jax.jit(jax.shard_map(fwd_or_fwdbwd(ring, backward), mesh=mesh,
                                        in_specs=(SEQ,) * 4, out_specs=specs)), mesh),
-        "plain": (jax.jit(_pass(plain, backward)), one),
+        "plain": (jax.jit(fwd_or_fwdbwd(plain, backward)), one),
     }
     if cudnn:
         def gathered(q, k, v):
             return jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                 implementation="cudnn")
-        calls["cudnn_gather"] = (jax.jit(_pass(gathered, backward)), mesh)
+        calls["cudnn_gather"] = (jax.jit(fwd_or_fwdbwd(gathered, backward)), mesh)
     return calls
 
 

@@ -452,7 +452,8 @@ def _split_forward(packed_q, key, value, lengths, rows: CacheVisibility, *, num_
     module = dispatch.backend(implementation)
     # A backend may have a kernel of its own for packed decode calls (Mosaic: one
     # warpgroup per chunk and kv head, pallas_flash.mosaic.decode).
-    own = getattr(module, "decode_kernels", lambda *a, **kw: None)(
+    decode_kernels = getattr(module, "decode_kernels", None)
+    own = None if decode_kernels is None else decode_kernels(
         q_chunks.shape, k_chunks.shape, q_chunks.dtype, spec,
         has_segments=segment_ids is not None, has_mask=attn_mask is not None, config=config)
     if own is not None:
