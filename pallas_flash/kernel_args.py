@@ -12,20 +12,26 @@ import jax
 
 from pallas_flash.masking import MaskSpec
 
-# forward(q, k, v, segment_ids, *, mask, scale, config, interpret, [softcap, bias, attn_mask])
-#   -> (out, lse)
+# forward(q, k, v, segment_ids, *, mask, scale, config, interpret, [softcap, bias, attn_mask,
+#         into]) -> (out, lse)
 #   q: [batch, seq_q, heads, head_dim], k/v: [batch, seq_kv, kv_heads, head_dim]
 #   segment_ids: None or (q_segment_ids [batch, seq_q], kv_segment_ids [batch, seq_kv]) int32;
 #     a pair is visible only if its segment ids are equal (and the MaskSpec allows it).
 #   bias (float) / attn_mask (bool): canonical [B', N', T', S'], each dim 1 or full (see
 #     pallas_flash.bias); only passed when set.
 #   out: like q, lse: [batch, heads, seq_q] float32, natural log.
+#   into (only to kernels with ``merges_into``): (out [batch, seq_q, heads, head_dim] float32,
+#     lse [batch, heads, seq_q] float32), a partial attention of the same queries over other
+#     keys; the kernel merges its own partial into it and returns the merged (out float32,
+#     lse), as pallas_flash.decode.merge_splits would (ring attention's running result).
 ForwardFn = Callable[..., tuple[jax.Array, jax.Array]]
 # backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask, scale, config, interpret,
 #          [softcap, bias, attn_mask, bias_grad, deterministic]) -> (dq, dk, dv), and dbias
 #   (shaped like bias) appended when bias_grad=True; delta: [batch, heads, seq_q] float32
 #   (already minus the lse cotangent); deterministic=True: gradients bitwise reproducible
-#   from run to run (passed only when set).
+#   from run to run (passed only when set). into (only to kernels with ``merges_into``):
+#   running float32 (dq, dk, dv) shaped like q, k, v; the gradients are added to them and
+#   returned in float32 (ring attention's accumulators).
 BackwardFn = Callable[..., tuple[jax.Array, ...]]
 
 
@@ -34,11 +40,15 @@ class Kernels:
     """A forward and a backward that together implement attention for one backend.
 
     ``name``: the backend's key in :data:`pallas_flash.dispatch.BACKEND_MODULES`.
+    ``merges_into``: the forward takes ``into=(out, lse)`` and merges its result into it
+    in its epilogue, and the backward takes ``into=(dq, dk, dv)`` and adds its gradients
+    to them (the calling convention above), so a ring step costs no merge or add pass.
     """
 
     name: str
     forward: ForwardFn
     backward: BackwardFn
+    merges_into: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,9 @@ query and of K/V (``[batch, seq/n, heads, head_dim]``). The K/V chunks travel ro
 ring with ``jax.lax.ppermute``: at step ``s`` device ``i`` holds the block of device
 ``i - s`` (mod ``n``) and runs the existing forward kernels of a backend on (its queries,
 that block), and the partial ``(out, lse)`` of the steps merge exactly by their
-log-sum-exp (:func:`pallas_flash.decode.merge_splits`, the same join as split-KV decode).
+log-sum-exp: inside the kernel's epilogue where the backend's forward takes ``into=``
+(Mosaic: :func:`pallas_flash.mosaic.epilogue.merged_into`, no pass of its own), else
+with :func:`pallas_flash.decode.merge_splits` (the same join as split-KV decode).
 The next block's transfer is issued before the current step's kernels, so the
 communication can hide behind them (Liu et al., "Ring Attention with Blockwise
 Transformers", 2023). The backward recomputes from ``(out, lse)`` with the backends'
@@ -277,12 +279,19 @@ def _forward_calls(ring: _Ring, plan, first: bool, acc, k, v, kv_ids, q_ids, q):
         qs, ks, vs = zero_unseen_rows(q[:, rows], k[:, cols], v[:, cols], call.mask,
                                       segment_ids)
         static = ring.static(call.mask, qs, ks, has_segments=segment_ids is not None)
-        out, lse = sharding.forward(static, qs, ks, vs, segment_ids, None, None)
-        out, lse = out.astype(out_acc.dtype), lse.astype(lse_acc.dtype)
-        if not (first and written.fresh(rows)):
-            # The exact join of two partial softmaxes over disjoint keys (split-KV decode's).
-            out, lse = merge_splits(jnp.stack([out_acc[:, rows], out], 1),
-                                    jnp.stack([lse_acc[:, :, rows], lse], 1))
+        fresh = first and written.fresh(rows)
+        if static.kernels.merges_into and not fresh:
+            # The kernel's epilogue joins its partial to the running one: no merge pass.
+            out, lse = sharding.forward(static, qs, ks, vs, segment_ids, None, None,
+                                        into=(out_acc[:, rows], lse_acc[:, :, rows]))
+        else:
+            out, lse = sharding.forward(static, qs, ks, vs, segment_ids, None, None)
+            out, lse = out.astype(out_acc.dtype), lse.astype(lse_acc.dtype)
+            if not fresh:
+                # The exact join of two partial softmaxes over disjoint keys (split-KV
+                # decode's).
+                out, lse = merge_splits(jnp.stack([out_acc[:, rows], out], 1),
+                                        jnp.stack([lse_acc[:, :, rows], lse], 1))
         out_acc = _put(out_acc, out, rows, axis=1)
         lse_acc = _put(lse_acc, lse, rows, axis=2)
     return out_acc, lse_acc
@@ -301,14 +310,18 @@ def _backward_calls(ring: _Ring, plan, first: bool, grads, k, v, kv_ids, q_ids, 
                                       segment_ids)
         static = ring.static(call.mask, qs, ks, backward=True,
                              has_segments=segment_ids is not None)
+        fresh_q, fresh_kv = first and q_written.fresh(rows), first and kv_written.fresh(cols)
+        running = (dq[:, rows], dk[:, cols], dv[:, cols])  # zeros at step 0
+        into = running if static.kernels.merges_into and not (fresh_q and fresh_kv) else None
         dqs, dks, dvs = sharding.backward(
             static, qs, ks, vs, segment_ids, out[:, rows], lse[:, :, rows], d_out[:, rows],
-            delta[:, :, rows], None, None, False)
-        if not (first and q_written.fresh(rows)):
-            dqs = dq[:, rows] + dqs.astype(dq.dtype)
-        if not (first and kv_written.fresh(cols)):
-            dks = dk[:, cols] + dks.astype(dk.dtype)
-            dvs = dv[:, cols] + dvs.astype(dv.dtype)
+            delta[:, :, rows], None, None, False, into=into)
+        if into is None:  # the kernels added nothing: add here what is not fresh
+            if not fresh_q:
+                dqs = running[0] + dqs.astype(dq.dtype)
+            if not fresh_kv:
+                dks = running[1] + dks.astype(dk.dtype)
+                dvs = running[2] + dvs.astype(dv.dtype)
         dq = _put(dq, dqs, rows, axis=1)
         dk = _put(dk, dks, cols, axis=1)
         dv = _put(dv, dvs, cols, axis=1)
@@ -614,10 +627,11 @@ def _attend(query, key, value, size: int, *, axis_name, is_causal=False, layout=
     local_mask = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, is_causal=is_causal, window=window)
     chosen = implementation or dispatch.choose(query.shape, key.shape, query.dtype,
                                                local_mask, features, interpret=interpret)
-    if chosen == "mosaic" and interpret and size > 1:
+    devices = lax.axis_size(axis_name)  # the simulated ring's steps run on one
+    if chosen == "mosaic" and interpret and devices > 1:
         raise ValueError(
             f"implementation='mosaic' with interpret=True runs on one device only, got a "
-            f"ring of {size} devices over axis {axis_name!r}: Mosaic GPU's interpreter does "
+            f"ring of {devices} devices over axis {axis_name!r}: Mosaic GPU's interpreter does "
             "not support several devices in one process; use implementation='triton' or "
             "'xla' to test ring attention on the CPU")
     if config is not None:  # a config is one backend's: every call runs on it

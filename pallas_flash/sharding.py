@@ -78,32 +78,40 @@ class _Call:
     def run(self, operands):
         """The kernels on (local) operands, as ``autodiff`` calls them."""
         if not self.backward:
-            q, k, v, segment_ids, bias, attn_mask = operands
-            return tuple(self.static.kernels.forward(
-                q, k, v, segment_ids, **self.static.kernel_kwargs(bias, attn_mask)))
-        q, k, v, segment_ids, bias, attn_mask, out, lse, d_out, delta = operands
+            q, k, v, segment_ids, bias, attn_mask, into = operands
+            kwargs = self.static.kernel_kwargs(bias, attn_mask)
+            if into is not None:
+                kwargs["into"] = into
+            return tuple(self.static.kernels.forward(q, k, v, segment_ids, **kwargs))
+        q, k, v, segment_ids, bias, attn_mask, out, lse, d_out, delta, into = operands
         kwargs = self.static.backward_kwargs(bias, attn_mask, bias_grad=self.bias_grad)
+        if into is not None:
+            kwargs["into"] = into
         return tuple(self.static.kernels.backward(q, k, v, segment_ids, out, lse, d_out,
                                                   delta, **kwargs))
 
 
-def forward(static, q, k, v, segment_ids, bias, attn_mask) -> tuple[jax.Array, jax.Array]:
+def forward(static, q, k, v, segment_ids, bias, attn_mask, into=None
+            ) -> tuple[jax.Array, jax.Array]:
     """``static.kernels.forward`` on each device's shard: ``(out [B, T, N, D], lse [B, N,
-    T])``, sharded as ``q`` over batch and heads (arguments as ``autodiff._forward``)."""
-    operands = (q, k, v, segment_ids, bias, attn_mask)
+    T])``, sharded as ``q`` over batch and heads (arguments as ``autodiff._forward``;
+    ``into``: a running ``(out, lse)`` to merge into, for kernels with ``merges_into``)."""
+    operands = (q, k, v, segment_ids, bias, attn_mask, into)
     seg_roles = None if segment_ids is None else ((_BATCH, _Q_SEQ), (_BATCH, _KV_SEQ))
+    into_roles = None if into is None else (_QUERY_LIKE, _ROW_STATS)
     call = _Call(backward=False, static=static, bias_grad=False,
                  operand_roles=(_QUERY_LIKE, _KEY_LIKE, _KEY_LIKE, seg_roles,
-                                _logit_roles(bias), _logit_roles(attn_mask)),
+                                _logit_roles(bias), _logit_roles(attn_mask), into_roles),
                  result_roles=(_QUERY_LIKE, _ROW_STATS))
     return _sharded(call, operands)
 
 
 def backward(static, q, k, v, segment_ids, out, lse, d_out, delta, bias, attn_mask,
-             bias_grad: bool) -> tuple[jax.Array, ...]:
+             bias_grad: bool, into=None) -> tuple[jax.Array, ...]:
     """``static.kernels.backward`` on each device's shard: ``(dq, dk, dv)``, and dbias when
-    ``bias_grad``, each sharded as its primal (arguments as ``autodiff._transpose``)."""
-    operands = (q, k, v, segment_ids, bias, attn_mask, out, lse, d_out, delta)
+    ``bias_grad``, each sharded as its primal (arguments as ``autodiff._transpose``;
+    ``into``: running ``(dq, dk, dv)`` to add to, for kernels with ``merges_into``)."""
+    operands = (q, k, v, segment_ids, bias, attn_mask, out, lse, d_out, delta, into)
     seg_roles = None if segment_ids is None else ((_BATCH, _Q_SEQ), (_BATCH, _KV_SEQ))
     results = (_QUERY_LIKE, _KEY_LIKE, _KEY_LIKE)
     if bias_grad:
@@ -111,7 +119,9 @@ def backward(static, q, k, v, segment_ids, out, lse, d_out, delta, bias, attn_ma
     call = _Call(backward=True, static=static, bias_grad=bias_grad,
                  operand_roles=(_QUERY_LIKE, _KEY_LIKE, _KEY_LIKE, seg_roles,
                                 _logit_roles(bias), _logit_roles(attn_mask), _QUERY_LIKE,
-                                _ROW_STATS, _QUERY_LIKE, _ROW_STATS),
+                                _ROW_STATS, _QUERY_LIKE, _ROW_STATS,
+                                None if into is None else (_QUERY_LIKE, _KEY_LIKE,
+                                                           _KEY_LIKE)),
                  result_roles=results)
     return _sharded(call, operands)
 

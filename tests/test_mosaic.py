@@ -151,6 +151,51 @@ def test_interpret_no_races(config):
     _assert_matches_oracle(q, k, v, out, lse, mask, 0.125)
 
 
+# --- merging into a running result (ring attention's steps) ----------------------------
+
+_FORWARD = importlib.import_module("pallas_flash.mosaic.forward")
+
+
+@pytest.mark.parametrize(("config", "mask_kwargs"), [
+    (SMALL, {}),
+    (OVERLAP, dict(is_causal=True)),
+    # Keys from global position 40 on, window (10, 5): rows 0..34 see no key of either
+    # half, so they must come out as 0 with lse EMPTY_ROW_LSE after the merge.
+    (_persistent(OVERLAP), dict(window=(10, 5), kv_start=40)),
+], ids=["serial_dense", "overlap_causal", "persistent_window_empty_rows"])
+def test_interpret_merges_into_a_running_result(config, mask_kwargs):
+    """``into=(out, lse)``: the float64 attention over the first half of the keys, merged
+    in the epilogue with the kernel's own second half, is attention over all keys."""
+    batch, seq_q, half, heads, kv_heads, head_dim = 1, 200, 120, 2, 1, 64
+    q, k, v = _inputs((batch, seq_q, heads, head_dim), (batch, 2 * half, kv_heads, head_dim),
+                      BF16, seed=11)
+    scale = head_dim ** -0.5
+    whole = MaskSpec(seq_q=seq_q, seq_kv=2 * half, **mask_kwargs)
+    first = dataclasses.replace(whole, seq_kv=half)
+    second = dataclasses.replace(first, kv_start=first.kv_start + half)
+    prev_out, prev_lse = attention_float64(q, k[:, :half], v[:, :half], scale=scale,
+                                           mask=first)
+    into = (jnp.asarray(prev_out, jnp.float32), jnp.asarray(prev_lse, jnp.float32))
+    out, lse = _FORWARD.forward(q, k[:, half:], v[:, half:], None, mask=second,
+                                scale=scale, config=config, interpret=True, into=into)
+    assert out.dtype == jnp.float32 and lse.dtype == jnp.float32
+    _assert_matches_oracle(q, k, v, out, lse, whole, scale)
+    if "window" in mask_kwargs:
+        assert (np.asarray(lse) == np.float32(EMPTY_ROW_LSE)).sum() == batch * heads * 35
+
+
+@pytest.mark.parametrize(("into", "match"), [
+    ("out", "into must be a pair"),
+    ((jnp.zeros((1, 64, 1, 64), jnp.bfloat16), jnp.zeros((1, 1, 64))), "into's out"),
+    ((jnp.zeros((1, 64, 1, 64)), jnp.zeros((1, 64, 1))), "into's lse"),
+])
+def test_into_is_validated(into, match):
+    q = jnp.zeros((1, 64, 1, 64), BF16)
+    with pytest.raises(ValueError, match=match):
+        _FORWARD.forward(q, q, q, None, mask=MaskSpec(seq_q=64, seq_kv=64), scale=1.0,
+                         config=SMALL, interpret=True, into=into)
+
+
 # --- segment ids and soft-capping -------------------------------------------------------
 
 

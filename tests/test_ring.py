@@ -217,6 +217,38 @@ def test_one_device_ring_and_simulated_ring():
     assert rel_err(out3, want) < 1e-6 and rel_err(res3, want_res + np.log(3)) < 1e-6
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_mosaic_steps_merge_in_the_kernel(causal):
+    """On the Mosaic backend the steps' merges happen in the kernels (``into=``,
+    interpret mode on the one-device axis): the forward's in its epilogue, the
+    backward's dQ / dK / dV sums in its own passes. The simulated ring's output, residual
+    and gradients equal the same ring on XLA (merge_splits and XLA adds), and its forward
+    program holds no merge outside the kernels."""
+    q, k, v, d_out = random_qkv(1, 256, 256, 2, 1, 64, jnp.bfloat16)
+
+    def attend(implementation):
+        return lambda q, k, v: ring.simulated_ring_attention(
+            q, k, v, num_steps=3, axis_name=AXIS, is_causal=causal, return_residual=True,
+            implementation=implementation, interpret=implementation == "mosaic")
+
+    def run(implementation):
+        def local(q, k, v, d_out):
+            (out, res), vjp = jax.vjp(attend(implementation), q, k, v)
+            return (out, res, *vjp((d_out, jnp.zeros_like(res))))
+        return jax.jit(jax.shard_map(local, mesh=ring_mesh(1), in_specs=(SEQ_SPEC,) * 4,
+                                     out_specs=SEQ_SPEC))
+
+    got = run("mosaic")(q, k, v, d_out)
+    want = run("xla")(*(x.astype(jnp.float32) for x in (q, k, v, d_out)))
+    for a, b in zip(got, want, strict=True):
+        assert not np.isnan(np.asarray(a, np.float32)).any()
+        assert rel_err(a, b) < 2e-2
+    # Two later steps, each merged by its kernel: no exp of a merge weight in XLA.
+    forward = jax.jit(jax.shard_map(attend("mosaic"), mesh=ring_mesh(1),
+                                    in_specs=(SEQ_SPEC,) * 3, out_specs=SEQ_SPEC))
+    assert str(forward.trace(q, k, v).jaxpr).count(" exp ") == 0
+
+
 # --- the static plan ------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("q_start", "kv_start", "causal", "window"), [

@@ -20,7 +20,8 @@ from pallas_flash.mosaic.config import (
 )
 from pallas_flash.mosaic.forward import forward, unsupported
 
-KERNELS = Kernels(name="mosaic", forward=forward, backward=backward)
+# The forward merges into a running (out, lse) in its epilogue (ring attention's steps).
+KERNELS = Kernels(name="mosaic", forward=forward, backward=backward, merges_into=True)
 # The backward of a decode call is the main one: its config is the backward's default
 # (mosaic.config.backward_config ignores a DecodeConfig).
 DECODE_KERNELS = Kernels(name="mosaic", forward=decode.forward, backward=backward)

@@ -96,7 +96,7 @@ from pallas_flash.mosaic.config import (
     forward_config,
     padded_head_dim,
 )
-from pallas_flash.mosaic.epilogue import normalized, store_rows
+from pallas_flash.mosaic.epilogue import merged_into, normalized, store_rows
 from pallas_flash.mosaic.logit_arrays import LogitArray, fold_mask, logit_array, logit_operand
 from pallas_flash.mosaic.mainloop import (
     OverlappedTurns,
@@ -122,7 +122,7 @@ from pallas_flash.mosaic.tiles import (
     row,
     smem_transforms,
 )
-from pallas_flash.padding import round_up
+from pallas_flash.padding import pad_axis, round_up
 from pallas_flash.segments import cut_to_span, pad_segment_ids, tile_spans
 from pallas_flash.sharding import kernel_output
 
@@ -168,6 +168,7 @@ class _Static:
     heads: int = 1  # query heads; with batch and num_q_tiles, the grid of work tiles
     batch: int = 1
     persistent_ctas: int = 0  # CTAs that loop over the work tiles; 0: one CTA per tile
+    merges_into: bool = False  # the epilogue merges O into a running (out, lse): ``into``
 
     @property
     def tile_grid(self) -> TileGrid:
@@ -266,7 +267,8 @@ def _release_k(st: _Static, k_free, key_rings: _ScoreInputs, s, wg) -> _ScoreInp
 class _Gmem(NamedTuple):
     """The kernel's GMEM refs: q/out [B, Tq, N, D], k/v [B, Tk, K, D], lse [B, N, Tq]; with
     segment ids q_ids [B, Tq], kv_ids [B, Tk], spans [B, 2, Tq / block_q]; the bias and
-    mask operands (:class:`LogitArray`); None where absent."""
+    mask operands (:class:`LogitArray`); the running result to merge into (``into``:
+    out [B, Tq, N, D] float32, lse [B, N, Tq]); None where absent."""
 
     q: Any
     k: Any
@@ -278,6 +280,8 @@ class _Gmem(NamedTuple):
     spans: Any = None
     bias: Any = None
     mask: Any = None
+    into_out: Any = None
+    into_lse: Any = None
 
 
 class _Smem(NamedTuple):
@@ -306,8 +310,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, st: _Static, q_smem, k_smem, v_smem, lse
             q_ready, k_ready, v_ready, k_free, v_free, turn, kv_ids_smem=None, bias_smem=None,
             mask_smem=None, p_smem=None, o_smem=None):
     """One CTA: one work tile, or a persistent CTA's tiles (:class:`TileGrid`). ``refs`` is
-    ``out_ref, lse_ref`` preceded by, when present, the segment ids' and the bias / mask
-    operands (:class:`_Gmem`); the scratch is :class:`_Smem`'s.
+    ``out_ref, lse_ref`` preceded by, when present, the segment ids', the bias / mask
+    and the ``into`` operands (:class:`_Gmem`); the scratch is :class:`_Smem`'s.
 
     K/V ring steps are counted over the CTA's tiles (``ring_base``: the steps of its
     earlier tiles), so the producer fills the ring for the next tile as slots free up.
@@ -317,7 +321,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, st: _Static, q_smem, k_smem, v_smem, lse
     ids = (next(inputs), next(inputs), next(inputs)) if st.segmented else (None,) * 3
     gmem = _Gmem(q_ref, k_ref, v_ref, out_ref, lse_ref, *ids,
                  bias=next(inputs) if st.bias is not None else None,
-                 mask=next(inputs) if st.attn_mask is not None else None)
+                 mask=next(inputs) if st.attn_mask is not None else None,
+                 into_out=next(inputs) if st.merges_into else None,
+                 into_lse=next(inputs) if st.merges_into else None)
     smem = _Smem(q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready, k_free, v_free,
                  turn, _ScoreInputs(kv_ids_smem, bias_smem, mask_smem), p_smem, o_smem)
     tiles = st.tile_grid.tiles()
@@ -386,7 +392,8 @@ def _consumer_tiles(st: _Static, gmem: _Gmem, smem: _Smem, wg, tiles) -> None:
             smem.q_ready.at[wg], smem.k_ready, smem.v_ready, smem.k_free, smem.v_free,
             smem.turn, None if smem.p is None else smem.p.at[wg], smem.key_rings,
             o_tile=smem.q.at[wg] if smem.o is None else smem.o.at[wg],
-            load_next_q=load_next_q if st.persistent_ctas else None, batch=batch,
+            load_next_q=load_next_q if st.persistent_ctas else None,
+            into=(gmem.into_out, gmem.into_lse) if st.merges_into else None, batch=batch,
             head=head, q0=q0, row_inputs=_ScoreInputs(q_ids, bias_rows, mask_rows),
             ranges=ranges, cta_first=cta_first, cta_last=cta_last,
             slot=block_slots(st.num_stages, ring_base, cta_first))
@@ -450,8 +457,8 @@ def _producer_tiles(st: _Static, gmem: _Gmem, smem: _Smem, tiles) -> None:
 
 def _consumer_warpgroup(wg, st: _Static, out_ref, lse_ref, q_tile, k_smem, v_smem, lse_tile,
                         q_ready, k_ready, v_ready, k_free, v_free, turn, p_tile, key_rings, *,
-                        o_tile, load_next_q, batch, head, q0, row_inputs, ranges, cta_first,
-                        cta_last, slot):
+                        o_tile, load_next_q, into, batch, head, q0, row_inputs, ranges,
+                        cta_first, cta_last, slot):
     """Rows [q0, q0 + block_q) of one head: Algorithm 1 of FA3 for one consumer warpgroup.
 
     The Q tile's copy into ``q_tile`` was issued on ``q_ready`` by the caller. ``ranges``:
@@ -459,7 +466,8 @@ def _consumer_warpgroup(wg, st: _Static, out_ref, lse_ref, q_tile, k_smem, v_sme
     [cta_first, cta_last); ``row_inputs``: its rows' segment ids, bias and mask ([block_q]
     each, None where absent); ``key_rings``: the SMEM rings next to K's. ``o_tile``: where
     O goes before its TMA store (Q's tile, or a tile of its own for a persistent CTA,
-    which calls ``load_next_q`` as soon as the last Q·Kᵀ has read Q).
+    which calls ``load_next_q`` as soon as the last Q·Kᵀ has read Q). ``into``: None, or
+    the GMEM refs (out, lse) of a running result that O is merged into (float32 out).
     """
     bq, bkv, d = st.block_q, st.block_kv, st.head_dim
     shape = (bq, bkv)
@@ -506,11 +514,22 @@ def _consumer_warpgroup(wg, st: _Static, out_ref, lse_ref, q_tile, k_smem, v_sme
         load_next_q()  # its TMA runs under this epilogue
         # The previous tile's O and LSE stores must have read their tiles.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    o, lse = normalized(o, m_i, l_i)
-    o_tile[...] = o.astype(st.dtype)  # Q's tile unless persistent: Q is dead by now
+    rows = pl.ds(q0, bq)
+    if into is None:
+        o, lse = normalized(o, m_i, l_i)
+        o_tile[...] = o.astype(st.dtype)  # Q's tile unless persistent: Q is dead by now
+    else:  # ring attention: merged with the running result of the earlier steps
+        prev_out = plgpu.load(into[0].at[batch, rows, head], layout=plgpu.Layout.WGMMA,
+                              optimized=False)
+        prev_lse = plgpu.load(into[1].at[batch, head, rows],
+                              layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+        o, lse = merged_into(o, m_i, l_i, prev_out, prev_lse)
+        # A float32 tile would not fit in SMEM beside the K/V ring: O is stored from the
+        # registers (each thread's pairs of columns: whole 32-byte sectors per row).
+        out_ref.at[batch, rows, head][...] = o
+        o_tile = None
     lse_tile[...] = lse
-    store_rows(o_tile, lse_tile, out_ref.at[batch, pl.ds(q0, bq), head],
-               lse_ref.at[batch, head, pl.ds(q0, bq)])
+    store_rows(o_tile, lse_tile, out_ref.at[batch, rows, head], lse_ref.at[batch, head, rows])
 
 
 def _serial_loop(wg, st: _Static, carry, ranges, softmax, q_tile, k_smem, v_smem, k_ready,
@@ -691,8 +710,8 @@ def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
 
 def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: MaskSpec,
             scale: float, config: MosaicConfig, interpret: bool, softcap: float | None = None,
-            bias: jax.Array | None = None, attn_mask: jax.Array | None = None
-            ) -> tuple[jax.Array, jax.Array]:
+            bias: jax.Array | None = None, attn_mask: jax.Array | None = None,
+            into: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
     """Attention forward on Hopper.
 
     Args:
@@ -715,10 +734,15 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         ``[B', N', T]``).
       attn_mask: None or canonical ``[B', N', T', S']`` bool, False hides a pair; folded
         into the bias as -inf when it broadcasts to the bias's shape, else read as int8.
+      into: None, or ``(out [batch, seq_q, heads, head_dim] float32, lse [batch, heads,
+        seq_q] float32)``: the same queries' attention over other keys (ring attention's
+        running result). Each consumer merges its rows into it in the epilogue
+        (:func:`~pallas_flash.mosaic.epilogue.merged_into`), and the merged result is
+        returned, ``out`` in float32.
 
     Returns:
-      ``out`` like ``q`` and ``lse: [batch, heads, seq_q]`` float32 (natural log); rows
-      that see no key give out 0 and lse ``EMPTY_ROW_LSE``.
+      ``out`` like ``q`` (float32 with ``into``) and ``lse: [batch, heads, seq_q]`` float32
+      (natural log); rows that see no key give out 0 and lse ``EMPTY_ROW_LSE``.
 
     Any lengths work: the wrapper zero-pads the sequences to whole blocks (padded keys
     are hidden by ``mask.seq_kv``, padded query rows are cut off) and the head dim to a
@@ -734,6 +758,7 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     dim = padded_head_dim(head_dim)
     itemsize = jnp.dtype(q.dtype).itemsize
+    _check_into(into, q.shape)
     bias, attn_mask = fold_mask(bias, attn_mask)
     bias_array = logit_array(bias, is_mask=False)
     mask_array = logit_array(attn_mask, is_mask=True)
@@ -752,7 +777,7 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         num_q_tiles=seq_q_pad // rows_per_cta, kv_padded=seq_kv_pad != seq_kv,
         overlap=config.overlap, pv_through_smem=interpret, softcap=softcap,
         segmented=segmented, num_consumers=config.num_consumers, bias=bias_array,
-        attn_mask=mask_array, heads=heads, batch=batch)
+        attn_mask=mask_array, heads=heads, batch=batch, merges_into=into is not None)
     if config.persistent:
         st = dataclasses.replace(
             st, persistent_ctas=persistent_ctas(st.tile_grid, interpret=interpret))
@@ -765,12 +790,15 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
                      tile_spans(q_ids, kv_ids, st.block_q, st.block_kv, walk_kv=True)]
     # The bias, then the mask, as _kernel unpacks them.
     operands += [logit_operand(x, array, seq_q_pad, seq_kv_pad) for x, array in logit_arrays]
+    if into is not None:
+        operands += [pad_operand(into[0], seq_q_pad, dim), pad_axis(into[1], 2, seq_q_pad)]
     grid, grid_names = st.tile_grid.launch()
 
     call = plgpu.kernel(
         functools.partial(_kernel, st=st),
         out_type=(
-            kernel_output((batch, seq_q_pad, heads, dim), q.dtype, q),
+            kernel_output((batch, seq_q_pad, heads, dim),
+                          q.dtype if into is None else jnp.float32, q),
             kernel_output((batch, heads, seq_q_pad), jnp.float32, q),
         ),
         scratch_types=_scratch(st, config, [a for _, a in logit_arrays]),
@@ -783,6 +811,22 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
     )
     out, lse = call(*operands)
     return out[:, :seq_q, :, :head_dim], lse[:, :, :seq_q]
+
+
+def _check_into(into, q_shape) -> None:
+    """Raises ValueError unless ``into`` is None or a running ``(out, lse)`` for queries
+    of ``q_shape``: out float32 shaped like q, lse float32 [batch, heads, seq_q]."""
+    if into is None:
+        return
+    batch, seq_q, heads, _ = q_shape
+    expected = ((tuple(q_shape), "out"), ((batch, heads, seq_q), "lse"))
+    if not (isinstance(into, tuple) and len(into) == 2):
+        raise ValueError(f"into must be a pair (out, lse), got {type(into).__name__}")
+    for x, (shape, name) in zip(into, expected, strict=True):
+        if tuple(x.shape) != shape or x.dtype != jnp.float32:
+            raise ValueError(
+                f"into's {name} must be float32 of shape {shape}, got {x.dtype} "
+                f"{tuple(x.shape)}")
 
 
 def _scratch(st: _Static, config: MosaicConfig, logit_arrays: list[LogitArray]) -> dict:

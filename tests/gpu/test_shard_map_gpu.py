@@ -92,16 +92,18 @@ def test_fp8_attention_in_shard_map():
 
 
 @pytest.mark.parametrize("implementation", ["mosaic", "triton"])
-def test_simulated_ring_matches_xla_and_is_deterministic(implementation):
+@pytest.mark.parametrize("causal", [False, True])
+def test_simulated_ring_matches_xla_and_is_deterministic(implementation, causal):
     """Four ring steps on the one-device axis (simulated_ring_attention: each block passed
     to itself), so the unrolled steps, their barriers and the shared step function run on
-    the compiled kernels: forward and gradients against the same ring on XLA in float32,
-    and with deterministic=True the same gradient bits on a second run."""
+    the compiled kernels (Mosaic: the steps merged in the forward kernel's epilogue):
+    forward and gradients against the same ring on XLA in float32, and with
+    deterministic=True the same gradient bits on a second run."""
     q, k, v, d_out = _inputs(2048, 8, 2, 128, seed=23)
 
     def run(q, k, v, d_out, implementation, deterministic=False):
         return _vjp_in_shard_map(lambda q, k, v: simulated_ring_attention(
-            q, k, v, num_steps=4, axis_name=AXIS, is_causal=True,
+            q, k, v, num_steps=4, axis_name=AXIS, is_causal=causal,
             deterministic=deterministic, implementation=implementation), q, k, v, d_out)
 
     got = run(q, k, v, d_out, implementation, deterministic=True)
