@@ -82,7 +82,7 @@ def _no_dq(st, operands, *, interpret):
     return jnp.zeros(operands[0].shape, operands[0].dtype)
 
 
-def _no_dkdv(st, operands, *_, interpret, running=()):
+def _no_dkdv(st, operands, *_, interpret):
     zeros = jnp.zeros(operands[1].shape, operands[1].dtype)
     return zeros, zeros
 

@@ -29,9 +29,7 @@ ForwardFn = Callable[..., tuple[jax.Array, jax.Array]]
 #          [softcap, bias, attn_mask, bias_grad, deterministic]) -> (dq, dk, dv), and dbias
 #   (shaped like bias) appended when bias_grad=True; delta: [batch, heads, seq_q] float32
 #   (already minus the lse cotangent); deterministic=True: gradients bitwise reproducible
-#   from run to run (passed only when set). into (only to kernels with ``merges_into``):
-#   running float32 (dq, dk, dv) shaped like q, k, v; the gradients are added to them and
-#   returned in float32 (ring attention's accumulators).
+#   from run to run (passed only when set).
 BackwardFn = Callable[..., tuple[jax.Array, ...]]
 
 
@@ -41,8 +39,7 @@ class Kernels:
 
     ``name``: the backend's key in :data:`pallas_flash.dispatch.BACKEND_MODULES`.
     ``merges_into``: the forward takes ``into=(out, lse)`` and merges its result into it
-    in its epilogue, and the backward takes ``into=(dq, dk, dv)`` and adds its gradients
-    to them (the calling convention above), so a ring step costs no merge or add pass.
+    in its epilogue (the calling convention above), so a ring step costs no merge pass.
     """
 
     name: str

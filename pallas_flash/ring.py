@@ -310,18 +310,14 @@ def _backward_calls(ring: _Ring, plan, first: bool, grads, k, v, kv_ids, q_ids, 
                                       segment_ids)
         static = ring.static(call.mask, qs, ks, backward=True,
                              has_segments=segment_ids is not None)
-        fresh_q, fresh_kv = first and q_written.fresh(rows), first and kv_written.fresh(cols)
-        running = (dq[:, rows], dk[:, cols], dv[:, cols])  # zeros at step 0
-        into = running if static.kernels.merges_into and not (fresh_q and fresh_kv) else None
         dqs, dks, dvs = sharding.backward(
             static, qs, ks, vs, segment_ids, out[:, rows], lse[:, :, rows], d_out[:, rows],
-            delta[:, :, rows], None, None, False, into=into)
-        if into is None:  # the kernels added nothing: add here what is not fresh
-            if not fresh_q:
-                dqs = running[0] + dqs.astype(dq.dtype)
-            if not fresh_kv:
-                dks = running[1] + dks.astype(dk.dtype)
-                dvs = running[2] + dvs.astype(dv.dtype)
+            delta[:, :, rows], None, None, False)
+        if not (first and q_written.fresh(rows)):
+            dqs = dq[:, rows] + dqs.astype(dq.dtype)
+        if not (first and kv_written.fresh(cols)):
+            dks = dk[:, cols] + dks.astype(dk.dtype)
+            dvs = dv[:, cols] + dvs.astype(dv.dtype)
         dq = _put(dq, dqs, rows, axis=1)
         dk = _put(dk, dks, cols, axis=1)
         dv = _put(dv, dvs, cols, axis=1)

@@ -83,10 +83,8 @@ class _Call:
             if into is not None:
                 kwargs["into"] = into
             return tuple(self.static.kernels.forward(q, k, v, segment_ids, **kwargs))
-        q, k, v, segment_ids, bias, attn_mask, out, lse, d_out, delta, into = operands
+        q, k, v, segment_ids, bias, attn_mask, out, lse, d_out, delta = operands
         kwargs = self.static.backward_kwargs(bias, attn_mask, bias_grad=self.bias_grad)
-        if into is not None:
-            kwargs["into"] = into
         return tuple(self.static.kernels.backward(q, k, v, segment_ids, out, lse, d_out,
                                                   delta, **kwargs))
 
@@ -107,11 +105,10 @@ def forward(static, q, k, v, segment_ids, bias, attn_mask, into=None
 
 
 def backward(static, q, k, v, segment_ids, out, lse, d_out, delta, bias, attn_mask,
-             bias_grad: bool, into=None) -> tuple[jax.Array, ...]:
+             bias_grad: bool) -> tuple[jax.Array, ...]:
     """``static.kernels.backward`` on each device's shard: ``(dq, dk, dv)``, and dbias when
-    ``bias_grad``, each sharded as its primal (arguments as ``autodiff._transpose``;
-    ``into``: running ``(dq, dk, dv)`` to add to, for kernels with ``merges_into``)."""
-    operands = (q, k, v, segment_ids, bias, attn_mask, out, lse, d_out, delta, into)
+    ``bias_grad``, each sharded as its primal (arguments as ``autodiff._transpose``)."""
+    operands = (q, k, v, segment_ids, bias, attn_mask, out, lse, d_out, delta)
     seg_roles = None if segment_ids is None else ((_BATCH, _Q_SEQ), (_BATCH, _KV_SEQ))
     results = (_QUERY_LIKE, _KEY_LIKE, _KEY_LIKE)
     if bias_grad:
@@ -119,9 +116,7 @@ def backward(static, q, k, v, segment_ids, out, lse, d_out, delta, bias, attn_ma
     call = _Call(backward=True, static=static, bias_grad=bias_grad,
                  operand_roles=(_QUERY_LIKE, _KEY_LIKE, _KEY_LIKE, seg_roles,
                                 _logit_roles(bias), _logit_roles(attn_mask), _QUERY_LIKE,
-                                _ROW_STATS, _QUERY_LIKE, _ROW_STATS,
-                                None if into is None else (_QUERY_LIKE, _KEY_LIKE,
-                                                           _KEY_LIKE)),
+                                _ROW_STATS, _QUERY_LIKE, _ROW_STATS),
                  result_roles=results)
     return _sharded(call, operands)
 

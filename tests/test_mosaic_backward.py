@@ -77,41 +77,6 @@ def test_interpret_head_dim_256_no_races():
         assert rel_err(got, ref) < 1e-2
 
 
-@pytest.mark.parametrize(("head_dim", "config"), [
-    (64, SMALL),  # the fused dQ, dK / dV added in the dK/dV kernel's epilogue
-    (64, dataclasses.replace(SMALL, deterministic=True)),  # the dQ kernel: an XLA add
-    (256, None),  # the split dK/dV kernel: XLA adds
-], ids=["fused_dq", "deterministic_dq", "head_dim_256"])
-def test_interpret_adds_into_running_gradients(head_dim, config):
-    """``into=(dq, dk, dv)`` (ring attention's accumulators): the result is the running
-    gradients plus this call's, in float32, and their padding is cut off again."""
-    q, k, v, d_out = random_qkv(1, 200, 130, 2, 1, head_dim, BF16)
-    mask = MaskSpec(seq_q=200, seq_kv=130, is_causal=True, causal_alignment="bottom_right")
-    scale = head_dim ** -0.5
-    out, lse, delta, want = _residuals(q, k, v, d_out, mask, scale)
-    config = config or default_backward_config(q.shape, k.shape, BF16, mask)
-    rng = np.random.default_rng(5)
-    running = tuple(jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (q, k, v))
-    grads = mosaic_backward(q, k, v, None, out, lse, d_out, delta, mask=mask, scale=scale,
-                            config=config, interpret=True, into=running)
-    for got, prev, ref in zip(grads, running, want, strict=True):
-        assert got.dtype == jnp.float32 and got.shape == prev.shape
-        assert not np.isnan(np.asarray(got)).any()
-        assert rel_err(np.asarray(got) - np.asarray(prev), ref) < 1e-2
-
-
-def test_into_gradients_are_validated():
-    q = jnp.zeros((1, 64, 1, 64), BF16)
-    lse = jnp.zeros((1, 1, 64))
-    kwargs = dict(mask=MaskSpec(seq_q=64, seq_kv=64), scale=1.0, config=SMALL,
-                  interpret=True)
-    with pytest.raises(ValueError, match="into must be a triple"):
-        mosaic_backward(q, q, q, None, q, lse, q, lse, into=(q, q), **kwargs)
-    f32 = jnp.zeros(q.shape)
-    with pytest.raises(ValueError, match="into's dk"):
-        mosaic_backward(q, q, q, None, q, lse, q, lse, into=(f32, q, f32), **kwargs)
-
-
 def _logit_array(spec: str, sizes: dict, seed: int, *, mask: bool, dtype=jnp.float32):
     """A ``spec``-shaped array over ``BNTS1``: N(0, 2²) bias, or a mask keeping ~80 %."""
     shape = tuple(sizes.get(c, 1) for c in spec)

@@ -219,10 +219,9 @@ def test_one_device_ring_and_simulated_ring():
 
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
 def test_mosaic_steps_merge_in_the_kernel(causal):
-    """On the Mosaic backend the steps' merges happen in the kernels (``into=``,
-    interpret mode on the one-device axis): the forward's in its epilogue, the
-    backward's dQ / dK / dV sums in its own passes. The simulated ring's output, residual
-    and gradients equal the same ring on XLA (merge_splits and XLA adds), and its forward
+    """On the Mosaic backend the steps' merges happen in the forward kernel's epilogue
+    (``into=``, interpret mode on the one-device axis): the simulated ring's output,
+    residual and gradients equal the same ring on XLA (merge_splits), and its forward
     program holds no merge outside the kernels."""
     q, k, v, d_out = random_qkv(1, 256, 256, 2, 1, 64, jnp.bfloat16)
 

@@ -503,9 +503,6 @@ def _consumer_warpgroup(wg, st: _Static, out_ref, lse_ref, q_tile, k_smem, v_sme
         plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
         plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
     )
-    if into is not None:
-        # The running O tile is read in the epilogue: bring it to L2 while the loop runs.
-        plgpu.async_prefetch(into[0].at[batch, pl.ds(q0, bq), head])
     plgpu.barrier_wait(q_ready)
     loop = _overlapped_loop if st.overlap else _serial_loop
     o, m_i, l_i = loop(

@@ -96,7 +96,7 @@ def test_fp8_attention_in_shard_map():
 def test_simulated_ring_matches_xla_and_is_deterministic(implementation, causal):
     """Four ring steps on the one-device axis (simulated_ring_attention: each block passed
     to itself), so the unrolled steps, their barriers and the shared step function run on
-    the compiled kernels (Mosaic: the steps merged in the forward kernel's epilogue):
+    the compiled kernels (Mosaic: each step merged in the forward kernel's epilogue):
     forward and gradients against the same ring on XLA in float32, and with
     deterministic=True the same gradient bits on a second run."""
     q, k, v, d_out = _inputs(2048, 8, 2, 128, seed=23)

@@ -104,7 +104,6 @@ same code on both paths.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -172,8 +171,7 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
              lse: jax.Array, d_out: jax.Array, delta: jax.Array, *, mask: MaskSpec,
              scale: float, config, interpret: bool, softcap: float | None = None,
              bias: jax.Array | None = None, attn_mask: jax.Array | None = None,
-             bias_grad: bool = False, deterministic: bool = False,
-             into: tuple[jax.Array, jax.Array, jax.Array] | None = None
+             bias_grad: bool = False, deterministic: bool = False
              ) -> tuple[jax.Array, ...]:
     """(dq, dk, dv) of attention on Hopper, and dbias when ``bias_grad``.
 
@@ -192,11 +190,6 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
       deterministic: the call's ``attention(..., deterministic=...)``: the separate dQ
         kernel, whatever the heuristic's choice (:func:`~pallas_flash.mosaic.config.
         backward_config`).
-      into: None, or running float32 gradients ``(dq, dk, dv)`` shaped like q, k, v (ring
-        attention's accumulators over its steps): this call's gradients are added to them
-        and returned in float32. dK and dV are added in the dK/dV kernel's epilogue (up to
-        head_dim 128), the fused dQ in the pass that scales it; elsewhere (head_dim 256,
-        the deterministic dQ) by an XLA add.
 
     Raises:
       ValueError: :func:`unsupported_backward` refuses the call (its reason), or
@@ -207,7 +200,6 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
     keys are hidden by ``mask.seq_kv``) and the head dim to a multiple of 64.
     """
     del out
-    _check_into(into, q.shape, k.shape)
     segmented = segment_ids is not None
     dim = padded_head_dim(q.shape[-1])
     reason = unsupported_backward(q.shape, k.shape, q.dtype, mask, segmented, softcap,
@@ -259,32 +251,19 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         swizzle=min(SWIZZLE, config.block_q // NUM_CONSUMERS * itemsize) if split
         else SWIZZLE, **_static_fields(dkdv_logits), **common)
     dkdv_operands = with_ids(dkdv_static, walk_kv=False)  # owns key tiles, walks queries
-    running = None if into is None else (
-        pad_operand(into[0], seq_q_pad, dim),
-        *(pad_operand(x, seq_kv_pad, dim) for x in into[1:]))
-    if running is not None and not split:  # dK, dV added in the kernel's epilogue
-        dkdv_static = dataclasses.replace(dkdv_static, accumulates=True)
-    kv_running = running[1:] if dkdv_static.accumulates else ()
     if fuse_dq:
-        dq, dk, dv = _fused_dq(dkdv_static, dkdv_operands, interpret=interpret,
-                               running_dq=None if running is None else running[0],
-                               running_kv=kv_running)
+        dq, dk, dv = _fused_dq(dkdv_static, dkdv_operands, interpret=interpret)
     else:
         if split:
             dk, dv = call_dkdv_d256(dkdv_static, dkdv_operands, interpret=interpret)
         else:
-            dk, dv = call_dkdv(dkdv_static, dkdv_operands, None, interpret=interpret,
-                               running=kv_running)
+            dk, dv = call_dkdv(dkdv_static, dkdv_operands, None, interpret=interpret)
         dq_static = BackwardStatic(block_q=config.dq_block_q, block_kv=config.dq_block_kv,
                             num_q_blocks=seq_q_pad // config.dq_block_q,
                             num_tiles=seq_q_pad // (NUM_CONSUMERS * config.dq_block_q),
                             swizzle=min(SWIZZLE, config.dq_block_kv * itemsize),
                             **_static_fields(dq_logits), **common)
         dq = call_dq(dq_static, with_ids(dq_static, walk_kv=True), interpret=interpret)
-    if running is not None:  # what the kernels did not add themselves
-        grads = (dq, dk, dv)
-        dq, dk, dv = (g if g.dtype == jnp.float32 else prev + g.astype(jnp.float32)
-                      for prev, g in zip(running, grads, strict=True))
     return (dq[:, :seq_q, :, :head_dim], dk[:, :seq_kv, :, :head_dim],
             dv[:, :seq_kv, :, :head_dim])
 
@@ -328,31 +307,13 @@ def _static_fields(arrays) -> dict:
     return dict(bias=by_kind.get(False), attn_mask=by_kind.get(True))
 
 
-def _fused_dq(st: BackwardStatic, operands, *, interpret: bool, running_dq=None,
-              running_kv=()):
+def _fused_dq(st: BackwardStatic, operands, *, interpret: bool):
     """(dq, dk, dv) padded, from the dK/dV kernel alone: it reduce-adds dS·K into a
     zeroed float32 dQ (interpret mode: a partial sum per consumer and key tile, summed
-    here); dQ is scaled once at the end, as dK is in the kernel, and added to
-    ``running_dq`` (float32) in that same pass when given. ``running_kv``: as
-    :func:`.dkdv.call_dkdv`'s ``running``."""
+    here); dQ is scaled once at the end, as dK is in the kernel."""
     q_p = operands[0]
     partials = (NUM_CONSUMERS * st.num_tiles,) if st.dq_partials else ()
     dq_acc = jax.new_ref(jnp.zeros((*partials, *q_p.shape), jnp.float32))
-    dk, dv = call_dkdv(st, operands, dq_acc, interpret=interpret, running=running_kv)
+    dk, dv = call_dkdv(st, operands, dq_acc, interpret=interpret)
     dq = jax.freeze(dq_acc)
-    dq = (dq.sum(0) if partials else dq) * st.scale
-    return (dq.astype(q_p.dtype) if running_dq is None else running_dq + dq), dk, dv
-
-
-def _check_into(into, q_shape, kv_shape) -> None:
-    """Raises ValueError unless ``into`` is None or float32 ``(dq, dk, dv)`` shaped like
-    q, k, v."""
-    if into is None:
-        return
-    if not (isinstance(into, tuple) and len(into) == 3):
-        raise ValueError(f"into must be a triple (dq, dk, dv), got {type(into).__name__}")
-    for x, shape, name in zip(into, (q_shape, kv_shape, kv_shape), ("dq", "dk", "dv"),
-                              strict=True):
-        if tuple(x.shape) != tuple(shape) or x.dtype != jnp.float32:
-            raise ValueError(f"into's {name} must be float32 of shape {tuple(shape)}, got "
-                             f"{x.dtype} {tuple(x.shape)}")
+    return ((dq.sum(0) if partials else dq) * st.scale).astype(q_p.dtype), dk, dv

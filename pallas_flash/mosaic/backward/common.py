@@ -66,9 +66,6 @@ class BackwardStatic:
     # queries), the dQ kernel as they are.
     bias: LogitArray | None = None
     attn_mask: LogitArray | None = None
-    # The dK/dV epilogue adds its dK, dV to running float32 gradients (ring attention's
-    # accumulators, GMEM refs after the bias / mask ones) and stores float32.
-    accumulates: bool = False
 
     @property
     def split_dq(self) -> bool:

@@ -98,16 +98,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: Bac
 
     GMEM refs: q/do [B, Tq, N, D], k/v [B, Tk, K, D], lse (log2 units)/delta [B, N, Tq];
     ``refs`` = (q_ids [B, Tq], kv_ids [B, Tk], spans [B, 2, Tk / block_kv] int32 with
-    ``st.segmented``;) (bias, mask operands;) (the running dk, dv [B, Tk, K, D] float32
-    with ``st.accumulates``;) (dq_acc [B, Tq, N, D] float32, zero-initialised — with
-    ``st.dq_partials`` [2·tiles, B, Tq, N, D] — with ``st.fuse_dq``;) dk/dv [B, Tk, K, D]
-    (float32 with ``st.accumulates``). SMEM: k/v [2, block_kv, D] (one tile per
+    ``st.segmented``;) (bias, mask operands;) (dq_acc [B, Tq, N, D] float32,
+    zero-initialised — with ``st.dq_partials`` [2·tiles, B, Tq, N, D] — with
+    ``st.fuse_dq``;) dk/dv [B, Tk, K, D]. SMEM: k/v [2, block_kv, D] (one tile per
     consumer), the query ring (:class:`_QueryRing`; q_ids on lse's ready barrier, one more
     TMA arrival), a_smem [2, block_kv, block_q] (interpret mode only); ``mode_smem``: the
     dQ mode's SMEM and barriers (:func:`~.dq_modes.dq_scratch`).
     """
     (q_ids_ref, kv_ids_ref, spans_ref), logit_refs, refs = unpack_refs(st, refs)
-    running, refs = (refs[:2], refs[2:]) if st.accumulates else (None, refs)
     dq_ref, dk_ref, dv_ref = refs if st.fuse_dq else (None, *refs)
     ring = _QueryRing(q_smem, do_smem, lse_smem, delta_smem, q_ids_smem,
                       (bias_smem, mask_smem), (q_ready, do_ready, lse_ready, delta_ready), free)
@@ -174,19 +172,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: Bac
                                plgpu.ACC((bkv, st.head_dim), jnp.float32))
         dq.before_epilogue()
         # Epilogue: dK_j = scale · Σ dSᵀ·Q (S was scaled); out through the K/V tiles + TMA.
-        dk = dk * st.scale
-        if running is None:
-            k_tile[...] = dk.astype(st.dtype)
-            v_tile[...] = dv.astype(st.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[keys])
-            plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[keys])
-            plgpu.wait_smem_to_gmem(0)
-        else:  # ring attention: added to the running float32 dK, dV, stored from registers
-            for grad, prev_ref, out_ref in ((dk, running[0], dk_ref),
-                                            (dv, running[1], dv_ref)):
-                out_ref.at[keys][...] = grad + plgpu.load(
-                    prev_ref.at[keys], layout=plgpu.Layout.WGMMA, optimized=False)
+        k_tile[...] = (dk * st.scale).astype(st.dtype)
+        v_tile[...] = dv.astype(st.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[keys])
+        plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[keys])
+        plgpu.wait_smem_to_gmem(0)
 
     warp_specialized(st, free, stream.num_steps(), load, consume, per_consumer_copies=True)
 
@@ -266,12 +257,11 @@ def _skip(c: _Consumer, i, head_step0, *, head):
     return head_step0
 
 
-def call_dkdv(st: BackwardStatic, operands, dq_acc, *, interpret: bool, running=()):
+def call_dkdv(st: BackwardStatic, operands, dq_acc, *, interpret: bool):
     """dK, dV [B, Tk_pad, K, D_pad]: one CTA per 2·block_kv keys of one KV head.
 
     ``dq_acc``: None (deterministic dQ), or a zeroed float32 ref [B, Tq_pad, N, D_pad] that
-    receives dS·K. ``running``: with ``st.accumulates``, the running float32 (dK, dV) that
-    the results are added to (then float32).
+    receives dS·K.
     """
     q_p, k_p = operands[:2]
     batch, kv_heads = k_p.shape[0], k_p.shape[2]
@@ -300,10 +290,9 @@ def call_dkdv(st: BackwardStatic, operands, dq_acc, *, interpret: bool, running=
     scratch.update(dq_scratch(st))
     return plgpu.kernel(
         functools.partial(_dkdv_kernel, st=st),
-        out_type=(kernel_output(k_p.shape, jnp.float32 if st.accumulates else q_p.dtype,
-                                q_p),) * 2,
+        out_type=(kernel_output(k_p.shape, q_p.dtype, q_p),) * 2,
         scratch_types=scratch,
         grid=(kv_heads, st.num_tiles, batch),
         grid_names=("heads", "kv_tiles", "batch"),
         **kernel_params(interpret),
-    )(*operands, *running, *(() if dq_acc is None else (dq_acc,)))
+    )(*operands, *(() if dq_acc is None else (dq_acc,)))
