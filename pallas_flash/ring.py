@@ -280,12 +280,11 @@ def _forward_calls(ring: _Ring, plan, first: bool, acc, k, v, kv_ids, q_ids, q):
                                       segment_ids)
         static = ring.static(call.mask, qs, ks, has_segments=segment_ids is not None)
         fresh = first and written.fresh(rows)
-        if static.kernels.merges_into and not fresh:
-            # The kernel's epilogue joins its partial to the running one: no merge pass.
-            out, lse = sharding.forward(static, qs, ks, vs, segment_ids, None, None,
-                                        into=(out_acc[:, rows], lse_acc[:, :, rows]))
-        else:
-            out, lse = sharding.forward(static, qs, ks, vs, segment_ids, None, None)
+        # A kernel that merges in its epilogue joins its partial to the running one.
+        into = None if fresh or not static.kernels.merges_into else (
+            out_acc[:, rows], lse_acc[:, :, rows])
+        out, lse = sharding.forward(static, qs, ks, vs, segment_ids, None, None, into=into)
+        if into is None:
             out, lse = out.astype(out_acc.dtype), lse.astype(lse_acc.dtype)
             if not fresh:
                 # The exact join of two partial softmaxes over disjoint keys (split-KV
