@@ -266,7 +266,8 @@ class _Ring:
 
 
 def _forward_calls(ring: _Ring, plan, first: bool, acc, k, v, kv_ids, q_ids, q):
-    """``acc = (out [B, T, N, D] float32, lse [B, N, T])`` with the plan's calls merged in.
+    """``(acc, None)``: ``acc = (out [B, T, N, D] float32, lse [B, N, T])`` with the plan's
+    calls merged in (nothing travels with the block in the forward).
 
     ``first``: ``acc`` is still empty (step 0): a call's rows that no earlier call of the
     plan wrote take its result as it is, with no merge (n = 1 is then the plain call).
@@ -293,15 +294,18 @@ def _forward_calls(ring: _Ring, plan, first: bool, acc, k, v, kv_ids, q_ids, q):
                                         jnp.stack([lse_acc[:, :, rows], lse], 1))
         out_acc = _put(out_acc, out, rows, axis=1)
         lse_acc = _put(lse_acc, lse, rows, axis=2)
-    return out_acc, lse_acc
+    return (out_acc, lse_acc), None
 
 
-def _backward_calls(ring: _Ring, plan, first: bool, grads, k, v, kv_ids, q_ids, q, out,
-                    lse, d_out, delta):
-    """``grads = (dq, dk, dv)`` float32 with the plan's calls' gradients added; dk / dv are
-    those of the visiting block. ``first``: the gradients are still zeros (step 0)."""
-    dq, dk, dv = grads
+def _backward_calls(ring: _Ring, part_dtype, plan, first: bool, dq, k, v, kv_ids, q_ids,
+                    q, out, lse, d_out, delta):
+    """``(dq, (dk, dv))``: ``dq`` float32 with the plan's calls' dQ added (``first``: it is
+    still zeros, step 0); ``dk`` / ``dv`` the plan's own part of the visiting block's
+    gradients, in ``part_dtype``, zero where no call reached. The caller adds them to the
+    block's travelling accumulators after this step's kernels."""
     q_written, kv_written = _Written(), _Written()
+    # Dead where one call covers every key.
+    dk = dv = sharding.varying_like(jnp.zeros(k.shape, part_dtype), k)
     for call in plan:
         rows, cols = ring.slices(call)
         segment_ids = None if q_ids is None else (q_ids[:, rows], kv_ids[:, cols])
@@ -314,13 +318,19 @@ def _backward_calls(ring: _Ring, plan, first: bool, grads, k, v, kv_ids, q_ids, 
             delta[:, :, rows], None, None, False)
         if not (first and q_written.fresh(rows)):
             dqs = dq[:, rows] + dqs.astype(dq.dtype)
-        if not (first and kv_written.fresh(cols)):
-            dks = dk[:, cols] + dks.astype(dk.dtype)
-            dvs = dv[:, cols] + dvs.astype(dv.dtype)
+        if not kv_written.fresh(cols):
+            dks = dk[:, cols] + dks.astype(part_dtype)
+            dvs = dv[:, cols] + dvs.astype(part_dtype)
         dq = _put(dq, dqs, rows, axis=1)
         dk = _put(dk, dks, cols, axis=1)
         dv = _put(dv, dvs, cols, axis=1)
-    return dq, dk, dv
+    return dq, (dk, dv)
+
+
+def _writes_keys_once(ring: _Ring, plan) -> bool:
+    """Whether no two calls of ``plan`` reach the same key positions."""
+    written = _Written()
+    return all([written.fresh(ring.slices(call)[1]) for call in plan])
 
 
 class _Written:
@@ -359,11 +369,18 @@ def _pass_on(ring: _Ring, tree):
     return jax.tree.map(lambda x: lax.ppermute(x, ring.axis_name, perm), tree)
 
 
-def _round_the_ring(ring: _Ring, run, carry, block, operands, after_step=None):
-    """``carry`` after the ``n`` steps of the ring: at step ``s`` this device holds
-    ``block`` of device ``i - s`` and ``carry = run(plan, carry, *block, *operands)`` with
-    its plan of that step; ``after_step(carry)`` follows each step (the backward's dK/dV
-    hop).
+def _round_the_ring(ring: _Ring, run, carry, block, operands):
+    """``(carry, travelling)`` after the ``n`` steps of the ring: at step ``s`` this device
+    holds ``block`` of device ``i - s`` and ``carry, part = run(plan, carry, *block,
+    *operands)`` with its plan of that step. ``part`` (None in the forward; the backward's
+    dK/dV) is this step's share of accumulators that travel with the block: it is added to
+    the ones that arrive from the previous device and the sum goes on to the next, one more
+    hop after the last step bringing each home (``travelling``).
+
+    The accumulators are added after the step's kernels, not before, and are not fenced
+    with the block: their transfer runs behind the next step's kernels, as the K/V
+    transfer does (ring-flash-attention's backward waits for them the same way). Fenced,
+    each step's float32 dK/dV would have to arrive before the next kernels could start.
 
     The steps are unrolled, each fenced from the next by an ``optimization_barrier`` over
     (carry, incoming block). Without the fence XLA is free to issue every
@@ -378,18 +395,17 @@ def _round_the_ring(ring: _Ring, run, carry, block, operands, after_step=None):
     step. Lowered for CUDA on the CPU, a causal 8-step forward + backward with the Mosaic
     kernels took 3.8 s this way, 19.4 s with each step lowered separately and 5.1 s with
     the loop. Step 0 (each device's own block) merges nothing: its results are written into
-    the empty carry. The last step passes nothing on. Each step's plan depends on
+    the empty carry. The last step passes no block on. Each step's plan depends on
     (device, step): the distinct plans of the later steps are the branches of a
     ``lax.switch`` indexed by a static ``[step, device]`` table, so only the taken branch
     runs and a fully masked step launches no kernel.
     """
     plans = [[ring.plan(device, step) for device in range(ring.size)]
              for step in range(ring.size)]
-    after_step = after_step or (lambda c: c)
 
     def switch(rows, first: bool):
-        """``(row, carry, block, operands) -> carry`` running this device's plan of
-        ``rows[row]``."""
+        """``(row, carry, block, operands) -> (carry, part)`` running this device's plan
+        of ``rows[row]``."""
         distinct = list(dict.fromkeys(p for row in rows for p in row))
         table = np.asarray([[distinct.index(p) for p in row] for row in rows], np.int32)
         branches = [functools.partial(run, plan, first) for plan in distinct]
@@ -405,12 +421,14 @@ def _round_the_ring(ring: _Ring, run, carry, block, operands, after_step=None):
     # (lowering, not XLA, is most of the compile time of Pallas kernels).
     first_step, later_step = switch(plans[:1], True), jax.jit(switch(plans[1:], False))
     incoming = _pass_on(ring, block)
-    carry = after_step(first_step(0, carry, block, operands))
+    carry, part = first_step(0, carry, block, operands)
+    travelling = _pass_on(ring, part)
     for step in range(1, ring.size):
         carry, block = lax.optimization_barrier((carry, incoming))
         incoming = _pass_on(ring, block) if step < ring.size - 1 else None
-        carry = after_step(later_step(np.int32(step - 1), carry, block, operands))
-    return carry
+        carry, part = later_step(np.int32(step - 1), carry, block, operands)
+        travelling = _pass_on(ring, jax.tree.map(jnp.add, travelling, part))
+    return carry, travelling
 
 
 def _ring_forward(ring: _Ring, q, k, v, q_ids, kv_ids):
@@ -419,20 +437,22 @@ def _ring_forward(ring: _Ring, q, k, v, q_ids, kv_ids):
            sharding.varying_like(jnp.full((q.shape[0], q.shape[2], q.shape[1]),
                                           EMPTY_ROW_LSE, accumulator), q))
     return _round_the_ring(ring, functools.partial(_forward_calls, ring), acc,
-                           (k, v, kv_ids), (q_ids, q))
+                           (k, v, kv_ids), (q_ids, q))[0]
 
 
 def _ring_backward(ring: _Ring, q, k, v, q_ids, kv_ids, out, lse, d_out, delta):
+    """``(dq, dk, dv)`` float32. dK / dV travel with their block, as float32 sums; a step
+    hands over its own part in the kernels' dtype where no two of its calls reach the
+    same keys (the add then converts it for free), else in float32."""
     grad_dtype = jnp.promote_types(q.dtype, jnp.float32)
-    grads = tuple(sharding.varying_like(jnp.zeros(x.shape, grad_dtype), x) for x in (q, k, v))
-
-    def hop(grads):
-        # dK / dV travel with their block: after the n-th hop each is on its owner.
-        dq, dk, dv = grads
-        return (dq, *_pass_on(ring, (dk, dv)))
-
-    return _round_the_ring(ring, functools.partial(_backward_calls, ring), grads,
-                           (k, v, kv_ids), (q_ids, q, out, lse, d_out, delta), after_step=hop)
+    dq = sharding.varying_like(jnp.zeros(q.shape, grad_dtype), q)
+    once = all(_writes_keys_once(ring, ring.plan(device, step))
+               for device in range(ring.size) for step in range(ring.size))
+    part_dtype = k.dtype if once else grad_dtype
+    dq, (dk, dv) = _round_the_ring(
+        ring, functools.partial(_backward_calls, ring, part_dtype), dq, (k, v, kv_ids),
+        (q_ids, q, out, lse, d_out, delta))
+    return dq, dk.astype(grad_dtype), dv.astype(grad_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))

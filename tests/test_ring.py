@@ -481,3 +481,44 @@ def test_ring_kernels_are_lowered_once_whatever_the_steps(backward):
     assert kernels(eight) == kernels(four)
     # The steps themselves are unrolled: one barrier between consecutive steps.
     assert eight.count("optimization_barrier") > four.count("optimization_barrier")
+
+
+def _barrier_operands_from_ppermute(closed_jaxpr) -> list[int]:
+    """For each ``optimization_barrier`` of the program (sub-jaxprs included): how many of
+    its operands a ``ppermute`` produced."""
+    counts = []
+
+    def walk(jaxpr):
+        producer = {}
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "optimization_barrier":
+                counts.append(sum(producer.get(v) == "ppermute" for v in eqn.invars))
+            producer.update((v, eqn.primitive.name) for v in eqn.outvars)
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (list, tuple)) else [param]:
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(closed_jaxpr.jaxpr)
+    return counts
+
+
+def test_travelling_gradients_are_not_waited_for_before_the_next_kernels():
+    """Each step is fenced from the next by a barrier over (dq, the incoming K/V block);
+    the dK/dV accumulators that arrive from the previous device are added only after the
+    step's kernels, so their transfer runs behind them: no barrier takes them. (Before:
+    the backward's barriers took 4 transferred arrays, K, V, dK and dV.)"""
+    n = 4
+
+    def local(q, k, v):
+        def loss(q, k, v):
+            return pf.ring_attention(q, k, v, axis_name=AXIS, implementation="xla").sum()
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    mapped = jax.shard_map(local, mesh=ring_mesh(n), in_specs=(SEQ_SPEC,) * 3,
+                           out_specs=(SEQ_SPEC,) * 3)
+    x = jax.ShapeDtypeStruct((1, 16 * n, 2, HEAD_DIM), jnp.float32)
+    counts = _barrier_operands_from_ppermute(jax.make_jaxpr(mapped)(x, x, x))
+    # n - 1 barriers in the forward, n - 1 in the backward, each over K and V only.
+    assert counts == [2] * (2 * (n - 1)), counts
