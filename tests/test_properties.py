@@ -69,8 +69,14 @@ def _check(backend, p: dict) -> None:
                                  local_window_size=p["window"], logits_soft_cap=p["softcap"],
                                  sinks=sinks, return_lse=True, **kwargs)
 
-    (out, lse), vjp = jax.vjp(f, q, key, value, bias)
-    grads = vjp((d_out, jnp.zeros_like(lse)))
+    # One jitted program (eagerly, every small op around the kernels compiles on its own:
+    # most of an example's time); the same computation.
+    @jax.jit
+    def forward_and_grads(q, key, value, bias, d_out):
+        (out, lse), vjp = jax.vjp(f, q, key, value, bias)
+        return out, lse, vjp((d_out, jnp.zeros_like(lse)))
+
+    out, lse, grads = forward_and_grads(q, key, value, bias, d_out)
     ref_out, ref_lse, ref_grads = attention_float64(
         q, key, value, mask=mask, segment_ids=segment_ids, softcap=p["softcap"], sinks=sinks,
         bias=bias, attn_mask=attn_mask, d_out=d_out)
