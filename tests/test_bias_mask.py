@@ -184,16 +184,16 @@ def test_fully_masked_rows_give_zero(backend, with_bias):
     the mask alone (every block masked), or with an additive -inf bias row and the mask
     folded into the bias, where the other blocks' softmax must also survive rows that have
     seen only -inf. Also a whole 64-key block hidden for one head."""
-    seq = 130
-    q, k, v, d_out = random_qkv(2, seq, seq, 2, 2, 32, backend.dtype)
+    seq, batch = 130, 1  # (batched masks and biases: test_matches_float64_oracle)
+    q, k, v, d_out = random_qkv(batch, seq, seq, 2, 2, 32, backend.dtype)
     # Rows 60-69 (over two 64-row tiles) hidden by the mask, row 12 by an additive -inf
     # bias, rows 110.. of head 1.
-    mask = random_mask("B1TS", 2, 2, seq, seq).at[:, :, 60:70].set(False)
-    mask = jnp.broadcast_to(mask, (2, 2, seq, seq)).at[:, 1, 110:].set(False)
+    mask = random_mask("B1TS", batch, 2, seq, seq).at[:, :, 60:70].set(False)
+    mask = jnp.broadcast_to(mask, (batch, 2, seq, seq)).at[:, 1, 110:].set(False)
     mask = mask.at[:, 1, :, 64:128].set(False)
     bias = None
     if with_bias:
-        bias = random_bias("BNTS", 2, 2, seq, seq).at[:, :, 12].set(-jnp.inf)  # full size
+        bias = random_bias("BNTS", batch, 2, seq, seq).at[:, :, 12].set(-jnp.inf)  # full size
     out, lse, grads = check(backend, q, k, v, d_out, bias=bias, mask=mask)
     for x in (out, lse, *grads):
         assert np.all(np.isfinite(np.asarray(x, np.float32)))
