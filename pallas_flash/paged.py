@@ -259,8 +259,9 @@ def write_pages(key_pages: jax.Array, value_pages: jax.Array, page_table: jax.Ar
       new_key, new_value: ``[batch, seq_new, kv_heads, head_dim]``, the pools' dtype.
 
     Returns:
-      The updated ``(key_pages, value_pages)``. A write through an out-of-range page id is
-      dropped.
+      The updated ``(key_pages, value_pages)``. A write through an out-of-range page id
+      (negative, or past the pool) is dropped, and so is one to a position outside the
+      table (possible only under ``jit``, where ``cache_lengths`` cannot be checked).
     """
     _check_pages(key_pages, value_pages, page_table, cache_lengths)
     batch, max_pages = page_table.shape
@@ -281,7 +282,13 @@ def write_pages(key_pages: jax.Array, value_pages: jax.Array, page_table: jax.Ar
     check_concrete_range(cache_lengths + seq_new, "cache_lengths + seq_new", 0,
                          max_pages * page_size, _ADDRESSED)
     positions = cache_lengths.astype(jnp.int32)[:, None] + jnp.arange(seq_new, dtype=jnp.int32)
-    page_ids = jnp.take_along_axis(page_table, positions // page_size, axis=1, mode="clip")
+    table_index = positions // page_size
+    page_ids = jnp.take_along_axis(page_table, table_index, axis=1, mode="clip")
+    # Dropped like an id past the pool: a negative id (which indexing would wrap to a page
+    # from the end) and, under jit, a position outside the table (which the clipped lookup
+    # would send to a real page, over tokens already cached).
+    outside = (page_ids < 0) | (positions < 0) | (table_index >= max_pages)
+    page_ids = jnp.where(outside, key_pages.shape[0], page_ids)
     slots = positions % page_size
     # jnp.asarray: NumPy pools (which paged_attention reads) have no .at.
     return (jnp.asarray(key_pages).at[page_ids, slots].set(new_key, mode="drop"),
@@ -301,6 +308,8 @@ def _check_pages(key_pages, value_pages, page_table, cache_lengths) -> None:
         raise ValueError("key_pages and value_pages must have the same shape and dtype, got "
                          f"{key_pages.shape} {key_pages.dtype} and {value_pages.shape} "
                          f"{value_pages.dtype}")
+    if key_pages.shape[0] < 1:
+        raise ValueError(f"key_pages must hold at least one page, got shape {key_pages.shape}")
     if key_pages.shape[1] not in PAGE_SIZES:
         raise ValueError(
             f"page_size (key_pages.shape[1]) must be one of {PAGE_SIZES}, got {key_pages.shape[1]}")

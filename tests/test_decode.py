@@ -535,6 +535,24 @@ def test_write_through_an_out_of_range_page_id_is_dropped():
     assert np.all(np.asarray(key_pages[1, :2]) == 1) and np.all(np.asarray(key_pages[1, 2:]) == 0)
 
 
+def test_writes_through_negative_ids_or_past_the_table_are_dropped():
+    """A negative id does not wrap to a page from the end of the pool, and under jit (no
+    check of cache_lengths) a position past the table does not land in its last page."""
+    pages = jnp.zeros((6, 8, 1, 4), jnp.float32)
+    new = jnp.ones((1, 2, 1, 4), jnp.float32)
+    for bad_id in (-1, -6):
+        table = jnp.array([[0, bad_id]], jnp.int32)
+        written, _ = pf.write_pages(pages, pages, table, jnp.array([7]), new, new)
+        # Token 7 goes to page 0's last slot; token 8 through the bad id nowhere.
+        assert np.all(np.asarray(written[0, 7]) == 1)
+        assert np.sum(np.asarray(written)) == 4, bad_id
+    table = jnp.array([[0, 1]], jnp.int32)
+    written, _ = jax.jit(pf.write_pages)(pages, pages, table, jnp.array([15]), new, new)
+    # Position 15 is page 1's last slot; position 16 is past the table's 2 pages.
+    assert np.all(np.asarray(written[1, 7]) == 1)
+    assert np.sum(np.asarray(written)) == 4
+
+
 def _paged_args(**overrides):
     args = dict(query=jnp.ones((2, 1, 4, 8)), key_pages=jnp.ones((6, 8, 2, 8)),
                 value_pages=jnp.ones((6, 8, 2, 8)), page_table=jnp.zeros((2, 3), jnp.int32),
@@ -557,6 +575,8 @@ def _paged_args(**overrides):
     (dict(cache_lengths=jnp.array([-1, 2])), "cache_lengths must lie in"),
     (dict(query=jnp.ones((3, 1, 4, 8))), "query must have rank 4"),
     (dict(query=jnp.ones((2, 1, 3, 8))), "multiple of key/value"),
+    (dict(key_pages=jnp.ones((0, 8, 2, 8)), value_pages=jnp.ones((0, 8, 2, 8))),
+     "at least one page"),
 ])
 def test_paged_attention_rejects_bad_input(overrides, match):
     with pytest.raises(ValueError, match=match):
