@@ -578,20 +578,36 @@ def merge_splits(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
 
     Args:
       out: ``[B, n, R, K, D]``, each chunk's softmax-normalised output.
-      lse: ``[B, n, K, R]`` float32, each chunk's log-denominator; a chunk in which a row
-        sees no key has lse ``-1e30`` (or ``-inf``) and out 0.
+      lse: ``[B, n, K, R]`` float32 (or float64), each chunk's log-denominator; a chunk in
+        which a row sees no key has lse ``-1e30`` (or ``-inf``) and out 0.
+
+    Raises:
+      ValueError: ranks or shapes that do not match as above, or a non-float dtype.
 
     Returns:
       ``out [B, R, K, D]`` (dtype of ``out``) ``= Σ_i exp(lse_i - lse) · out_i`` and
       ``lse [B, K, R] = logsumexp_i lse_i``; rows empty in every chunk give out 0 and lse
       ``-1e30`` (no NaN, also in the gradients).
     """
-    lse = jnp.maximum(lse.astype(jnp.float32), EMPTY_ROW_LSE)  # -inf -> a finite floor
+    out_shape, lse_shape = getattr(out, "shape", None), getattr(lse, "shape", None)
+    if out_shape is None or len(out_shape) != 5:
+        raise ValueError(f"out must have rank 5 [B, n, R, K, D], got shape {out_shape}")
+    batch, splits, rows, kv_heads, _ = out_shape
+    if lse_shape != (batch, splits, kv_heads, rows):
+        raise ValueError(f"lse must have shape [B, n, K, R] = "
+                         f"{(batch, splits, kv_heads, rows)} for out {out_shape}, got "
+                         f"{lse_shape}")
+    for name, x in (("out", out), ("lse", lse)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be floating, got {x.dtype}")
+    # At least float32; float64 stays float64 (a float64 decode is exact).
+    acc = jnp.promote_types(lse.dtype, jnp.float32)
+    lse = jnp.maximum(lse.astype(acc), EMPTY_ROW_LSE)  # -inf -> a finite floor
     top = jnp.max(lse, axis=1, keepdims=True)
     weights = jnp.exp(lse - top)  # [B, n, K, R]; the largest is 1, so the sum is >= 1
     total = jnp.sum(weights, axis=1)
     empty = top[:, 0] <= EMPTY_ROW_LSE / 2
     merged_lse = jnp.where(empty, EMPTY_ROW_LSE, top[:, 0] + jnp.log(total))
     shares = jnp.transpose(weights / total[:, None], (0, 1, 3, 2))[..., None]  # [B,n,R,K,1]
-    merged = jnp.sum(shares * out.astype(jnp.float32), axis=1)
+    merged = jnp.sum(shares * out.astype(jnp.promote_types(out.dtype, acc)), axis=1)
     return merged.astype(out.dtype), merged_lse

@@ -736,3 +736,26 @@ def test_direct_read_only_where_triton_takes_the_call_unpadded(monkeypatch):
         with pytest.raises(ValueError, match="float64"):
             pf.paged_attention(q64, *pages64, table, lengths, implementation="triton",
                                interpret=True)
+
+
+def test_float64_decode_is_computed_in_float64():
+    """Split or not, a float64 decode matches the float64 oracle to float64 rounding (the
+    split merge once cast the lse to float32: 6e-8)."""
+    with jax.enable_x64(True):
+        q, k, v, _ = random_qkv(2, 1, 300, 4, 2, 16, jnp.float64)
+        want = attention_float64(q, k, v, mask=MaskSpec(1, 300))[0]
+        for num_splits in (1, 3):
+            got = pf.decode_attention(q, k, v, num_splits=num_splits, implementation="xla")
+            assert got.dtype == jnp.float64
+            assert rel_err(got, want) < 1e-12, num_splits
+
+
+@pytest.mark.parametrize(("out_shape", "lse_shape", "match"), [
+    ((1, 2, 3, 1), (1, 2, 1, 3), "out must have rank 5"),
+    ((1, 2, 3, 1, 4), (1, 2, 3, 1), "lse must have shape"),
+])
+def test_merge_splits_checks_shapes(out_shape, lse_shape, match):
+    with pytest.raises(ValueError, match=match):
+        merge_splits(jnp.zeros(out_shape), jnp.zeros(lse_shape))
+    with pytest.raises(ValueError, match="out must be floating"):
+        merge_splits(jnp.zeros((1, 2, 3, 1, 4), jnp.int32), jnp.zeros((1, 2, 1, 3)))
