@@ -178,6 +178,7 @@ def decode_attention(
                        ("return_lse", return_lse)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool, got {flag!r}")
+    dispatch.check_implementation(implementation, interpret)
     window = canonical_window(local_window_size)
     softcap = check_soft_cap(logits_soft_cap)
     sinks = check_sinks(sinks, heads)

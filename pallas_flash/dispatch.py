@@ -83,6 +83,26 @@ def available_implementations() -> tuple[str, ...]:
     return tuple(names)
 
 
+def check_implementation(name: str | None, interpret: bool,
+                         also: tuple[str, ...] = ()) -> None:
+    """Raises ValueError unless ``name`` (None: the dispatcher chooses) is a backend that can
+    run on the default device: ``xla`` anywhere, ``triton`` on a GPU and ``mosaic`` on a
+    Hopper GPU, either of them anywhere with ``interpret=True``. ``also``: other names the
+    caller takes (``attention``'s ``"cudnn"``), for the message."""
+    if not isinstance(interpret, bool):
+        raise ValueError(f"interpret must be a bool, got {interpret!r}")
+    if name is None:
+        return
+    if not isinstance(name, str) or name not in BACKEND_MODULES:
+        raise ValueError(f"implementation must be one of {[*sorted(BACKEND_MODULES), *also]} "
+                         f"or None, got {name!r}")
+    if interpret or name in available_implementations():
+        return
+    needs = "a Hopper (sm90) GPU" if name == "mosaic" else "a GPU"
+    raise ValueError(f"implementation={name!r} needs {needs} or interpret=True (the default "
+                     f"device here is {jax.default_backend()!r})")
+
+
 def default_implementation() -> str:
     """``mosaic`` on Hopper GPUs, ``triton`` on other GPUs, ``xla`` elsewhere."""
     return available_implementations()[0]

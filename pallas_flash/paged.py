@@ -119,6 +119,9 @@ def paged_attention(
     cache = jax.ShapeDtypeStruct((page_table.shape[0], page_table.shape[1] * key_pages.shape[1],
                                   *key_pages.shape[2:]), key_pages.dtype)
     dispatch.check_arrays(query, cache, cache)
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
+    dispatch.check_implementation(implementation, interpret)
     lengths = cache_lengths.astype(jnp.int32)
     deterministic = dispatch.deterministic_backward(check_deterministic(deterministic))
     seq_q = query.shape[1]

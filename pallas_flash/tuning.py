@@ -309,6 +309,7 @@ def tune(query: jax.Array, key: jax.Array, value: jax.Array, *, is_causal: bool 
         raise ValueError(f"timer must be callable or None, got {timer!r}")
     if candidates is not None and not isinstance(candidates, (list, tuple)):
         raise ValueError(f"candidates must be a list or tuple of configs, got {candidates!r}")
+    dispatch.check_implementation(implementation, interpret)
     spec = MaskSpec(seq_q=query.shape[1], seq_kv=key.shape[1], is_causal=is_causal)
     if implementation is None:
         implementation = dispatch.choose(query.shape, key.shape, query.dtype, spec,
