@@ -296,9 +296,10 @@ def _through_cudnn(query, key, value, bias, mask, *, ours: dict[str, bool], **kw
 
 
 def _as_array(x):
-    """NumPy arrays, NumPy scalars and lists as JAX arrays (as ``jax.nn`` takes them); JAX
-    arrays, None and anything else (which the checks then reject) unchanged."""
-    if isinstance(x, (np.ndarray, np.generic, list, tuple)):
+    """NumPy arrays, NumPy and Python scalars and lists as JAX arrays (as ``jax.nn`` takes
+    them: ``mask=True``, ``bias=0.5``); JAX arrays, None and anything else (which the checks
+    then reject) unchanged."""
+    if isinstance(x, (np.ndarray, np.generic, list, tuple, bool, int, float)):
         return jnp.asarray(x)
     return x
 

@@ -88,17 +88,22 @@ def canonical_scale(scale, head_dim: int) -> float:
 
 
 def canonical_window(window) -> tuple[int, int] | None:
+    """``(left, right)`` Python ints from ``w`` or ``(left, right)`` (Python or NumPy ints,
+    as ``jax.nn`` takes them; not bools), or None."""
     if window is None:
         return None
-    if isinstance(window, int) and not isinstance(window, bool):
+
+    def is_int(w) -> bool:
+        return isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_))
+
+    if is_int(window):
         window = (window, window)
     if (not isinstance(window, (tuple, list)) or len(window) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)
-            or min(window) < 0):
+            or not all(is_int(w) for w in window) or min(window) < 0):
         raise ValueError(
             f"local_window_size must be a non-negative int or a (left, right) pair of them, "
             f"got {window!r}")
-    return (window[0], window[1])
+    return (int(window[0]), int(window[1]))
 
 
 def canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv):
@@ -106,7 +111,10 @@ def canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv):
         return None
     if kv_segment_ids is None and seq_q == seq_kv:
         kv_segment_ids = q_segment_ids
-    if q_segment_ids is None or kv_segment_ids is None:
+    if q_segment_ids is None:
+        raise ValueError("kv_segment_ids needs q_segment_ids (only q_segment_ids may be given "
+                         "alone, when seq_q == seq_kv)")
+    if kv_segment_ids is None:
         raise ValueError(
             "q_segment_ids and kv_segment_ids must be given together when seq_q != seq_kv")
     for name, ids, seq in (("q_segment_ids", q_segment_ids, seq_q),

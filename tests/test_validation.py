@@ -243,3 +243,23 @@ def test_bad_implementation_names_and_flags():
         pf.paged_attention(Q[:, :1], pages, pages, jnp.zeros((1, 2), jnp.int32),
                            jnp.array([3]), return_lse="yes", implementation="triton",
                            interpret=True)
+
+
+def test_scalars_and_numpy_ints_are_taken_as_jax_nn_takes_them():
+    """``mask=True``, ``bias=0.5`` (Python scalars) and NumPy ints in ``local_window_size``
+    give jax.nn's result (they were refused: "got dtype None", "local_window_size")."""
+    q, k, v = (_normal(1, 8, 2, 8) * s for s in (1.0, 0.9, 1.1))
+    cases = [dict(mask=True), dict(bias=0.5), dict(local_window_size=(np.int64(2), 1))]
+    for kwargs in cases:
+        want = jax.nn.dot_product_attention(q, k, v, **kwargs)
+        got = pf.attention(q, k, v, implementation="xla", **kwargs)
+        assert np.max(np.abs(np.asarray(got) - np.asarray(want))) < 1e-5, kwargs
+    # One NumPy int for both sides (jax.nn takes only a pair), as a Python int is taken.
+    want = jax.nn.dot_product_attention(q, k, v, local_window_size=(3, 3))
+    got = pf.attention(q, k, v, implementation="xla", local_window_size=np.int32(3))
+    assert np.max(np.abs(np.asarray(got) - np.asarray(want))) < 1e-5
+
+
+def test_kv_segment_ids_alone_are_refused_with_what_is_missing():
+    with pytest.raises(ValueError, match="kv_segment_ids needs q_segment_ids"):
+        pf.attention(Q, Q, Q, kv_segment_ids=IDS, implementation="xla")
