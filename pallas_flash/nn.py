@@ -93,7 +93,7 @@ def masked_attention(query: jax.Array, key: jax.Array, value: jax.Array,
       query: ``[batch, seq_q, heads, head_dim]``.
       key: ``[batch, seq_kv, kv_heads, head_dim]``.
       value: ``[batch, seq_kv, kv_heads, head_dim]``.
-      visible: ``[seq_q, seq_kv]`` bool; every query row must see at least one key.
+      visible: ``[seq_q, seq_kv]`` bool; a query row that sees no key outputs 0.
       logits_soft_cap, sinks: as in :func:`pallas_flash.attention`.
 
     Returns:
@@ -113,13 +113,18 @@ def masked_attention(query: jax.Array, key: jax.Array, value: jax.Array,
     s = s / math.sqrt(head_dim)
     if logits_soft_cap is not None:
         s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
-    s = jnp.where(visible, s, -jnp.inf)
+    # A row that sees no key outputs 0, as in pallas_flash.attention: its logits become
+    # zeros before the softmax (all -inf would give NaN, in the gradients too) and its
+    # weights are dropped after.
+    seen = jnp.any(visible, axis=-1, keepdims=True)
+    s = jnp.where(visible, s, jnp.where(seen, -jnp.inf, 0.0))
     if sinks is not None:  # one more logit per head, with no value behind it
         sink = sinks.astype(jnp.float32).reshape(1, kv_heads, heads // kv_heads, 1, 1)
         s = jnp.concatenate([s, jnp.broadcast_to(sink, (*s.shape[:-1], 1))], axis=-1)
     p = jax.nn.softmax(s, axis=-1)
     if sinks is not None:
         p = p[..., :-1]
+    p = jnp.where(seen, p, 0.0)
     out = jnp.einsum("bkgts,bskd->btkgd", p, value.astype(jnp.float32))
     return out.reshape(query.shape).astype(query.dtype)
 

@@ -21,9 +21,10 @@ from pallas_flash.nn import (
     FlashSelfAttention,
     check_cache_room,
     make_attention_fn,
+    masked_attention,
     rotary_embedding,
 )
-from pallas_flash.reference import standard_attention
+from pallas_flash.reference import attention_float64, standard_attention
 
 D_MODEL, HEADS = 32, 4
 ROOT = Path(__file__).resolve().parents[1]
@@ -490,3 +491,25 @@ def test_nn_without_flax_says_how_to_install_it():
     assert done.returncode != 0
     assert "pallas_flash.nn needs flax" in done.stderr
     assert "pip install 'pallas-flash[flax]'" in done.stderr
+
+
+def test_masked_attention_rows_that_see_nothing_give_zero():
+    """A query row with no visible key outputs 0 with finite gradients, as
+    pallas_flash.attention's empty rows do (it gave NaN); the other rows match the float64
+    oracle's masked attention, with and without sinks."""
+    keys = jax.random.split(jax.random.key(7), 4)
+    q = jax.random.normal(keys[0], (1, 4, 4, 8))
+    k, v = (jax.random.normal(x, (1, 6, 2, 8)) for x in keys[1:3])
+    visible = jnp.tril(jnp.ones((4, 6), bool), k=2).at[1].set(False)  # row 1 sees nothing
+    for sinks in (None, jax.random.normal(keys[3], (4,))):
+        grads = jax.grad(
+            lambda q, k, v, s=sinks: (masked_attention(q, k, v, visible, sinks=s) ** 2).sum(),
+            argnums=(0, 1, 2))(q, k, v)
+        got = masked_attention(q, k, v, visible, sinks=sinks)
+        assert np.all(np.asarray(got[:, 1]) == 0)
+        assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
+        want = attention_float64(q, k, v, attn_mask=visible[None, None], sinks=sinks,
+                                 mask=MaskSpec(4, 6))[0]
+        rows = np.array([0, 2, 3])
+        assert np.max(np.abs(np.asarray(got)[:, rows] - np.asarray(want)[:, rows])) < 1e-5
+        assert np.max(np.abs(np.asarray(want)[:, 1])) == 0
