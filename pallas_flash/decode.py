@@ -169,6 +169,11 @@ def decode_attention(
     dispatch.check_arrays(query, key, value)
     batch, seq_q, heads, head_dim = query.shape
     seq_kv, kv_heads = key.shape[1], key.shape[2]
+    if seq_q < 1 or seq_kv < 1:
+        # The cache holds the new tokens too (they are written before the call).
+        raise ValueError(f"decode_attention needs at least one new token (query seq_q) and "
+                         f"one cached position (key / value seq_kv), got seq_q {seq_q}, "
+                         f"seq_kv {seq_kv}")
     if seq_q > MAX_DECODE_SEQ_Q:
         raise ValueError(
             f"query seq_q must be at most {MAX_DECODE_SEQ_Q} for decode_attention, got "

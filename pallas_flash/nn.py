@@ -71,6 +71,8 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, base: float) -> jax.Arr
         raise ValueError(f"positions must be [batch, seq] (or [1, seq]) = "
                          f"{(x.shape[0], x.shape[1])}, got "
                          f"{getattr(positions, 'shape', type(positions).__name__)}")
+    if not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(f"positions must be integers, got {positions.dtype}")
     half = x.shape[-1] // 2
     inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angles = positions.astype(jnp.float32)[..., None, None] * inv_freq     # [B, T, 1, D/2]
@@ -352,7 +354,6 @@ class FlashSelfAttention(nnx.Module):
         elif positions is None:
             positions = jnp.arange(seq)[None]
         if self.rope_base is not None:
-            positions = jnp.broadcast_to(positions, (batch, seq))
             query = rotary_embedding(query, positions, self.rope_base)
             key = rotary_embedding(key, positions, self.rope_base)
         if decode:

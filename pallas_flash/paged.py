@@ -106,6 +106,9 @@ def paged_attention(
         raise ValueError(
             "query must have rank 4 [batch, seq_q, heads, head_dim] with the page_table's "
             f"batch {page_table.shape[0]}, got shape {getattr(query, 'shape', None)}")
+    if query.shape[1] < 1:
+        raise ValueError(f"query must hold at least one new token (seq_q >= 1), got shape "
+                         f"{query.shape}")
     if query.dtype != key_pages.dtype:
         raise ValueError(f"query and key_pages / value_pages must share one dtype, got "
                          f"{query.dtype} and {key_pages.dtype}")

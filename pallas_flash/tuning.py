@@ -299,6 +299,9 @@ def tune(query: jax.Array, key: jax.Array, value: jax.Array, *, is_causal: bool 
       A :class:`Tuning`; ``from_cache`` is True when nothing was timed.
     """
     dispatch.check_arrays(query, key, value)
+    if min(query.shape[1], key.shape[1]) < 1:
+        raise ValueError(f"autotune needs non-empty sequences, got query length "
+                         f"{query.shape[1]} and key/value length {key.shape[1]}")
     for name, flag in (("is_causal", is_causal), ("interpret", interpret),
                        ("backward", backward), ("cache", cache)):
         if not isinstance(flag, bool):
@@ -321,13 +324,13 @@ def tune(query: jax.Array, key: jax.Array, value: jax.Array, *, is_causal: bool 
     default = dispatch.backend(implementation).default_config(
         query.shape, key.shape, query.dtype, spec)
     if candidates is not None:
-        candidates = _unique(list(candidates))
         if not candidates:
             raise ValueError("candidates must not be empty")
         for config in candidates:
             if not isinstance(config, type(default)):
                 raise ValueError(f"candidates for implementation={implementation!r} must be "
                                  f"{type(default).__name__}s, got {config!r}")
+        candidates = _unique(list(candidates))
 
     entry_key = cache_key(query.shape, key.shape, query.dtype, implementation=implementation,
                           is_causal=is_causal, backward=backward, interpret=interpret)

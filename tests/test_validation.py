@@ -103,6 +103,13 @@ def test_flash_self_attention_call_and_cache_reject_bad_input():
         rotary_embedding(Q, jnp.arange(8)[None], 0.0)
     with pytest.raises(ValueError, match="positions"):
         rotary_embedding(Q, jnp.arange(8), 10_000.0)
+    with pytest.raises(ValueError, match="positions must be integers"):
+        rotary_embedding(Q, jnp.arange(8.0)[None], 10_000.0)
+    x = _normal(1, 8, 16)
+    with pytest.raises(ValueError, match="positions"):  # lax's broadcasting error before
+        layer(x, positions=jnp.zeros((2, 7), jnp.int32))
+    with pytest.raises(ValueError, match="positions must be integers"):
+        layer(x, positions=jnp.arange(8.0)[None])
 
 
 def test_zigzag_and_fp8_and_pages_reject_or_take():
@@ -148,6 +155,20 @@ def test_attention_fn_rejects_bad_input():
 def test_autotune_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):
         pf.autotune(Q, Q, Q, implementation="xla", **kwargs)
+
+
+def test_autotune_and_decode_reject_empty_or_unhashable_input():
+    with pytest.raises(ValueError, match=r"candidates .* must be"):  # a TypeError before
+        pf.autotune(Q, Q, Q, implementation="xla", candidates=[{}])
+    empty = jnp.zeros((1, 0, 2, 8))
+    with pytest.raises(ValueError, match="non-empty sequences"):
+        pf.autotune(Q, empty, empty, implementation="xla")
+    for q, kv in ((Q[:, :1], empty), (empty, Q)):
+        with pytest.raises(ValueError, match="at least one new token"):
+            pf.decode_attention(q, kv, kv, implementation="xla")
+    pages = jnp.ones((4, 16, 2, 8))
+    with pytest.raises(ValueError, match="at least one new token"):
+        pf.paged_attention(empty, pages, pages, jnp.zeros((1, 2), jnp.int32), jnp.array([3]))
 
 
 def test_fp8_references_and_scales_reject_bad_input():
