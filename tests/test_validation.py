@@ -284,3 +284,18 @@ def test_scalars_and_numpy_ints_are_taken_as_jax_nn_takes_them():
 def test_kv_segment_ids_alone_are_refused_with_what_is_missing():
     with pytest.raises(ValueError, match="kv_segment_ids needs q_segment_ids"):
         pf.attention(Q, Q, Q, kv_segment_ids=IDS, implementation="xla")
+
+
+def test_mosaic_interpret_refuses_a_thread_pool_that_would_hang(monkeypatch):
+    """The interpreter's warpgroup threads block in host callbacks on the CPU client's pool:
+    with fewer pool threads than warpgroups the call hung (seen: attention_fp8 at head_dim
+    64, 4 warpgroups, on 2 cores); it is refused by name instead."""
+    from pallas_flash.mosaic.interpret import interpret_params
+    monkeypatch.setenv("PJRT_NPROC", "2")
+    with pytest.raises(ValueError, match="PJRT_NPROC=8"):
+        interpret_params(True, 3)
+    assert interpret_params(True, 2) is not None
+    assert interpret_params(False, 99) is None
+    with pytest.raises(ValueError, match=r"3 warpgroups .*\(PJRT_NPROC=2\)"):
+        x = _normal(1, 64, 2, 64).astype(jnp.bfloat16)
+        pf.attention(x, x, x, implementation="mosaic", interpret=True)

@@ -41,6 +41,7 @@ from pallas_flash.mosaic.config import (
     padded_head_dim,
 )
 from pallas_flash.mosaic.epilogue import normalized, store_rows
+from pallas_flash.mosaic.interpret import interpret_params
 from pallas_flash.mosaic.mainloop import accumulate_pv
 from pallas_flash.mosaic.softmax import online_softmax_step
 from pallas_flash.mosaic.tiles import DTYPES, LOG2E, a_operand, pad_operand, smem_transforms
@@ -171,7 +172,7 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         grid_names=("program",),
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        interpret=interpret_params(interpret, 1),
     )
     out, lse = call(pad_operand(q, DECODE_ROWS, dim), pad_operand(k, k.shape[1], dim),
                     pad_operand(v, v.shape[1], dim))

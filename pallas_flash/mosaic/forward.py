@@ -97,6 +97,7 @@ from pallas_flash.mosaic.config import (
     padded_head_dim,
 )
 from pallas_flash.mosaic.epilogue import merged_into, normalized, store_rows
+from pallas_flash.mosaic.interpret import interpret_params
 from pallas_flash.mosaic.logit_arrays import LogitArray, fold_mask, logit_array, logit_operand
 from pallas_flash.mosaic.mainloop import (
     OverlappedTurns,
@@ -807,7 +808,7 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         num_threads=st.num_consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        interpret=interpret_params(interpret, st.num_consumers + 1),
     )
     out, lse = call(*operands)
     return out[:, :seq_q, :, :head_dim], lse[:, :, :seq_q]

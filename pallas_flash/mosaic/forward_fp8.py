@@ -67,6 +67,7 @@ from pallas_flash.mosaic.config import (
     padded_head_dim,
 )
 from pallas_flash.mosaic.epilogue import normalized, store_rows
+from pallas_flash.mosaic.interpret import interpret_params
 from pallas_flash.mosaic.mainloop import (
     OverlappedTurns,
     SerialTurns,
@@ -622,7 +623,7 @@ def forward(ops: Fp8Operands, *, mask: MaskSpec, scale: float, config: MosaicCon
         num_threads=consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        interpret=interpret_params(interpret, consumers + 1),
     )
     ones = functools.partial(pad_axis, value=1.0)  # padded tiles: scale 1, data 0
     out, lse = call(

@@ -24,6 +24,7 @@ from pallas_flash.logits import log2_logits
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic.block_walk import hull
 from pallas_flash.mosaic.config import NUM_CONSUMERS, ring_view, splits_dq
+from pallas_flash.mosaic.interpret import interpret_params
 from pallas_flash.mosaic.logit_arrays import LogitArray
 from pallas_flash.mosaic.pipeline import stream_steps
 from pallas_flash.mosaic.tiles import (
@@ -268,7 +269,7 @@ def kernel_params(interpret: bool) -> dict:
     """``plgpu.kernel``'s arguments every backward kernel takes: 2 consumers + 1 producer."""
     return dict(num_threads=NUM_CONSUMERS + 1, thread_name="wg",
                 compiler_params=plgpu.CompilerParams(approx_math=True),
-                interpret=plgpu.InterpretGPUParams() if interpret else None)
+                interpret=interpret_params(interpret, NUM_CONSUMERS + 1))
 
 
 def smem_tiles(st: BackwardStatic, *shape, dtype=None):
