@@ -171,7 +171,7 @@ def attention(
                       return_lse=return_lse is not False, interpret=interpret is not False,
                       deterministic=deterministic is not False,
                       config=config is not None))
-    # A bad name, or a backend this device cannot run, raises before anything else.
+    # A bad name raises before anything else.
     dispatch.check_implementation(implementation, interpret, also=("cudnn",))
     query, key, value = (_as_array(x) for x in (query, key, value))
     output_shape = getattr(query, "shape", None)

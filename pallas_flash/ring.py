@@ -611,7 +611,7 @@ def _attend(query, key, value, size: int, *, axis_name, is_causal=False, layout=
             logits_soft_cap=None, sinks=None, return_residual=False, deterministic=False,
             implementation=None, interpret=False, config=None):
     """:func:`ring_attention` on a ring of ``size`` steps (checked arrays)."""
-    # A bad name (or "cudnn": no lse), or a backend this device cannot run, raises first.
+    # A bad name (or "cudnn": no lse) raises first.
     dispatch.check_implementation(implementation, interpret)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")

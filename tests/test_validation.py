@@ -232,30 +232,6 @@ def test_paged_attention_names_the_pages_in_mismatches():
             pf.paged_attention(query, pages, pages, table, lengths, implementation="xla")
 
 
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the check is about a CPU host")
-@pytest.mark.parametrize("implementation", ["triton", "mosaic"])
-def test_kernels_without_interpret_on_the_cpu_are_refused_by_name(implementation):
-    """On the CPU a Pallas backend runs only with interpret=True: every entry point says so
-    (before: Pallas's own "Only interpret mode is supported on CPU backend" from deep in the
-    call, or an unrelated message)."""
-    match = f"implementation='{implementation}' needs .* or interpret=True"
-    pages = jnp.ones((4, 16, 2, 8))
-    calls = [
-        lambda: pf.attention(Q, Q, Q, implementation=implementation),
-        lambda: pf.decode_attention(Q[:, :1], Q, Q, implementation=implementation),
-        lambda: pf.paged_attention(Q[:, :1], pages, pages, jnp.zeros((1, 2), jnp.int32),
-                                   jnp.array([3]), implementation=implementation),
-        lambda: pf.autotune(Q, Q, Q, implementation=implementation),
-        lambda: jax.shard_map(
-            lambda q: pf.ring_attention(q, q, q, axis_name="x", implementation=implementation),
-            mesh=jax.make_mesh((1,), ("x",), devices=jax.devices()[:1]),
-            in_specs=jax.P(), out_specs=jax.P())(Q),
-    ]
-    for call in calls:
-        with pytest.raises(ValueError, match=match):
-            call()
-
-
 def test_bad_implementation_names_and_flags():
     with pytest.raises(ValueError, match=r"one of \['mosaic', 'triton', 'xla', 'cudnn'\]"):
         pf.attention(Q, Q, Q, implementation="flash")
