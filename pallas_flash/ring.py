@@ -427,7 +427,11 @@ def _round_the_ring(ring: _Ring, run, carry, block, operands):
         carry, block = lax.optimization_barrier((carry, incoming))
         incoming = _pass_on(ring, block) if step < ring.size - 1 else None
         carry, part = later_step(np.int32(step - 1), carry, block, operands)
-        travelling = _pass_on(ring, jax.tree.map(jnp.add, travelling, part))
+        # The sums are at least float32 (a part, step 0's included, may be bf16: exact as
+        # the kernel gave it).
+        travelling = _pass_on(ring, jax.tree.map(
+            lambda sum_, p: sum_.astype(jnp.promote_types(sum_.dtype, jnp.float32)) + p,
+            travelling, part))
     return carry, travelling
 
 
@@ -443,7 +447,8 @@ def _ring_forward(ring: _Ring, q, k, v, q_ids, kv_ids):
 def _ring_backward(ring: _Ring, q, k, v, q_ids, kv_ids, out, lse, d_out, delta):
     """``(dq, dk, dv)`` float32. dK / dV travel with their block, as float32 sums; a step
     hands over its own part in the kernels' dtype where no two of its calls reach the
-    same keys (the add then converts it for free), else in float32."""
+    same keys (the add then converts it for free, and step 0's hop, the part alone,
+    carries it as the kernel gave it), else in float32."""
     grad_dtype = jnp.promote_types(q.dtype, jnp.float32)
     dq = sharding.varying_like(jnp.zeros(q.shape, grad_dtype), q)
     once = all(_writes_keys_once(ring, ring.plan(device, step))

@@ -9,6 +9,7 @@ Mosaic's interpreter runs on one device only and is refused on a ring.
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 import jax
@@ -518,7 +519,12 @@ def test_travelling_gradients_are_not_waited_for_before_the_next_kernels():
 
     mapped = jax.shard_map(local, mesh=ring_mesh(n), in_specs=(SEQ_SPEC,) * 3,
                            out_specs=(SEQ_SPEC,) * 3)
-    x = jax.ShapeDtypeStruct((1, 16 * n, 2, HEAD_DIM), jnp.float32)
-    counts = _barrier_operands_from_ppermute(jax.make_jaxpr(mapped)(x, x, x))
+    x = jax.ShapeDtypeStruct((1, 16 * n, 2, HEAD_DIM), jnp.bfloat16)
+    program = jax.make_jaxpr(mapped)(x, x, x)
+    counts = _barrier_operands_from_ppermute(program)
     # n - 1 barriers in the forward, n - 1 in the backward, each over K and V only.
     assert counts == [2] * (2 * (n - 1)), counts
+    # The dK / dV sums travel in float32 from step 1 on (step 0's hop carries the kernel's
+    # bfloat16 part alone, exactly): summed in bfloat16 they would lose precision each step.
+    hops = re.findall(r"(\w+)\[[\d,]+\]\S* = ppermute", str(program))
+    assert hops.count("f32") == 2 * (n - 1), hops
