@@ -179,8 +179,7 @@ def decode_attention(
             f"query seq_q must be at most {MAX_DECODE_SEQ_Q} for decode_attention, got "
             f"{seq_q}; use pallas_flash.attention for longer queries")
     scale = canonical_scale(scale, head_dim)
-    for name, flag in (("is_causal", is_causal), ("interpret", interpret),
-                       ("return_lse", return_lse)):
+    for name, flag in (("is_causal", is_causal), ("return_lse", return_lse)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool, got {flag!r}")
     dispatch.check_implementation(implementation, interpret)

@@ -64,9 +64,7 @@ def backend(name: str) -> ModuleType:
       ValueError: ``name`` is not a key of ``BACKEND_MODULES``.
       ImportError: the module cannot be imported here.
     """
-    if not isinstance(name, str) or name not in BACKEND_MODULES:
-        raise ValueError(
-            f"implementation must be one of {sorted(BACKEND_MODULES)} or None, got {name!r}")
+    _check_name(name)
     # Imported lazily: the backends import pallas_flash.autodiff, and Mosaic needs a jaxlib
     # with Mosaic GPU.
     return importlib.import_module(BACKEND_MODULES[name])
@@ -95,7 +93,12 @@ def check_implementation(name: str | None, interpret: bool,
     """
     if not isinstance(interpret, bool):
         raise ValueError(f"interpret must be a bool, got {interpret!r}")
-    if name is not None and (not isinstance(name, str) or name not in BACKEND_MODULES):
+    if name is not None:
+        _check_name(name, also)
+
+
+def _check_name(name, also: tuple[str, ...] = ()) -> None:
+    if not isinstance(name, str) or name not in BACKEND_MODULES:
         raise ValueError(f"implementation must be one of {[*sorted(BACKEND_MODULES), *also]} "
                          f"or None, got {name!r}")
 

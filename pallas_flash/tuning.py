@@ -302,8 +302,7 @@ def tune(query: jax.Array, key: jax.Array, value: jax.Array, *, is_causal: bool 
     if min(query.shape[1], key.shape[1]) < 1:
         raise ValueError(f"autotune needs non-empty sequences, got query length "
                          f"{query.shape[1]} and key/value length {key.shape[1]}")
-    for name, flag in (("is_causal", is_causal), ("interpret", interpret),
-                       ("backward", backward), ("cache", cache)):
+    for name, flag in (("is_causal", is_causal), ("backward", backward), ("cache", cache)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool, got {flag!r}")
     if not isinstance(iters, int) or isinstance(iters, bool) or iters < 1:
