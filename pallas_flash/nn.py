@@ -167,6 +167,9 @@ def check_cache_room(index: jax.Array | int, new_tokens: int, max_length: int) -
                 f"max_length {max_length}: call init_cache with a larger max_length")
 
     if not isinstance(index, jax.core.Tracer):
+        if int(index) < 0:
+            # dynamic_update_slice would clamp it to 0 and overwrite the oldest tokens.
+            raise ValueError(f"index must be >= 0 (a cache slot), got {int(index)}")
         if int(index) + new_tokens > max_length:
             raise ValueError(message(int(index)))
         return
@@ -174,9 +177,11 @@ def check_cache_room(index: jax.Array | int, new_tokens: int, max_length: int) -
         raise ValueError(message("(any)"))
 
     def fail(at: np.ndarray) -> None:
+        if int(at) < 0:
+            raise ValueError(f"index must be >= 0 (a cache slot), got {int(at)}")
         raise ValueError(message(int(at)))
 
-    lax.cond(index + new_tokens > max_length,
+    lax.cond((index < 0) | (index + new_tokens > max_length),
              lambda: io_callback(fail, None, index), lambda: None)
 
 

@@ -464,6 +464,13 @@ def test_check_cache_room_concrete_bounds():
     check_cache_room(jnp.array(3, jnp.int32), 2, 5)     # fills the cache exactly
     with pytest.raises(ValueError, match="cache index 4"):
         check_cache_room(4, 2, 5)
+    # dynamic_update_slice would clamp a negative slot to 0: refused, eagerly and under jit.
+    with pytest.raises(ValueError, match="index must be >= 0"):
+        check_cache_room(-1, 1, 5)
+    checked = jax.jit(lambda index: check_cache_room(index, 1, 5) or index)
+    checked(jnp.int32(0)).block_until_ready()
+    with pytest.raises(jax.errors.JaxRuntimeError, match="index must be >= 0"):
+        checked(jnp.int32(-1)).block_until_ready()
 
 
 _EXTRAS = ("flax", "optax", "orbax", "matplotlib", "tqdm")
