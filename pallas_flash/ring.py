@@ -200,6 +200,13 @@ class _Ring:
                 return _Call((rows[0], rows[-1] + 1), (cols[0], cols[-1] + 1), mask)
         return None
 
+    @functools.cached_property
+    def plans(self) -> tuple[tuple[tuple[_Call, ...], ...], ...]:
+        """``plans[step][device]``: :meth:`plan` for every step and device, computed once
+        per ring (the forward, the backward and its key-overlap check all walk them)."""
+        return tuple(tuple(self.plan(device, step) for device in range(self.size))
+                     for step in range(self.size))
+
     def plan(self, device: int, step: int) -> tuple[_Call, ...]:
         """The kernel calls of ``device`` at ``step`` (holding the block of device
         ``device - step``): none for a fully masked step; else one call if one band covers
@@ -400,8 +407,7 @@ def _round_the_ring(ring: _Ring, run, carry, block, operands):
     ``lax.switch`` indexed by a static ``[step, device]`` table, so only the taken branch
     runs and a fully masked step launches no kernel.
     """
-    plans = [[ring.plan(device, step) for device in range(ring.size)]
-             for step in range(ring.size)]
+    plans = ring.plans
 
     def switch(rows, first: bool):
         """``(row, carry, block, operands) -> (carry, part)`` running this device's plan
@@ -451,8 +457,7 @@ def _ring_backward(ring: _Ring, q, k, v, q_ids, kv_ids, out, lse, d_out, delta):
     carries it as the kernel gave it), else in float32."""
     grad_dtype = jnp.promote_types(q.dtype, jnp.float32)
     dq = sharding.varying_like(jnp.zeros(q.shape, grad_dtype), q)
-    once = all(_writes_keys_once(ring, ring.plan(device, step))
-               for device in range(ring.size) for step in range(ring.size))
+    once = all(_writes_keys_once(ring, plan) for row in ring.plans for plan in row)
     part_dtype = k.dtype if once else grad_dtype
     dq, (dk, dv) = _round_the_ring(
         ring, functools.partial(_backward_calls, ring, part_dtype), dq, (k, v, kv_ids),
