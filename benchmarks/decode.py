@@ -248,11 +248,8 @@ def table(header: str, rows: list[dict]) -> str:
             cells = [by_key.get((b, s, d, impl), {}).get(f"vs_{base}") for impl, base in pairs]
             lines.append(f"| {b} × {s} @ {d} | "
                          + " | ".join("—" if c is None else f"{c:.2f}" for c in cells) + " |")
-    errors = [r for r in rows if "error" in r]
-    if errors:
-        lines += ["", "Not run:", ""]
-        lines += [f"- {r['impl']} at {r['batch']} × {r['seq_kv']} @ {r['head_dim']}: "
-                  f"{r['error']}" for r in errors]
+    lines += report.not_run([f"{r['impl']} at {r['batch']} × {r['seq_kv']} @ {r['head_dim']}: "
+                             f"{r['error']}" for r in rows if "error" in r])
     return "\n".join(lines)
 
 

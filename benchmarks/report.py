@@ -227,6 +227,12 @@ def _length_label(n: int) -> str:
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
+def not_run(items: list[str]) -> list[str]:
+    """The markdown lines listing what a row-per-point benchmark could not run (none when
+    ``items`` is empty): each item says what and why."""
+    return ["", "Not run:", ""] + [f"- {item}" for item in items] if items else []
+
+
 def write_rows(out: str, stem: str, header: str, jax_version: str, rows: list[dict],
                markdown_table: str) -> None:
     """``OUT/<stem>.json`` (``{"device": header, "jax_version", "rows"}``) and

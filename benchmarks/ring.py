@@ -194,11 +194,9 @@ def table(header: str, rows: list[dict]) -> str:
                      + " | ".join(cells)
                      + f" | {ratio(r['ring1_over_plain'])} | {ratio(r['step_over_plain'])} "
                      f"| {ratio(r['sim_over_calls'])} |")
-    errors = [(r, name, e) for r in rows for name, e in r["errors"].items()]
-    if errors:
-        lines += ["", "Not run:", ""]
-        lines += [f"- {name} at {r['pass_']}, causal {r['causal']}, L {r['seq_local']}: {e}"
-                  for r, name, e in errors]
+    lines += report.not_run([f"{name} at {r['pass_']}, causal {r['causal']}, "
+                             f"L {r['seq_local']}: {e}"
+                             for r in rows for name, e in r["errors"].items()])
     return "\n".join(lines)
 
 

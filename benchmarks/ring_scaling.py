@@ -173,11 +173,9 @@ def table(header: str, rows: list[dict]) -> str:
                      f"{r['seq_local']} | {cell(r, 'ring')} | {cell(r, 'plain')} | "
                      f"{cell(r, 'cudnn_gather')} | {eff} | {permutes} | "
                      f"{r.get('max_abs_diff', '—')} |")
-    errors = [(r, name, e) for r in rows for name, e in r["errors"].items()]
-    if errors:
-        lines += ["", "Not run:", ""]
-        lines += [f"- {name} at {r['pass_']}, L {r['seq']}, n {r['devices']}, {r['layout']}: "
-                  f"{e}" for r, name, e in errors]
+    lines += report.not_run([f"{name} at {r['pass_']}, L {r['seq']}, n {r['devices']}, "
+                             f"{r['layout']}: {e}"
+                             for r in rows for name, e in r["errors"].items()])
     return "\n".join(lines)
 
 

@@ -645,6 +645,7 @@ def test_decode_benchmark_runs_on_tiny_shapes(tmp_path):
     assert "vs_fa3" not in rows["pallas_flash"]        # fa3 did not run
     markdown = json_path.with_suffix(".md").read_text()
     assert "| paged64 / pallas_flash |" in markdown and "/ fa3" not in markdown
+    assert "\nNot run:\n\n- fa3 at 2 × 128 @ 16: " in markdown
     assert rows["pallas_flash"]["implementation"] == "xla"
     assert "pallas_flash on implementation='xla'" in markdown
 
