@@ -36,7 +36,12 @@ except ImportError as error:   # the core package needs only jax; the layers nee
 
 from pallas_flash import dispatch
 from pallas_flash.api import Implementation, attention
-from pallas_flash.arguments import check_positive_int, check_sinks, check_soft_cap
+from pallas_flash.arguments import (
+    canonical_window,
+    check_positive_int,
+    check_sinks,
+    check_soft_cap,
+)
 from pallas_flash.decode import MAX_DECODE_SEQ_Q, decode_attention
 from pallas_flash.masking import CausalAlignment
 
@@ -251,6 +256,17 @@ class FlashSelfAttention(nnx.Module):
         check_positive_int(head_dim, "head_dim")
         if rope_base is not None:
             _check_rope_base(rope_base, "rope_base")
+        # Everything the first call would refuse is refused here, at construction.
+        for name, flag in (("fused_qkv", fused_qkv), ("use_bias", use_bias),
+                           ("is_causal", is_causal), ("use_sinks", use_sinks),
+                           ("interpret", interpret),
+                           ("deterministic_backward", deterministic_backward),
+                           ("decode", decode)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be a bool, got {flag!r}")
+        canonical_window(local_window_size)
+        check_soft_cap(logits_soft_cap)
+        dispatch.check_implementation(implementation, interpret, also=("cudnn",))
         if attention_fn is not None and not callable(attention_fn):
             raise ValueError(f"attention_fn must be callable or None, got {attention_fn!r}")
         if num_heads % num_kv_heads:

@@ -79,6 +79,16 @@ def test_mask_spec_takes_numpy_ints():
     (dict(num_kv_heads=-2), "num_kv_heads"),
     (dict(head_dim=8.0), "head_dim"),
     (dict(attention_fn=1), "attention_fn"),
+    # Refused at construction, not at the first call.
+    (dict(is_causal=1), "is_causal"),
+    (dict(fused_qkv="yes"), "fused_qkv"),
+    (dict(use_sinks=None), "use_sinks"),
+    (dict(decode=0), "decode"),
+    (dict(deterministic_backward=1), "deterministic_backward"),
+    (dict(local_window_size=-3), "local_window_size"),
+    (dict(logits_soft_cap=0.0), "logits_soft_cap"),
+    (dict(implementation="tpu"), "implementation"),
+    (dict(interpret="yes"), "interpret"),
 ])
 def test_flash_self_attention_rejects(kwargs, match):
     args = dict(d_model=16, num_heads=2, rngs=nnx.Rngs(0)) | kwargs
