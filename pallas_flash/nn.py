@@ -210,7 +210,9 @@ class FlashSelfAttention(nnx.Module):
       logits_soft_cap: ``c``: logits become ``c·tanh(logits / c)`` (Gemma-2 style).
       use_sinks: learn one attention-sink logit per head (initialised to 0), as in
         :func:`pallas_flash.attention`'s ``sinks``.
-      implementation: passed to :func:`pallas_flash.attention` (``None``: fastest available).
+      implementation: passed to :func:`pallas_flash.attention` (``None``: fastest available)
+        and to :func:`pallas_flash.decode_attention` for decode steps (``"cudnn"``: decode
+        steps take the package's choice).
       interpret: run the Pallas kernels in interpret mode (CPU tests).
       deterministic_backward: bitwise-reproducible gradients, passed to
         :func:`pallas_flash.attention` as ``deterministic`` (named apart from Flax's
@@ -266,7 +268,8 @@ class FlashSelfAttention(nnx.Module):
                 raise ValueError(f"{name} must be a bool, got {flag!r}")
         canonical_window(local_window_size)
         check_soft_cap(logits_soft_cap)
-        dispatch.check_implementation(implementation, interpret, also=("cudnn",))
+        dispatch.check_implementation(None if implementation == "cudnn" else implementation,
+                                      interpret, also=("cudnn",))
         if attention_fn is not None and not callable(attention_fn):
             raise ValueError(f"attention_fn must be callable or None, got {attention_fn!r}")
         if num_heads % num_kv_heads:
@@ -286,7 +289,11 @@ class FlashSelfAttention(nnx.Module):
             options = dict(implementation=implementation, interpret=interpret,
                            deterministic=deterministic_backward)
             attention_fn = functools.partial(attention, **options)
-            self.decode_fn = functools.partial(decode_attention, **options)
+            # cuDNN has no split-KV decode of its own here: decode steps take the package's
+            # choice (decode_attention refuses the name).
+            decode_options = options | dict(
+                implementation=None if implementation == "cudnn" else implementation)
+            self.decode_fn = functools.partial(decode_attention, **decode_options)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.is_causal = is_causal
         self.local_window_size = local_window_size

@@ -161,6 +161,29 @@ def test_decode_steps_run_decode_attention_unless_an_attention_fn_is_given(monke
         assert lengths == expected
 
 
+def test_a_cudnn_layer_decodes_on_the_package_choice(monkeypatch):
+    """implementation="cudnn" (which decode_attention refuses) still decodes: its steps
+    call decode_attention with the package's choice, and match a default layer's."""
+    from pallas_flash import nn as pnn
+    names = []
+    real = pnn.decode_attention
+
+    def spy(*args, **kwargs):
+        names.append(kwargs["implementation"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pnn, "decode_attention", spy)
+    x = _inputs(seq=3)
+    outs = []
+    for implementation in ("cudnn", None):
+        layer = _layer(implementation=implementation)
+        layer.init_cache(batch_size=2, max_length=8)
+        outs.append(np.asarray(layer(x[:, :1], decode=True)))
+    assert names == [None, None]
+    assert np.all(np.isfinite(outs[0]))
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
 def test_sinks_are_trained():
     _, grads = _value_and_param_grads(_layer(use_sinks=True), _inputs())
     assert grads["sinks"].shape == (HEADS,)
