@@ -19,6 +19,7 @@ from pallas_flash.arguments import (
     canonical_scale,
     canonical_segments,
     canonical_window,
+    check_bools,
     check_deterministic,
     check_lengths,
     check_sinks,
@@ -181,10 +182,7 @@ def attention(
     batch, seq_q, _, head_dim = query.shape
     seq_kv = key.shape[1]
     scale = canonical_scale(scale, head_dim)
-    for name, flag in (("interpret", interpret), ("return_residual", return_residual),
-                       ("return_lse", return_lse)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name} must be a bool, got {flag!r}")
+    check_bools(interpret=interpret, return_residual=return_residual, return_lse=return_lse)
     if return_residual and return_lse:
         raise ValueError("return_residual and return_lse cannot both be True: "
                          "return_lse=True returns the differentiable float32 lse")

@@ -161,6 +161,14 @@ def check_lengths(lengths, name: str, batch: int, seq: int, bounds: str) -> None
     check_concrete_range(lengths, name, 0, seq, bounds)
 
 
+def check_bools(**flags) -> None:
+    """Raise ValueError naming the first of ``flags`` (in order) that is not a Python
+    bool."""
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool, got {flag!r}")
+
+
 def canonical_bool(flag, name: str) -> bool:
     """A Python bool from a Python / NumPy bool or a concrete 0-d boolean JAX array."""
     if isinstance(flag, (jax.Array, np.ndarray)) and not isinstance(flag, jax.core.Tracer) \

@@ -42,6 +42,7 @@ from pallas_flash.arguments import (
     Implementation,
     canonical_scale,
     canonical_window,
+    check_bools,
     check_deterministic,
     check_lengths,
     check_sinks,
@@ -179,9 +180,7 @@ def decode_attention(
             f"query seq_q must be at most {MAX_DECODE_SEQ_Q} for decode_attention, got "
             f"{seq_q}; use pallas_flash.attention for longer queries")
     scale = canonical_scale(scale, head_dim)
-    for name, flag in (("is_causal", is_causal), ("return_lse", return_lse)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name} must be a bool, got {flag!r}")
+    check_bools(is_causal=is_causal, return_lse=return_lse)
     dispatch.check_implementation(implementation, interpret)
     window = canonical_window(local_window_size)
     softcap = check_soft_cap(logits_soft_cap)

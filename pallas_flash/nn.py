@@ -38,6 +38,7 @@ from pallas_flash import dispatch
 from pallas_flash.api import Implementation, attention
 from pallas_flash.arguments import (
     canonical_window,
+    check_bools,
     check_positive_int,
     check_sinks,
     check_soft_cap,
@@ -168,22 +169,20 @@ def check_cache_room(index: jax.Array | int, new_tokens: int, max_length: int) -
         raise ValueError(f"index must be a scalar int, got {index!r}")
 
     def message(at: object) -> str:
+        if isinstance(at, int) and at < 0:
+            # dynamic_update_slice would clamp it to 0 and overwrite the oldest tokens.
+            return f"index must be >= 0 (a cache slot), got {at}"
         return (f"decoding {new_tokens} token(s) at cache index {at} runs past the cache's "
                 f"max_length {max_length}: call init_cache with a larger max_length")
 
     if not isinstance(index, jax.core.Tracer):
-        if int(index) < 0:
-            # dynamic_update_slice would clamp it to 0 and overwrite the oldest tokens.
-            raise ValueError(f"index must be >= 0 (a cache slot), got {int(index)}")
-        if int(index) + new_tokens > max_length:
+        if int(index) < 0 or int(index) + new_tokens > max_length:
             raise ValueError(message(int(index)))
         return
     if new_tokens > max_length:   # fails at every index: say so while tracing
         raise ValueError(message("(any)"))
 
     def fail(at: np.ndarray) -> None:
-        if int(at) < 0:
-            raise ValueError(f"index must be >= 0 (a cache slot), got {int(at)}")
         raise ValueError(message(int(at)))
 
     lax.cond((index < 0) | (index + new_tokens > max_length),
@@ -259,17 +258,15 @@ class FlashSelfAttention(nnx.Module):
         if rope_base is not None:
             _check_rope_base(rope_base, "rope_base")
         # Everything the first call would refuse is refused here, at construction.
-        for name, flag in (("fused_qkv", fused_qkv), ("use_bias", use_bias),
-                           ("is_causal", is_causal), ("use_sinks", use_sinks),
-                           ("interpret", interpret),
-                           ("deterministic_backward", deterministic_backward),
-                           ("decode", decode)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be a bool, got {flag!r}")
+        check_bools(fused_qkv=fused_qkv, use_bias=use_bias, is_causal=is_causal,
+                    use_sinks=use_sinks, interpret=interpret,
+                    deterministic_backward=deterministic_backward, decode=decode)
         canonical_window(local_window_size)
         check_soft_cap(logits_soft_cap)
-        dispatch.check_implementation(None if implementation == "cudnn" else implementation,
-                                      interpret, also=("cudnn",))
+        # cuDNN has no split-KV decode of its own here: decode steps take the package's
+        # choice (decode_attention refuses the name).
+        decode_implementation = None if implementation == "cudnn" else implementation
+        dispatch.check_implementation(decode_implementation, interpret, also=("cudnn",))
         if attention_fn is not None and not callable(attention_fn):
             raise ValueError(f"attention_fn must be callable or None, got {attention_fn!r}")
         if num_heads % num_kv_heads:
@@ -289,11 +286,8 @@ class FlashSelfAttention(nnx.Module):
             options = dict(implementation=implementation, interpret=interpret,
                            deterministic=deterministic_backward)
             attention_fn = functools.partial(attention, **options)
-            # cuDNN has no split-KV decode of its own here: decode steps take the package's
-            # choice (decode_attention refuses the name).
-            decode_options = options | dict(
-                implementation=None if implementation == "cudnn" else implementation)
-            self.decode_fn = functools.partial(decode_attention, **decode_options)
+            self.decode_fn = functools.partial(
+                decode_attention, **(options | dict(implementation=decode_implementation)))
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.is_causal = is_causal
         self.local_window_size = local_window_size

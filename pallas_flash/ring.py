@@ -56,6 +56,7 @@ from pallas_flash.arguments import (
     canonical_scale,
     canonical_segments,
     canonical_window,
+    check_bools,
     check_deterministic,
     check_positive_int,
     check_sinks,
@@ -639,9 +640,7 @@ def _attend(query, key, value, size: int, *, axis_name, is_causal=False, layout=
             raise ValueError(
                 f"layout='zigzag' needs an even local length (two chunks per device), got "
                 f"{seq_q}")
-    for name, flag in (("interpret", interpret), ("return_residual", return_residual)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name} must be a bool, got {flag!r}")
+    check_bools(interpret=interpret, return_residual=return_residual)
     is_causal = canonical_bool(is_causal, "is_causal")
     scale = canonical_scale(scale, head_dim)
     window = canonical_window(local_window_size)
