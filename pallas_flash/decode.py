@@ -52,9 +52,10 @@ from pallas_flash.arguments import (
 from pallas_flash.autodiff import add_sinks, attention_with_lse
 from pallas_flash.kernel_args import StaticArgs
 from pallas_flash.masking import MaskSpec
-from pallas_flash.padding import pad_axis, round_up
+from pallas_flash.padding import pad_axis
 from pallas_flash.reference import EMPTY_ROW_LSE
-from pallas_flash.triton.config import PAGED_DECODE_STAGES
+from pallas_flash.triton.config import PAGED_DECODE_STAGES, default_config
+from pallas_flash.triton.decode import split_forward
 
 #: Longest query (new tokens per sequence) :func:`decode_attention` takes.
 MAX_DECODE_SEQ_Q = 16
@@ -193,7 +194,7 @@ def decode_attention(
     balanced_splits, full_splits = num_splits, None
     if num_splits is None:
         # Rows of one length take a full cache's count, balanced; rows of any lengths up to
-        # the ragged count, as many as their length asks for (_row_split_counts).
+        # the ragged count, as many as their length asks for (_row_split_count).
         balanced_splits = default_num_splits(batch, kv_heads, seq_kv, ragged=not uniform)
         full_splits = None if uniform else default_num_splits(batch, kv_heads, seq_kv)
         num_splits = default_num_splits(batch, kv_heads, seq_kv, ragged=lengths is not None)
@@ -346,61 +347,59 @@ def _balanced_decode_jvp(options, primals, tangents):
 
 def _balanced_split_forward(query, key, value, lengths, options: _SplitOptions):
     """Split-KV decode with every row's visible keys cut into equal parts, on the Triton
-    forward (forward only).
+    kernel that finds each part's keys itself (:mod:`pallas_flash.triton.decode`; forward
+    only).
 
-    The splits become groups of query tiles rather than batch entries: the packed queries
-    of row ``b`` are repeated ``n`` times along the rows (each copy padded to whole tiles)
-    and copy ``i`` holds segment id ``i``; key ``p`` holds the id of the split whose part
-    it lies in (or none outside the visible keys). All of a row's splits read the row's
-    own K/V, each only the tiles of its part (the closed-form spans of the intervals), so
-    the cache is neither copied nor padded. Returns ``(out [B, T, H, D], lse [B, H, T])``.
+    Part ``i`` of row ``b`` covers the ``i``-th of ``count_b`` equal parts of the keys the
+    row's queries see (:func:`_part_bound`), wherever its length ends, so a row's time
+    follows its own length; the cache is neither copied nor padded. Returns
+    ``(out [B, T, H, D], lse [B, H, T])``.
     """
-    batch, _, heads, head_dim = query.shape
+    batch, _, heads, _ = query.shape
     seq_kv, kv_heads = key.shape[1], key.shape[2]
-    num_splits, rows = options.balanced_splits, options.rows
+    num_splits, rows, full_splits = options.balanced_splits, options.rows, options.full_splits
     packed = _pack_queries(query, kv_heads)  # [B, R, K, D]
-    packed_rows = packed.shape[1]
-    first = rows.first_visible(lengths)
-    visible = jnp.maximum(lengths - first, 0)  # [B]
-    counts = _row_split_counts(visible, num_splits, options.full_splits)
-    bounds = _balanced_splits(first, lengths, num_splits, counts)  # [B, n + 1]
-    triton = dispatch.backend("triton")
-    config = triton.default_config(packed.shape, key.shape, packed.dtype,
-                                   MaskSpec(packed_rows, seq_kv))
-    split_rows = round_up(packed_rows, config.block_q)
-    q_splits = jnp.tile(pad_axis(packed, 1, split_rows), (1, num_splits, 1, 1))
-    q_ids = jnp.broadcast_to(
-        jnp.repeat(jnp.arange(num_splits, dtype=jnp.int32), split_rows),
-        (batch, num_splits * split_rows))
-    # Key p, the x-th visible one, lies in the split i with x in [x_i, x_{i+1}), where
-    # x_i = visible · i // count: i = ((x + 1) · count - 1) // visible.
-    offset = jnp.arange(seq_kv, dtype=jnp.int32)[None, :] - first[:, None]
-    part = ((offset + 1) * counts[:, None] - 1) // jnp.maximum(visible, 1)[:, None]
-    kv_ids = jnp.where((offset >= 0) & (offset < visible[:, None]), part, PADDED_KEY_ID)
-    intervals = jnp.stack([bounds[:, :-1], bounds[:, 1:]], axis=-1)  # [B, n, 2]
-    out, lse = triton.KERNELS.forward(
-        q_splits, key, value, (q_ids, kv_ids.astype(jnp.int32)),
-        mask=MaskSpec(seq_q=num_splits * split_rows, seq_kv=seq_kv), scale=options.scale,
-        config=config, interpret=options.interpret, softcap=options.softcap,
-        kv_intervals=intervals)
-    out = out.reshape(batch, num_splits, split_rows, kv_heads, head_dim)[:, :, :packed_rows]
-    lse = lse.reshape(batch, kv_heads, num_splits, split_rows)[..., :packed_rows]
-    out, lse = merge_splits(out, jnp.swapaxes(lse, 1, 2))
-    return _unpack(out, lse, heads)
+    config = default_config(packed.shape, key.shape, packed.dtype,
+                            MaskSpec(packed.shape[1], seq_kv))
+
+    def part_interval(all_lengths, length, part):
+        first = rows.first_visible(length)
+        visible = jnp.maximum(length - first, 0)
+        count = num_splits
+        if full_splits is not None:
+            total = jnp.sum(jnp.maximum(all_lengths - rows.first_visible(all_lengths), 0))
+            count = _row_split_count(visible, _part_size(total, batch, full_splits),
+                                     num_splits)
+        return (_part_bound(first, visible, count, part),
+                _part_bound(first, visible, count, part + 1))
+
+    out, lse = split_forward(packed, key, value, lengths, part_interval,
+                             num_splits=num_splits, scale=options.scale,
+                             softcap=options.softcap, config=config,
+                             interpret=options.interpret)
+    out, lse = merge_splits(out, lse)
+    return _unpack(out.astype(query.dtype), lse, heads)
 
 
-def _row_split_counts(visible: jax.Array, num_splits: int, full_splits: int | None
-                      ) -> jax.Array:
-    """``[B]`` int32 splits per row, of at most ``num_splits``: all of them, or (with
-    ``full_splits``) as many as make parts of the size a full cache's ``full_splits``
-    per row would have if its keys were the ones visible now (at least
-    :data:`MIN_SPLIT_KEYS`), so that the kernel's work stays spread over the same number
-    of CTAs whatever the lengths."""
-    if full_splits is None:
-        return jnp.full(visible.shape, num_splits, jnp.int32)
-    total = jnp.sum(visible)
-    part = jnp.maximum(-(-total // (visible.shape[0] * full_splits)), MIN_SPLIT_KEYS)
-    return jnp.clip(-(-visible // part), 1, num_splits).astype(jnp.int32)
+def _part_size(total_visible, batch: int, full_splits: int):
+    """Keys per part when the rows' parts together should be as many as a full cache's
+    ``full_splits`` per row would make of the keys visible now (at least
+    :data:`MIN_SPLIT_KEYS`), so that the kernel's work stays spread over the same number of
+    CTAs whatever the lengths."""
+    return jnp.maximum(-(-total_visible // (batch * full_splits)), MIN_SPLIT_KEYS)
+
+
+def _row_split_count(visible, part_size, num_splits: int):
+    """Parts of a row with ``visible`` keys: enough of ``part_size`` keys, 1 to
+    ``num_splits``."""
+    return jnp.clip(-(-visible // part_size), 1, num_splits)
+
+
+def _part_bound(first, visible, count, index):
+    """Where part ``index`` of ``count`` equal parts (to a key) of the keys ``[first, first +
+    visible)`` starts (``index = count``: where the last ends); parts past ``count`` are
+    empty. Scalars (inside a kernel) or arrays."""
+    return first + (visible * jnp.minimum(index, count)) // count
 
 
 def _pack_queries(query: jax.Array, kv_heads: int) -> jax.Array:
@@ -532,18 +531,13 @@ def paged_split_forward(query, key_pages, value_pages, page_table, lengths, *,
     return _unpack(out, lse, heads)
 
 
-def _balanced_splits(first: jax.Array, end: jax.Array, num_splits: int,
-                     counts: jax.Array | None = None) -> jax.Array:
+def _balanced_splits(first: jax.Array, end: jax.Array, num_splits: int) -> jax.Array:
     """``[B, n + 1]`` int32 bounds cutting each row's visible keys ``[first, end)`` into
-    ``n`` parts of equal size (to a key), or into ``counts[b] <= n`` parts and empty
-    ones after them: split ``i`` is ``[bounds[i], bounds[i + 1])``, empty too when the
-    row has fewer keys than parts."""
+    ``n`` parts of equal size (to a key): split ``i`` is ``[bounds[i], bounds[i + 1])``,
+    empty too when the row has fewer keys than parts."""
     span = jnp.maximum(end - first, 0)
     parts = jnp.arange(num_splits + 1, dtype=jnp.int32)
-    if counts is None:
-        return first[:, None] + (span[:, None] * parts) // num_splits
-    parts = jnp.minimum(parts[None, :], counts[:, None])
-    return first[:, None] + (span[:, None] * parts) // counts[:, None]
+    return _part_bound(first[:, None], span[:, None], num_splits, parts[None, :])
 
 
 def _chunk_visibility(batch: int, rows_per_chunk: int, lengths, rows: CacheVisibility,

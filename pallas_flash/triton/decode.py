@@ -1,0 +1,142 @@
+"""Split-KV decode as one Triton-lowered Pallas kernel, each part's keys found in the kernel.
+
+One program per (part of a row's keys × query tile, row, kv head). It reads the row lengths,
+asks the caller's ``part_interval`` which keys ``[lo, hi)`` its part covers, and walks only
+the key tiles of that interval: the tiles inside it unmasked, the two edge tiles masked by
+key position. The packed query rows of the row are read in place by every part (no repeated
+copy), and no per-key id array, span table or split bound is built outside the kernel:
+each of those was a small XLA kernel of 2–4 µs that a decode step paid on every call,
+about a quarter of a ragged step at 8 × 32768 on the H200 (2026-12-03, ncu:
+benchmarks/results/decode-fixed-cost-2026-12-03.md). The parts' ``(out, lse)`` are merged
+by the caller (:func:`pallas_flash.decode.merge_splits`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_flash.logits import LOG2_E, log2_logits
+from pallas_flash.padding import next_power_of_2, pad_axis, round_up
+from pallas_flash.reference import EMPTY_ROW_LSE
+from pallas_flash.sharding import kernel_output
+from pallas_flash.triton.config import TritonConfig, padded_head_dim
+from pallas_flash.triton.forward import dot_precision
+from pallas_flash.triton.tiles import walk_tiles
+
+#: ``part_interval(lengths, length, part) -> (lo, hi)``: see :func:`split_forward`.
+PartInterval = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+
+
+def _kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, part_interval: PartInterval,
+            num_q_tiles: int, scale: float, softcap: float | None, block_kv: int):
+    part = pl.program_id(0) // num_q_tiles
+    lo, hi = part_interval(lengths_ref[...], lengths_ref[pl.program_id(1)], part)
+    precision = dot_precision(q_ref.dtype)
+    q = q_ref[...]
+
+    def kv_step(j, carry, *, masked: bool):
+        acc, m_i, l_i = carry
+        k_start = j * block_kv
+        k = k_ref[pl.ds(k_start, block_kv), :]
+        qk = plgpu.dot(q, k, trans_b=True, precision=precision)  # [rows, block_kv]
+        s, _ = log2_logits(qk, scale, softcap, None)
+        if masked:  # an edge tile of the interval
+            keys = k_start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+            s = jnp.where((keys >= lo) & (keys < hi), s, -jnp.inf)
+            # A row that has seen only hidden keys subtracts 0, so that p and alpha are 0.
+            m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+            m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        else:
+            m_new = m_sub = jnp.maximum(m_i, jnp.max(s, axis=1))
+        p = jnp.exp2(s - m_sub[:, None])
+        alpha = jnp.exp2(m_i - m_sub)  # FA2: rescale the running statistics only
+        l_i = alpha * l_i + jnp.sum(p, axis=1)
+        v = v_ref[pl.ds(k_start, block_kv), :]
+        acc = alpha[:, None] * acc + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+        return acc, m_new, l_i
+
+    # Tiles overlapping [lo, hi), of which those inside it need no mask; none when empty.
+    first = lo // block_kv
+    last = jnp.where(hi > lo, -(-hi // block_kv), first)
+    full_first = jnp.clip(-(-lo // block_kv), first, last)
+    full_last = jnp.clip(hi // block_kv, full_first, last)
+    rows, head_dim = q.shape
+    carry = (jnp.zeros((rows, head_dim), jnp.float32),
+             jnp.full((rows,), -jnp.inf, jnp.float32),
+             jnp.zeros((rows,), jnp.float32))
+    acc, m_i, l_i = walk_tiles(kv_step, (first, full_first, full_last, last), carry)
+    empty = l_i == 0.0  # a part with no key: out 0, lse at the empty floor
+    safe_l = jnp.where(empty, 1.0, l_i)
+    o_ref[...] = acc / safe_l[:, None]
+    lse_ref[...] = jnp.where(empty, EMPTY_ROW_LSE, (m_i + jnp.log2(safe_l)) / LOG2_E)
+
+
+def split_forward(packed_q: jax.Array, key: jax.Array, value: jax.Array, lengths: jax.Array,
+                  part_interval: PartInterval, *, num_splits: int, scale: float,
+                  softcap: float | None, config: TritonConfig, interpret: bool
+                  ) -> tuple[jax.Array, jax.Array]:
+    """Every row's keys in ``num_splits`` parts, each part attended by its own programs.
+
+    Args:
+      packed_q: ``[B, R, K, D]``: the ``R`` packed query rows of each kv head
+        (:func:`pallas_flash.decode.decode_attention`'s GQA packing).
+      key, value: ``[B, S, K, D]``, read in place.
+      lengths: ``[B]`` int32, handed to ``part_interval``.
+      part_interval: traced inside the kernel: ``(lengths, length, part) -> (lo, hi)``,
+        int32 scalars, the keys ``[lo, hi)`` (within ``[0, S)``; empty when ``hi <= lo``)
+        that part ``part`` of the row whose length is ``length`` covers; ``lengths`` holds
+        every row's length followed by zeros (a power-of-two vector).
+      num_splits: parts per row.
+      scale, softcap: the logits' scale and soft cap (None: none).
+      config: ``block_q`` query rows per program, ``block_kv`` keys per tile, warps and
+        stages.
+      interpret: run in Pallas's interpret mode.
+
+    Returns:
+      ``out [B, n, R, K, D]`` and ``lse [B, n, K, R]``, float32: each part's normalised
+      output and log-sum-exp (0 and ``-1e30`` for a part without keys).
+    """
+    batch, rows, kv_heads, head_dim = packed_q.shape
+    seq_kv = key.shape[1]
+    padded_d = padded_head_dim(head_dim)
+    block_q, block_kv = config.block_q, config.block_kv
+    padded_rows, padded_kv = round_up(rows, block_q), round_up(seq_kv, block_kv)
+    q_p = pad_axis(pad_axis(packed_q, 1, padded_rows), 3, padded_d)
+    k_p = pad_axis(pad_axis(key, 1, padded_kv), 3, padded_d)
+    v_p = pad_axis(pad_axis(value, 1, padded_kv), 3, padded_d)
+    # A power-of-two vector, so that every program can load it whole (Triton's loads).
+    lengths_p = pad_axis(lengths.astype(jnp.int32), 0, max(16, next_power_of_2(batch)))
+    num_q_tiles = padded_rows // block_q
+
+    kernel = functools.partial(
+        _kernel, part_interval=part_interval, num_q_tiles=num_q_tiles, scale=scale,
+        softcap=softcap, block_kv=block_kv)
+    kv_spec = pl.BlockSpec((None, padded_kv, None, padded_d), lambda i, b, h: (b, 0, h, 0))
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(num_splits * num_q_tiles, batch, kv_heads),
+        in_specs=[pl.BlockSpec(lengths_p.shape, lambda i, b, h: (0,)),
+                  pl.BlockSpec((None, block_q, None, padded_d),
+                               lambda i, b, h: (b, i % num_q_tiles, h, 0)),
+                  kv_spec, kv_spec],
+        out_specs=[pl.BlockSpec((None, block_q, None, padded_d), lambda i, b, h: (b, i, h, 0)),
+                   pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))],
+        out_shape=[kernel_output((batch, num_splits * padded_rows, kv_heads, padded_d),
+                                 jnp.float32, packed_q),
+                   kernel_output((batch, kv_heads, num_splits * padded_rows), jnp.float32,
+                                 packed_q)],
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        interpret=interpret,
+        name="pallas_flash_split_decode",
+    )(lengths_p, q_p, k_p, v_p)
+    out = out.reshape(batch, num_splits, padded_rows, kv_heads, padded_d)
+    lse = lse.reshape(batch, kv_heads, num_splits, padded_rows)
+    return out[:, :, :rows, :, :head_dim], jnp.swapaxes(lse, 1, 2)[..., :rows]
