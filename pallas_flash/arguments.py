@@ -151,14 +151,26 @@ def check_concrete_range(values, name: str, low: int, high: int, bounds: str) ->
                          f"[{found_low}, {found_high}]")
 
 
-def check_lengths(lengths, name: str, batch: int, seq: int, bounds: str) -> None:
-    """Per-sequence lengths: an integer array ``[batch]``, concrete values in ``[0, seq]``."""
+def check_lengths(lengths, name: str, batch: int, seq: int, bounds: str) -> jax.Array:
+    """Per-sequence lengths: an integer array ``[batch]``, concrete values in ``[0, seq]``.
+
+    Returns them as int32 (:func:`clamp_lengths`)."""
     if getattr(lengths, "shape", None) != (batch,):
         raise ValueError(f"{name} must have shape [batch] = {(batch,)}, "
                          f"got {getattr(lengths, 'shape', None)}")
     if not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(f"{name} must have an integer dtype, got {lengths.dtype}")
     check_concrete_range(lengths, name, 0, seq, bounds)
+    return clamp_lengths(lengths, seq)
+
+
+def clamp_lengths(lengths, seq: int) -> jax.Array:
+    """Integer lengths as int32, clamped into ``[0, seq]`` when traced: under ``jit`` they
+    cannot be checked, and a kernel that reads up to a row's length must not read past the
+    array (concrete lengths are checked instead, and pass unchanged)."""
+    if isinstance(lengths, jax.core.Tracer):
+        lengths = jnp.clip(lengths, 0, seq)  # before the cast: an int64 length cannot wrap
+    return jnp.asarray(lengths).astype(jnp.int32)
 
 
 def check_bools(**flags) -> None:

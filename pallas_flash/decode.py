@@ -133,7 +133,8 @@ def decode_attention(
       key_value_seq_lengths: ``[batch]`` integer tokens in each row's cache, in
         ``[0, seq_kv]``, or a scalar when every row holds that many (a cache filled up to
         one index: it lets the splits be sized for equal rows); keys past a row's length
-        are hidden (and their tiles skipped by the Pallas kernels).
+        are hidden (and their tiles skipped by the Pallas kernels). Checked when concrete;
+        traced lengths cannot be, and are clamped into ``[0, seq_kv]``.
       logits_soft_cap: ``c > 0``: logits become ``c · tanh(logits / c)``.
       sinks: ``[heads]`` logits joining each row's softmax denominator once (not once per
         split).
@@ -226,10 +227,11 @@ def _check_lengths(lengths, batch: int, seq_kv: int) -> tuple[jax.Array | None, 
     if isinstance(lengths, int) and not isinstance(lengths, bool):
         lengths = jnp.asarray(lengths, jnp.int32)
     if getattr(lengths, "shape", None) == ():
-        check_lengths(lengths[None], "key_value_seq_lengths", 1, seq_kv, "the cache length")
-        return jnp.broadcast_to(lengths.astype(jnp.int32), (batch,)), True
-    check_lengths(lengths, "key_value_seq_lengths", batch, seq_kv, "the cache length")
-    return lengths.astype(jnp.int32), batch == 1
+        lengths = check_lengths(lengths[None], "key_value_seq_lengths", 1, seq_kv,
+                                "the cache length")
+        return jnp.broadcast_to(lengths, (batch,)), True
+    return (check_lengths(lengths, "key_value_seq_lengths", batch, seq_kv, "the cache length"),
+            batch == 1)
 
 
 @dataclasses.dataclass(frozen=True)

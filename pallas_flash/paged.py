@@ -40,6 +40,7 @@ from pallas_flash.arguments import (
     check_deterministic,
     check_sinks,
     check_soft_cap,
+    clamp_lengths,
 )
 from pallas_flash.autodiff import add_sinks
 from pallas_flash.decode import (
@@ -85,7 +86,8 @@ def paged_attention(
       value_pages: like ``key_pages``.
       page_table: ``[batch, max_pages_per_seq]`` int32 page ids.
       cache_lengths: ``[batch]`` integer tokens cached per sequence, at most
-        ``max_pages_per_seq · page_size`` (checked when concrete).
+        ``max_pages_per_seq · page_size`` (checked when concrete; traced lengths cannot be,
+        and are clamped into ``[0, max_pages_per_seq · page_size]``).
       scale: logit scale; default ``1 / sqrt(head_dim)``.
       local_window_size: ``w`` or ``(left, right)`` around each query's position.
       logits_soft_cap: ``c > 0``: logits become ``c · tanh(logits / c)``.
@@ -125,7 +127,7 @@ def paged_attention(
     if not isinstance(return_lse, bool):
         raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
     dispatch.check_implementation(implementation, interpret)
-    lengths = cache_lengths.astype(jnp.int32)
+    lengths = clamp_lengths(cache_lengths, page_table.shape[1] * key_pages.shape[1])
     deterministic = dispatch.deterministic_backward(check_deterministic(deterministic))
     seq_q = query.shape[1]
     if seq_q <= MAX_DECODE_SEQ_Q and _reads_pages(query, key_pages, page_table,

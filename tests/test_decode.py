@@ -523,6 +523,29 @@ def test_balanced_splits_cut_each_row_evenly():
     np.testing.assert_array_equal(bounds, [[0, 2, 5, 7, 10], [5, 5, 6, 6, 7], [0] * 5])
 
 
+@pytest.mark.parametrize("implementation", ["triton", "xla"])
+def test_traced_lengths_out_of_range_are_clamped(implementation):
+    """Under jit the lengths cannot be checked: a length past the cache reads as the whole
+    cache (never past it), a negative one as an empty row; also through the paged read."""
+    case = Case(batch=3, seq_kv=32, heads=4, kv_heads=2)
+    q, k, v, _ = random_qkv(case.batch, case.seq_q, case.seq_kv, case.heads, case.kv_heads,
+                            case.head_dim)
+    kwargs = dict(implementation=implementation,
+                  interpret=implementation == "triton")
+    decode = jax.jit(lambda lengths: pf.decode_attention(
+        q, k, v, key_value_seq_lengths=lengths, **kwargs))
+    wild = decode(jnp.array([37, -3, 7], jnp.int32))
+    clamped = decode(jnp.array([32, 0, 7], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(wild), np.asarray(clamped))
+    assert np.all(np.asarray(clamped[1]) == 0) and np.any(np.asarray(clamped[0]) != 0)
+
+    table = jnp.arange(6, dtype=jnp.int32).reshape(3, 2)
+    pages = [x.reshape(6, 16, *x.shape[2:]) for x in (k, v)]  # row b: pages 2b, 2b + 1
+    paged = jax.jit(lambda lengths: pf.paged_attention(q, *pages, table, lengths, **kwargs))
+    np.testing.assert_allclose(np.asarray(paged(jnp.array([37, -3, 7], jnp.int32))),
+                               np.asarray(clamped), atol=1e-5)
+
+
 def test_out_of_range_page_ids_are_clamped_on_read():
     pages = jax.random.normal(fresh_key(), (5, 8, 1, 4), jnp.float32)
     table = jnp.array([[7, -3, 2]], jnp.int32)
