@@ -15,9 +15,13 @@ Two ideas, each in one place:
 Per-row positions. The cache of row ``b`` holds ``key_value_seq_lengths[b]`` tokens, the
 last ``seq_q`` of which are the queries' own (they were written before the call): query
 ``t`` sits at position ``p = length_b - seq_q + t`` (bottom-right alignment, per row), sees
-keys ``<= p`` when causal and ``[p - left, p + right]`` with a window. The kernels' static
-:class:`~pallas_flash.masking.MaskSpec` cannot say this for ragged lengths, so visibility is
-carried by arrays the kernels already take: kv segment ids mark each row's interval of keys
+keys ``<= p`` when causal and ``[p - left, p + right]`` with a window
+(:class:`CacheVisibility`). On the Triton backend a call with lengths or a window runs
+the split kernel (:mod:`pallas_flash.triton.decode`), which computes each split's keys and
+the per-token band from the lengths itself. Elsewhere (the fixed chunks), the kernels'
+static :class:`~pallas_flash.masking.MaskSpec` cannot say this for ragged lengths, so
+visibility is carried by arrays the kernels already take: kv segment ids mark each row's
+interval of keys
 that any of its queries can see (so tiles outside it are skipped, never read), and, only
 when ``seq_q > 1`` with a causal or window mask (where visibility differs between tokens),
 a boolean mask array ``[batch · num_splits, 1, seq_q · group, chunk]`` gives the exact band
@@ -153,8 +157,7 @@ def decode_attention(
         main forward instead).
 
     Splits balanced per row. On the Triton backend, with ``key_value_seq_lengths`` or a
-    window and without a per-token mask (``seq_q == 1``, or neither causal nor windowed),
-    no ``config``: split ``i`` of row ``b`` takes the ``i``-th of equal parts of the keys
+    window, no ``config``: split ``i`` of row ``b`` takes the ``i``-th of equal parts of the keys
     the row's queries see, wherever its length ends, so a row's time follows its own
     length (docs/decode.md, "Splits balanced per row"). With ``num_splits=None``, rows of
     one length (a scalar ``key_value_seq_lengths``, one row, or a window alone) take a
@@ -263,7 +266,30 @@ class CacheVisibility:
         or per row ``[B, P]``)."""
         query_pos = (lengths[:, None] - self.seq_q + jnp.arange(self.seq_q))[:, :, None]
         keys = positions[:, None, :] if positions.ndim == 2 else positions[None, None, :]
-        visible = (keys < lengths[:, None, None]) & (keys >= 0)
+        return self._sees(query_pos, keys, lengths[:, None, None])
+
+    def packed_visible(self, length: jax.Array, rows: jax.Array, keys: jax.Array
+                       ) -> jax.Array:
+        """``[r, k]``, inside a kernel: packed query row ``rows[i]`` (``[r, 1]``; row ``t ·
+        group + g`` is token ``t``) of a cache row of ``length`` tokens sees key
+        ``keys[j]`` (``[1, k]``)."""
+        return self._sees(length - self.seq_q + rows // self.group, keys, length)
+
+    def uniform_keys(self, length: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Keys ``[lo, hi)`` that every token of a row of ``length`` tokens sees (a kernel's
+        tiles inside them need no per-token mask): from the last token's left window edge
+        to the first token's right edge."""
+        first_pos, last_pos = length - self.seq_q, length - 1
+        lo, hi = jnp.zeros_like(length), length
+        if self.is_causal:
+            hi = jnp.minimum(hi, first_pos + 1)
+        if self.window is not None:
+            lo = jnp.maximum(lo, last_pos - self.window[0])
+            hi = jnp.minimum(hi, first_pos + self.window[1] + 1)
+        return lo, hi
+
+    def _sees(self, query_pos, keys, length):
+        visible = (keys < length) & (keys >= 0)
         if self.is_causal:
             visible &= keys <= query_pos
         if self.window is not None:
@@ -317,7 +343,7 @@ def _chunked_decode(query, key, value, lengths, options: _SplitOptions):
 def _balances_rows(query, key, lengths, options: _SplitOptions) -> bool:
     """Whether this call takes splits balanced per row (see :func:`decode_attention`)."""
     rows = options.rows
-    if (lengths is None and rows.window is None) or rows.needs_mask_array:
+    if lengths is None and rows.window is None:
         return False  # a full cache's fixed chunks are balanced and need no key ids
     if options.config is not None or options.implementation not in (None, "triton"):
         return False
@@ -375,7 +401,7 @@ def _balanced_split_forward(query, key, value, lengths, options: _SplitOptions):
         return (_part_bound(first, visible, count, part),
                 _part_bound(first, visible, count, part + 1))
 
-    out, lse = split_forward(packed, key, value, lengths, part_interval,
+    out, lse = split_forward(packed, key, value, lengths, part_interval, rows,
                              num_splits=num_splits, scale=options.scale,
                              softcap=options.softcap, config=config,
                              interpret=options.interpret)
@@ -476,61 +502,40 @@ def _split_forward(packed_q, key, value, lengths, rows: CacheVisibility, *, num_
 
 def paged_split_forward(query, key_pages, value_pages, page_table, lengths, *,
                         window, scale: float, softcap, interpret: bool, num_splits: int):
-    """Split-KV decode straight from a paged cache, on the Triton forward (forward only).
+    """Split-KV decode straight from a paged cache, on the Triton split kernel (forward
+    only).
 
     Like :func:`decode_attention` (``is_causal=True``, per-row ``lengths [B]`` int32) on the
     cache that ``page_table [B, M]`` addresses in ``key_pages, value_pages [P, page_size,
-    K, D]``, without gathering it. The splits are balanced per row
-    (:func:`_balanced_splits`): split ``i`` of sequence ``b`` covers the ``i``-th of
-    ``num_splits`` equal parts of the keys its queries can see, wherever the row's length
-    ends, so every split has work and a row's time follows its own length. A split is a
-    window of ``ceil(M / n) + 1`` table entries that starts at the page holding its first
-    key; the kernel reads each K/V tile from its page
-    (:func:`pallas_flash.triton.forward.forward`) and, by the kv segment ids, only the tiles
-    of the split's own keys.
+    K, D]``, without gathering it. Split ``i`` of sequence ``b`` covers the ``i``-th of
+    ``num_splits`` equal parts of the keys its queries can see (:func:`_part_bound`),
+    wherever the row's length ends, and reads each K/V tile from its page through the row's
+    table (:mod:`pallas_flash.triton.decode`).
 
     Returns ``(out [B, T, H, D], lse [B, H, T] float32)``.
     """
-    batch, seq_q, heads, head_dim = query.shape
-    max_pages, page_size = page_table.shape[1], key_pages.shape[1]
+    batch, seq_q, heads, _ = query.shape
     kv_heads = key_pages.shape[2]
     rows = CacheVisibility(seq_q=seq_q, group=heads // kv_heads, is_causal=True, window=window)
-    bounds = _balanced_splits(rows.first_visible(lengths), lengths, num_splits)  # [B, n + 1]
-    first_page = bounds[:, :-1] // page_size  # [B, n]
-    pages_per_split = -(-max_pages // num_splits) + 1
-    window_pages = first_page[:, :, None] + jnp.arange(pages_per_split, dtype=jnp.int32)
-    # Entries past the table's end are clamped to its last page: their keys lie outside the
-    # split's bounds, so their ids hide them and their tiles are never read.
-    split_table = jnp.take_along_axis(
-        page_table[:, None, :], jnp.minimum(window_pages, max_pages - 1), axis=2)
-    chunk = pages_per_split * page_size
-    offsets = jnp.arange(chunk, dtype=jnp.int32)
-    positions = (first_page * page_size)[:, :, None] + offsets
-    # Each split's own keys as an interval [lo, hi) of its chunk: the kv ids mark it (for
-    # the masked edge tiles) and the segment walk takes its spans from it.
-    intervals = jnp.clip(jnp.stack([bounds[:, :-1], bounds[:, 1:]], axis=-1)
-                         - (first_page * page_size)[:, :, None], 0, chunk)  # [B, n, 2]
-    mine = (offsets >= intervals[:, :, :1]) & (offsets < intervals[:, :, 1:])
-    kv_ids = jnp.where(mine, 0, PADDED_KEY_ID).astype(jnp.int32)  # [B, n, chunk]
-    q_chunks = jnp.repeat(_pack_queries(query, kv_heads), num_splits, axis=0)
-    segment_ids = (jnp.zeros(q_chunks.shape[:2], jnp.int32),
-                   kv_ids.reshape(batch * num_splits, chunk))
-    attn_mask = None
-    if rows.needs_mask_array:
-        attn_mask = rows.chunk_mask(lengths, positions.reshape(batch, -1), num_splits)
-    spec = MaskSpec(seq_q=q_chunks.shape[1], seq_kv=chunk)
-    kv_shape = (batch * num_splits, chunk, kv_heads, head_dim)
-    triton = dispatch.backend("triton")
+    packed = _pack_queries(query, kv_heads)
+    cache_shape = (batch, page_table.shape[1] * key_pages.shape[1], *key_pages.shape[2:])
     config = dataclasses.replace(
-        triton.default_config(q_chunks.shape, kv_shape, q_chunks.dtype, spec),
+        default_config(packed.shape, cache_shape, packed.dtype,
+                       MaskSpec(packed.shape[1], cache_shape[1])),
         num_stages=PAGED_DECODE_STAGES)
-    out, lse = triton.KERNELS.forward(
-        q_chunks, key_pages, value_pages, segment_ids, mask=spec, scale=scale, config=config,
-        interpret=interpret, softcap=softcap, attn_mask=attn_mask,
-        page_table=split_table.reshape(batch * num_splits, pages_per_split),
-        kv_intervals=intervals.reshape(batch * num_splits, 1, 2))
-    out, lse = _merge_chunks(out, lse, batch, num_splits)
-    return _unpack(out, lse, heads)
+
+    def part_interval(all_lengths, length, part):
+        del all_lengths  # a fixed count per row
+        first = rows.first_visible(length)
+        visible = jnp.maximum(length - first, 0)
+        return (_part_bound(first, visible, num_splits, part),
+                _part_bound(first, visible, num_splits, part + 1))
+
+    out, lse = split_forward(packed, key_pages, value_pages, lengths, part_interval, rows,
+                             num_splits=num_splits, scale=scale, softcap=softcap,
+                             config=config, interpret=interpret, page_table=page_table)
+    out, lse = merge_splits(out, lse)
+    return _unpack(out.astype(query.dtype), lse, heads)
 
 
 def _balanced_splits(first: jax.Array, end: jax.Array, num_splits: int) -> jax.Array:

@@ -80,40 +80,6 @@ def uniform_spans(q_ids: jax.Array, kv_ids: jax.Array, block_q: int, block_kv: i
     return jnp.where(contiguous[:, None], spans, 0)
 
 
-def interval_spans(kv_intervals: jax.Array, num_q_tiles: int, block_kv: int) -> jax.Array:
-    """The forward's spans in closed form, for query rows whose keys share their id on one
-    interval.
-
-    Row ``b``'s query tiles form ``G`` equal groups of whole tiles (a decode step's splits;
-    ``G = 1``: all of them); the query rows of group ``g`` (but padding) hold one id, the
-    keys hold that id exactly on ``[lo, hi) = kv_intervals[b, g]``, and no query tile is
-    padding only. Then the key tiles that can meet a query tile of group ``g`` are those
-    overlapping its interval, and those needing no mask lie inside it: the same ``[B, 4,
-    n]`` as :func:`tile_spans` stacked on :func:`uniform_spans` (``walk_kv``), without the
-    reductions over the id arrays (several small XLA kernels of 2–3 µs on an H200, which a
-    split-KV decode step would pay on every call; it knows its intervals).
-
-    Args:
-      kv_intervals: ``[B, G, 2]`` int32 ``(lo, hi)``, ``lo >= 0``; empty when ``hi <= lo``.
-      num_q_tiles: query tiles per row, a multiple of ``G``.
-      block_kv: keys per walked tile.
-
-    Returns:
-      ``[B, 4, num_q_tiles]`` int32: walked ``(lo, hi)`` then unmasked ``(lo, hi)`` tiles,
-      ``(0, 0)`` where there are none.
-    """
-    groups = kv_intervals.shape[1]
-    if num_q_tiles % groups:
-        raise ValueError(f"kv_intervals' {groups} groups must divide the {num_q_tiles} "
-                         "query tiles")
-    lo, hi = kv_intervals[..., 0], kv_intervals[..., 1]  # [B, G]
-    walked = jnp.stack([lo // block_kv, -(-hi // block_kv)], axis=1)
-    inner_lo, inner_hi = -(-lo // block_kv), hi // block_kv
-    inner = jnp.where((inner_hi > inner_lo)[:, None], jnp.stack([inner_lo, inner_hi], axis=1), 0)
-    spans = jnp.where((hi > lo)[:, None], jnp.concatenate([walked, inner], axis=1), 0)
-    return jnp.repeat(spans, num_q_tiles // groups, axis=2).astype(jnp.int32)
-
-
 def _tile_id_range(ids: jax.Array, block: int, padding: int | None = None
                    ) -> tuple[jax.Array, jax.Array]:
     """ids [B, L] (L a multiple of block) -> per tile (min, max), each [B, L / block];

@@ -470,10 +470,15 @@ def test_paged_splits_are_balanced_per_row(seq_q, num_splits):
     assert_matches(out, jnp.swapaxes(lse, 1, 2), (), ref_out, ref_lse, (), F32, names=())
 
 
-def test_split_kernel_reads_each_part_on_its_own_interval():
+@pytest.mark.parametrize(("seq_q", "group", "is_causal", "window"),
+                         [(3, 1, True, None), (1, 3, False, (4, 2)), (3, 1, True, (2, 0))],
+                         ids=["causal-tokens", "window", "causal-window-tokens"])
+def test_split_kernel_reads_each_part_on_its_own_interval(seq_q, group, is_causal, window):
     """The Triton split kernel against float64, part by part: intervals that start and end
     inside a tile, fit in one tile, reach the cache's end (not a whole tile), are empty;
+    each packed row sees its token's band (per-token causal edges, a window) within them;
     the lengths vector it hands to ``part_interval`` holds every row's length, then zeros."""
+    from pallas_flash.decode import CacheVisibility
     from pallas_flash.triton import TritonConfig
     from pallas_flash.triton.decode import split_forward
 
@@ -484,36 +489,45 @@ def test_split_kernel_reads_each_part_on_its_own_interval():
         lo = xp.minimum(part * 37 + length % 7 + xp.sum(all_lengths) - 151, seq_kv)
         return lo, xp.minimum(lo + length - 20 * part, seq_kv)
 
+    band = CacheVisibility(seq_q=seq_q, group=group, is_causal=is_causal, window=window)
     q = jax.random.normal(fresh_key(), (batch, rows, kv_heads, head_dim), jnp.float32)
     k, v = (jax.random.normal(fresh_key(), (batch, seq_kv, kv_heads, head_dim), jnp.float32)
             for _ in range(2))
-    out, lse = split_forward(q, k, v, jnp.asarray(lengths), part_interval,
+    out, lse = split_forward(q, k, v, jnp.asarray(lengths), part_interval, band,
                              num_splits=num_splits, scale=scale, softcap=None,
                              config=TritonConfig(block_q=16, block_kv=16, num_warps=4,
                                                  num_stages=2), interpret=True)
     assert out.shape == (batch, num_splits, rows, kv_heads, head_dim)
     assert lse.shape == (batch, num_splits, kv_heads, rows)
     qd, kd, vd = (np.asarray(x, np.float64) for x in (q, k, v))
+    keys = np.arange(seq_kv)
     seen = set()
     for b in range(batch):
         for part in range(num_splits):
             lo, hi = part_interval(lengths, int(lengths[b]), part, xp=np)
             seen.add("empty" if hi <= lo else "one tile" if lo // 16 == (hi - 1) // 16
                      else "to the end" if hi == seq_kv else "across tiles")
-            for h in range(kv_heads):
-                if hi <= lo:
-                    np.testing.assert_array_equal(np.asarray(out[b, part, :, h]), 0.0)
-                    np.testing.assert_array_equal(np.asarray(lse[b, part, h]),
-                                                  np.float32(EMPTY_ROW_LSE))
-                    continue
-                logits = scale * qd[b, :, h] @ kd[b, lo:hi, h].T
-                top = logits.max(axis=1, keepdims=True)
-                weights = np.exp(logits - top)
-                ref_lse = top[:, 0] + np.log(weights.sum(axis=1))
-                ref_out = weights @ vd[b, lo:hi, h] / weights.sum(axis=1, keepdims=True)
-                assert rel_err(out[b, part, :, h], ref_out) < 1e-5
-                np.testing.assert_allclose(np.asarray(lse[b, part, h]), ref_lse, rtol=1e-5)
-    assert seen == {"empty", "one tile", "to the end", "across tiles"}
+            for r in range(rows):
+                pos = lengths[b] - seq_q + r // group
+                visible = (keys >= lo) & (keys < hi) & (keys < lengths[b])
+                if is_causal:
+                    visible &= keys <= pos
+                if window is not None:
+                    visible &= (keys >= pos - window[0]) & (keys <= pos + window[1])
+                for h in range(kv_heads):
+                    if not visible.any():
+                        np.testing.assert_array_equal(np.asarray(out[b, part, r, h]), 0.0)
+                        assert np.asarray(lse[b, part, h, r]) == np.float32(EMPTY_ROW_LSE)
+                        seen.add("row sees nothing")
+                        continue
+                    logits = scale * kd[b, visible, h] @ qd[b, r, h]
+                    weights = np.exp(logits - logits.max())
+                    ref_out = weights @ vd[b, visible, h] / weights.sum()
+                    assert rel_err(out[b, part, r, h], ref_out) < 1e-5
+                    np.testing.assert_allclose(float(lse[b, part, h, r]),
+                                               logits.max() + np.log(weights.sum()),
+                                               rtol=1e-5)
+    assert {"empty", "one tile", "to the end", "across tiles", "row sees nothing"} <= seen
 
 
 def test_balanced_splits_cut_each_row_evenly():

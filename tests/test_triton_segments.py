@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_flash.padding import round_up
 from pallas_flash.triton.tiles import segment_operands
 
 
@@ -75,71 +74,6 @@ def test_span_of_a_tile_that_meets_nothing_is_empty():
     kv_ids = jnp.concatenate([jnp.zeros((1, 16), jnp.int32), jnp.ones((1, 16), jnp.int32)], 1)
     (_, _, spans), _ = segment_operands((q_ids, kv_ids), 32, 32, 16, 16, walk_kv=False)
     np.testing.assert_array_equal(np.asarray(spans[0, :2]).T, [[0, 2], [0, 0]])
-
-
-@pytest.mark.parametrize(("block_q", "block_kv"), [(16, 16), (16, 64), (32, 32)])
-def test_interval_spans_equal_the_spans_of_the_ids(block_q, block_kv):
-    """A decode split's keys hold the queries' id on one interval [lo, hi): the spans in
-    closed form equal those reduced from the id arrays, for every interval of a 256-key
-    chunk (empty, inside one tile, on tile edges, the whole chunk), with real and padded
-    query rows (the decode's other key ids, as pallas_flash.decode writes them)."""
-    from pallas_flash.arguments import PADDED_KEY_ID
-    chunk, rows = 256, 20                       # 20 query rows: the last tile padded
-    edges = sorted({0, 1, 15, 16, 17, 63, 64, 100, 128, 200, 255, 256, block_kv})
-    intervals = np.array([(lo, hi) for lo in edges for hi in edges], np.int32)
-    positions = np.arange(chunk)
-    kv_ids = np.where((positions >= intervals[:, :1]) & (positions < intervals[:, 1:]),
-                      0, PADDED_KEY_ID).astype(np.int32)
-    q_ids = np.zeros((len(intervals), rows), np.int32)
-    padded_q = round_up(rows, block_q)
-    segment_ids = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
-    (_, _, want), _ = segment_operands(segment_ids, padded_q, chunk, block_q, block_kv,
-                                       walk_kv=True)
-    (_, _, got), _ = segment_operands(segment_ids, padded_q, chunk, block_q, block_kv,
-                                      walk_kv=True, kv_intervals=jnp.asarray(intervals)[:, None])
-    assert got.shape == want.shape == (len(intervals), 4, padded_q // block_q)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
-def test_interval_spans_per_group_of_query_tiles():
-    """Decode splits as groups of query tiles (pallas_flash.decode's balanced layout): group
-    g's rows hold id g and its keys the interval g. Each query tile walks exactly the key
-    tiles holding its id and runs unmasked exactly those holding nothing else (brute force
-    over the ids; the reduction of tile_spans takes id ranges, a superset here), and
-    groups that do not divide the tiles are refused."""
-    from pallas_flash.arguments import PADDED_KEY_ID
-    block_q, block_kv, groups, tiles_per_group, seq_kv = 16, 32, 3, 2, 320
-    bounds = np.array([[5, 70, 70, 300], [0, 64, 128, 320]], np.int32)  # one empty part
-    intervals = np.stack([bounds[:, :-1], bounds[:, 1:]], axis=-1)      # [B, G, 2]
-    positions = np.arange(seq_kv)
-    part = (positions[None, :, None] >= bounds[:, None, 1:]).sum(-1)    # [B, S]
-    seen = (positions >= bounds[:, :1]) & (positions < bounds[:, -1:])
-    kv_ids = np.where(seen, part, PADDED_KEY_ID).astype(np.int32)
-    q_ids = np.repeat(np.arange(groups, dtype=np.int32), tiles_per_group * block_q)
-    q_ids = np.broadcast_to(q_ids, (2, q_ids.size))
-    padded_q = groups * tiles_per_group * block_q
-    segment_ids = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
-    (_, _, got), _ = segment_operands(segment_ids, padded_q, seq_kv, block_q, block_kv,
-                                      walk_kv=True, kv_intervals=jnp.asarray(intervals))
-    kv_tiles = kv_ids.reshape(2, -1, block_kv)
-    for b in range(2):
-        for tile in range(groups * tiles_per_group):
-            group = tile // tiles_per_group
-            holds = np.flatnonzero((kv_tiles[b] == group).any(-1))
-            only = np.flatnonzero((kv_tiles[b] == group).all(-1))
-            walked = (holds[0], holds[-1] + 1) if holds.size else (0, 0)
-            unmasked = (only[0], only[-1] + 1) if only.size else (0, 0)
-            assert tuple(np.asarray(got[b, :, tile])) == (*walked, *unmasked), (b, tile)
-    with pytest.raises(ValueError, match="groups must divide"):
-        segment_operands(segment_ids, padded_q, seq_kv, block_q, block_kv, walk_kv=True,
-                         kv_intervals=jnp.zeros((2, 4, 2), jnp.int32))
-
-
-def test_interval_spans_are_for_the_forward_walk_only():
-    ids = (jnp.zeros((1, 16), jnp.int32), jnp.zeros((1, 16), jnp.int32))
-    with pytest.raises(ValueError, match="kv_intervals"):
-        segment_operands(ids, 16, 16, 16, 16, walk_kv=False,
-                         kv_intervals=jnp.zeros((1, 1, 2), jnp.int32))
 
 
 def test_segment_walk_lowers_for_hopper():

@@ -10,7 +10,6 @@ mask array is given, which may hide pairs anywhere). A bias is read tile by tile
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -44,23 +43,10 @@ def query_block_order(program: int, num_q_blocks: int, mask: MaskSpec):
     return num_q_blocks - 1 - program if mask.is_causal else program
 
 
-def _kv_rows(ref, page_ref, k_start, block_kv: int):
-    """Keys ``[k_start, k_start + block_kv)`` of this program's K or V: a slice of its rows,
-    or, with a page table (``page_ref``: this sequence's page ids), a slice of the page that
-    holds them (``block_kv`` divides the page size, so a tile never straddles two pages).
-    Page ids outside the pool are clamped into it (they cannot be checked under jit)."""
-    if page_ref is None:
-        return ref[pl.ds(k_start, block_kv), :]
-    num_pages, page_size = ref.shape[0], ref.shape[1]
-    page = jnp.clip(page_ref[k_start // page_size], 0, num_pages - 1)
-    return ref[page, pl.ds(k_start % page_size, block_kv), :]
-
-
-def _forward_kernel(q_ref, k_ref, v_ref, page_ref, seg_refs, bias_ref, mask_ref, o_ref,
+def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, bias_ref, mask_ref, o_ref,
                     lse_ref, *, mask: MaskSpec, scale: float, softcap: float | None,
                     block_q: int, block_kv: int, num_q_blocks: int):
-    """page_ref: None, or this sequence's page ids (k_ref, v_ref are then the head's page
-    pools ``[num_pages, page_size, D]``); seg_refs: None or (q ids, kv ids, spans)
+    """seg_refs: None or (q ids, kv ids, spans)
     (tiles.segment_operands); bias_ref, mask_ref: None or this program's ``[block_q or 1,
     padded_kv or 1]`` rows (tiles.row_block_operand)."""
     has_segments = seg_refs is not None
@@ -75,7 +61,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, page_ref, seg_refs, bias_ref, mask_ref,
         acc, m_i, l_i = carry
         k_start = j * block_kv
         cols = pl.ds(k_start, block_kv)
-        k = _kv_rows(k_ref, page_ref, k_start, block_kv)
+        k = k_ref[cols, :]
         qk = plgpu.dot(q, k, trans_b=True, precision=precision)  # [block_q, block_kv]
         s, _ = log2_logits(qk, scale, softcap, read_tile(bias_ref, cols=cols))
         if masked:
@@ -97,7 +83,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, page_ref, seg_refs, bias_ref, mask_ref,
         # Rescale the running statistics to the new max (FA2: only the correction factor).
         alpha = jnp.exp2(m_i - m_sub)
         l_i = alpha * l_i + jnp.sum(p, axis=1)
-        v = _kv_rows(v_ref, page_ref, k_start, block_kv)
+        v = v_ref[cols, :]
         acc = alpha[:, None] * acc + plgpu.dot(p.astype(v.dtype), v, precision=precision)
         return acc, m_new, l_i
 
@@ -117,33 +103,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, page_ref, seg_refs, bias_ref, mask_ref,
 
 
 def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: TritonConfig,
-            interpret: bool, softcap: float | None = None, bias=None, attn_mask=None,
-            page_table=None, kv_intervals=None):
+            interpret: bool, softcap: float | None = None, bias=None, attn_mask=None):
     """q: [B, T, N, D], k/v: [B, S, K, D] -> (out [B, T, N, D], lse [B, N, T] float32).
 
     bias, attn_mask: None or canonical ``[B', N', T', S']`` (pallas_flash.bias); the mask
     goes to the kernel as int8 (one byte, like bool, and a type every Triton load takes).
-
-    page_table: None, or int32 ``[B, pages]``: k and v are then page pools ``[num_pages,
-    page_size, K, D]`` (``page_size`` a power of two >= 16) and sequence ``b``'s key at
-    position ``p`` is slot ``p % page_size`` of page ``page_table[b, p // page_size]``
-    (``S = pages · page_size``). The kernel reads the pages in place (no gather); forward
-    only (:mod:`pallas_flash.paged` differentiates through the gathered cache).
-
-    kv_intervals: None, or int32 ``[B, G, 2]`` with ``segment_ids`` when the query tiles of
-    row ``b`` form ``G`` equal groups (decode splits) and group ``g``'s id is held by the
-    keys exactly on ``[lo, hi) = kv_intervals[b, g]``: the segment walk's spans are then
-    computed in closed form (:func:`pallas_flash.segments.interval_spans`).
     """
     batch, seq_q, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
-    if page_table is None:
-        seq_kv = k.shape[1]
-    else:
-        page_size = k.shape[1]
-        seq_kv = page_table.shape[1] * page_size
-        # A K/V tile must lie within one page (page sizes and tiles are powers of two).
-        config = dataclasses.replace(config, block_kv=min(config.block_kv, page_size))
+    seq_kv, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
     padded_d = padded_head_dim(head_dim)
     # Bytes per (query row, key) of the bias/mask tiles that vary along queries.
@@ -153,11 +120,8 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: Trito
     block_q, block_kv = config.block_q, config.block_kv
     padded_q, padded_kv = round_up(seq_q, block_q), round_up(seq_kv, block_kv)
     q_p = pad_axis(pad_axis(q, 1, padded_q), 3, padded_d)
-    if page_table is None:
-        k_p = pad_axis(pad_axis(k, 1, padded_kv), 3, padded_d)
-        v_p = pad_axis(pad_axis(v, 1, padded_kv), 3, padded_d)
-    else:  # padded_kv == seq_kv: block_kv divides the page size
-        k_p, v_p = pad_axis(k, 3, padded_d), pad_axis(v, 3, padded_d)
+    k_p = pad_axis(pad_axis(k, 1, padded_kv), 3, padded_d)
+    v_p = pad_axis(pad_axis(v, 1, padded_kv), 3, padded_d)
     num_q_blocks = padded_q // block_q
 
     def q_tile(i, b, h):
@@ -169,24 +133,14 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: Trito
     def kv_rows(i, b, h):  # whole K/V of the head's KV head (GQA: shared by `group` heads)
         return (b, 0, h // group, 0)
 
-    def kv_pool(i, b, h):  # the whole pool of the head's KV head
-        return (0, 0, h // group, 0)
-
-    if page_table is None:
-        kv_spec = pl.BlockSpec((None, padded_kv, None, padded_d), kv_rows)
-        page_spec = None
-    else:
-        kv_spec = pl.BlockSpec((k.shape[0], k.shape[1], None, padded_d), kv_pool)
-        page_spec = pl.BlockSpec((None, page_table.shape[1]), lambda i, b, h: (b, 0))
-    in_specs = [pl.BlockSpec((None, block_q, None, padded_d), q_tile), kv_spec, kv_spec,
-                page_spec]
-    inputs = [q_p, k_p, v_p, page_table]
+    kv_spec = pl.BlockSpec((None, padded_kv, None, padded_d), kv_rows)
+    in_specs = [pl.BlockSpec((None, block_q, None, padded_d), q_tile), kv_spec, kv_spec]
+    inputs = [q_p, k_p, v_p]
     # Optional operands: None, or arrays with their specs (pallas_call takes pytrees).
     segments = seg_specs = None
     if segment_ids is not None:
         segments, seg_specs = (tuple(x) for x in segment_operands(
-            segment_ids, padded_q, padded_kv, block_q, block_kv, walk_kv=True,
-            kv_intervals=kv_intervals))
+            segment_ids, padded_q, padded_kv, block_q, block_kv, walk_kv=True))
     inputs.append(segments)
     in_specs.append(seg_specs)
     for x in (bias, None if attn_mask is None else attn_mask.astype(jnp.int8)):

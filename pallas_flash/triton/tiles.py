@@ -29,11 +29,11 @@ from jax.experimental import pallas as pl
 from pallas_flash.bias import grouped
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import pad_axis
-from pallas_flash.segments import interval_spans, pad_segment_ids, tile_spans, uniform_spans
+from pallas_flash.segments import pad_segment_ids, tile_spans, uniform_spans
 
 
 def segment_operands(segment_ids, padded_q: int, padded_kv: int, block_q: int,
-                     block_kv: int, *, walk_kv: bool, kv_intervals=None
+                     block_kv: int, *, walk_kv: bool
                      ) -> tuple[list[jax.Array], list[pl.BlockSpec]]:
     """Kernel operands for packed sequences, for grids ordered (tile, batch, head).
 
@@ -43,20 +43,12 @@ def segment_operands(segment_ids, padded_q: int, padded_kv: int, block_q: int,
     ``walk_kv``), ``spans[b, :2, i]`` is the ``(lo, hi)`` range of walked tiles whose ids
     can meet tile ``i`` (:func:`~pallas_flash.segments.tile_spans`) and ``spans[b, 2:, i]``
     the range of those that need no segment mask
-    (:func:`~pallas_flash.segments.uniform_spans`). ``kv_intervals``: None, or ``[B, G, 2]``
-    when the keys of each of ``G`` groups of query tiles share the group's id on one interval
-    (:func:`~pallas_flash.segments.interval_spans`, forward only): the spans then come in
-    closed form.
+    (:func:`~pallas_flash.segments.uniform_spans`).
     """
     q_ids, kv_ids = pad_segment_ids(segment_ids, padded_q, padded_kv)
-    if kv_intervals is not None:
-        if not walk_kv:
-            raise ValueError("kv_intervals give the spans of a kernel that walks key tiles")
-        spans = interval_spans(kv_intervals, padded_q // block_q, block_kv)
-    else:
-        spans = jnp.concatenate(
-            [tile_spans(q_ids, kv_ids, block_q, block_kv, walk_kv=walk_kv),
-             uniform_spans(q_ids, kv_ids, block_q, block_kv, walk_kv=walk_kv)], axis=1)
+    spans = jnp.concatenate(
+        [tile_spans(q_ids, kv_ids, block_q, block_kv, walk_kv=walk_kv),
+         uniform_spans(q_ids, kv_ids, block_q, block_kv, walk_kv=walk_kv)], axis=1)
     arrays = [q_ids, kv_ids, spans]
     return arrays, [_batch_row(x) for x in arrays]
 
