@@ -538,15 +538,6 @@ def paged_split_forward(query, key_pages, value_pages, page_table, lengths, *,
     return _unpack(out.astype(query.dtype), lse, heads)
 
 
-def _balanced_splits(first: jax.Array, end: jax.Array, num_splits: int) -> jax.Array:
-    """``[B, n + 1]`` int32 bounds cutting each row's visible keys ``[first, end)`` into
-    ``n`` parts of equal size (to a key): split ``i`` is ``[bounds[i], bounds[i + 1])``,
-    empty too when the row has fewer keys than parts."""
-    span = jnp.maximum(end - first, 0)
-    parts = jnp.arange(num_splits + 1, dtype=jnp.int32)
-    return _part_bound(first[:, None], span[:, None], num_splits, parts[None, :])
-
-
 def _chunk_visibility(batch: int, rows_per_chunk: int, lengths, rows: CacheVisibility,
                       seq_kv: int, num_splits: int, chunk: int):
     """``(segment_ids, attn_mask)`` of the packed chunks ``[B·n, R]`` x ``[B·n, chunk]``:

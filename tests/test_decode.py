@@ -531,10 +531,16 @@ def test_split_kernel_reads_each_part_on_its_own_interval(seq_q, group, is_causa
 
 
 def test_balanced_splits_cut_each_row_evenly():
-    from pallas_flash.decode import _balanced_splits
+    """Part bounds (what the split kernel computes per program): equal parts to a key, empty
+    parts where a row has fewer keys than parts, and past a row's own count."""
+    from pallas_flash.decode import _part_bound
 
-    bounds = np.asarray(_balanced_splits(jnp.array([0, 5, 0]), jnp.array([10, 7, 0]), 4))
-    np.testing.assert_array_equal(bounds, [[0, 2, 5, 7, 10], [5, 5, 6, 6, 7], [0] * 5])
+    first, visible, parts = jnp.array([[0], [5], [0]]), jnp.array([[10], [2], [0]]), jnp.arange(5)
+    np.testing.assert_array_equal(np.asarray(_part_bound(first, visible, 4, parts)),
+                                  [[0, 2, 5, 7, 10], [5, 5, 6, 6, 7], [0] * 5])
+    counts = jnp.array([[2], [4], [1]])
+    np.testing.assert_array_equal(np.asarray(_part_bound(first, visible, counts, parts)),
+                                  [[0, 5, 10, 10, 10], [5, 5, 6, 6, 7], [0] * 5])
 
 
 @pytest.mark.parametrize("implementation", ["triton", "xla"])
