@@ -21,8 +21,8 @@ the split kernel (:mod:`pallas_flash.triton.decode`), which computes each split'
 the per-token band from the lengths itself. Elsewhere (the fixed chunks), the kernels'
 static :class:`~pallas_flash.masking.MaskSpec` cannot say this for ragged lengths, so
 visibility is carried by arrays the kernels already take: kv segment ids mark each row's
-interval of keys
-that any of its queries can see (so tiles outside it are skipped, never read), and, only
+interval of keys that any of its queries can see (so tiles outside it are skipped, never
+read), and, only
 when ``seq_q > 1`` with a causal or window mask (where visibility differs between tokens),
 a boolean mask array ``[batch · num_splits, 1, seq_q · group, chunk]`` gives the exact band
 (it costs ``seq_q · group`` bytes per key, ~1.5 % of the K/V bytes at 16 tokens, group 4,
@@ -157,8 +157,8 @@ def decode_attention(
         main forward instead).
 
     Splits balanced per row. On the Triton backend, with ``key_value_seq_lengths`` or a
-    window, no ``config``: split ``i`` of row ``b`` takes the ``i``-th of equal parts of the keys
-    the row's queries see, wherever its length ends, so a row's time follows its own
+    window, no ``config``: split ``i`` of row ``b`` takes the ``i``-th of equal parts of the
+    keys the row's queries see, wherever its length ends, so a row's time follows its own
     length (docs/decode.md, "Splits balanced per row"). With ``num_splits=None``, rows of
     one length (a scalar ``key_value_seq_lengths``, one row, or a window alone) take a
     full cache's count (:func:`default_num_splits`); ``[batch]`` lengths take a count per
