@@ -22,12 +22,11 @@ the per-token band from the lengths itself. Elsewhere (the fixed chunks), the ke
 static :class:`~pallas_flash.masking.MaskSpec` cannot say this for ragged lengths, so
 visibility is carried by arrays the kernels already take: kv segment ids mark each row's
 interval of keys that any of its queries can see (so tiles outside it are skipped, never
-read), and, only
-when ``seq_q > 1`` with a causal or window mask (where visibility differs between tokens),
-a boolean mask array ``[batch · num_splits, 1, seq_q · group, chunk]`` gives the exact band
-(it costs ``seq_q · group`` bytes per key, ~1.5 % of the K/V bytes at 16 tokens, group 4,
-8 kv heads, head_dim 128; Mosaic takes mask arrays up to head_dim 192, above it the call
-runs on the next backend).
+read), and, only when ``seq_q > 1`` with a causal or window mask (where visibility differs
+between tokens), a boolean mask array ``[batch · num_splits, 1, seq_q · group, chunk]``
+gives the exact band (it costs ``seq_q · group`` bytes per key, ~1.5 % of the K/V bytes at
+16 tokens, group 4, 8 kv heads, head_dim 128; Mosaic takes mask arrays up to head_dim 192,
+above it the call runs on the next backend).
 """
 
 from __future__ import annotations
