@@ -159,14 +159,22 @@ BALANCED_CASES = [
     (Case(seq_q=4, seq_kv=130, heads=4, kv_heads=2, is_causal=False), 2, None),
     # One length for every row, as a scalar (a cache filled up to one index).
     (Case(batch=2, seq_kv=700, heads=4, kv_heads=2), None, 517),
+    # Several tokens that see different keys, where the tokens' band edges fall in a tile
+    # inside a part (64-key tiles), not only in its edge tiles: per-token causal edges at
+    # a row end on a tile boundary (576; GQA, sinks, run-time counts, a row shorter than
+    # seq_q), and a window's per-token left edges across a tile boundary (the row of 536
+    # first sees key 382) with a softcap (MQA).
+    (Case(seq_q=3, seq_kv=600, heads=8, kv_heads=2, sinks=True), None, (576, 2, 333)),
+    (Case(batch=2, seq_q=4, seq_kv=600, heads=4, kv_heads=1, window=(150, 0), softcap=2.0),
+     1, (512, 536)),
 ]
 
 
 @pytest.mark.parametrize(("case", "num_splits", "lengths"), BALANCED_CASES,
                          ids=lambda x: str(x) if isinstance(x, Case) else None)
 def test_decode_balanced_splits_match_oracle(case, num_splits, lengths, monkeypatch):
-    """The Triton layout with splits balanced per row (interpret mode, float32), and that
-    it is the one taken: splits as groups of query tiles against each row's own K/V."""
+    """The Triton split kernel with splits balanced per row (interpret mode, float32), and
+    that it is the one taken."""
     import pallas_flash.decode as decode_module
     taken = []
     balanced = decode_module._balanced_split_forward
