@@ -565,6 +565,9 @@ def test_traced_lengths_out_of_range_are_clamped(implementation):
     wild = decode(jnp.array([37, -3, 7], jnp.int32))
     clamped = decode(jnp.array([32, 0, 7], jnp.int32))
     np.testing.assert_array_equal(np.asarray(wild), np.asarray(clamped))
+    with jax.enable_x64(True):  # an int64 length clamps before it would wrap to 5
+        wide = decode(jnp.array([2 ** 32 + 5, -3, 7], jnp.int64))
+    np.testing.assert_array_equal(np.asarray(wide), np.asarray(clamped))
     assert np.all(np.asarray(clamped[1]) == 0) and np.any(np.asarray(clamped[0]) != 0)
 
     table = jnp.arange(6, dtype=jnp.int32).reshape(3, 2)
