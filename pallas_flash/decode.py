@@ -374,20 +374,35 @@ def _balanced_decode_jvp(options, primals, tangents):
 
 def _balanced_split_forward(query, key, value, lengths, options: _SplitOptions):
     """Split-KV decode with every row's visible keys cut into equal parts, on the Triton
-    kernel that finds each part's keys itself (:mod:`pallas_flash.triton.decode`; forward
-    only).
+    kernel that finds each part's keys itself (forward only; :func:`_split_kernel_decode`
+    with ``options``' counts). Returns ``(out [B, T, H, D], lse [B, H, T])``."""
+    return _split_kernel_decode(query, key, value, lengths, options.rows,
+                                num_splits=options.balanced_splits,
+                                full_splits=options.full_splits, scale=options.scale,
+                                softcap=options.softcap, interpret=options.interpret)
+
+
+def _split_kernel_decode(query, key, value, lengths, rows: CacheVisibility, *,
+                         num_splits: int, full_splits: int | None, scale: float, softcap,
+                         interpret: bool, page_table=None):
+    """``(out [B, T, H, D], lse [B, H, T])`` on the split kernel
+    (:mod:`pallas_flash.triton.decode`), from the cache ``[B, S, K, D]`` or, with
+    ``page_table [B, M]``, from page pools ``[P, page_size, K, D]`` read in place.
 
     Part ``i`` of row ``b`` covers the ``i``-th of ``count_b`` equal parts of the keys the
     row's queries see (:func:`_part_bound`), wherever its length ends, so a row's time
-    follows its own length; the cache is neither copied nor padded. Returns
-    ``(out [B, T, H, D], lse [B, H, T])``.
+    follows its own length; the cache is neither copied nor padded. ``count_b`` is
+    ``num_splits``, or with ``full_splits`` counted per row at run time
+    (:func:`_row_split_count`).
     """
     batch, _, heads, _ = query.shape
-    seq_kv, kv_heads = key.shape[1], key.shape[2]
-    num_splits, rows, full_splits = options.balanced_splits, options.rows, options.full_splits
+    kv_heads = key.shape[2]
     packed = _pack_queries(query, kv_heads)  # [B, R, K, D]
-    config = default_config(packed.shape, key.shape, packed.dtype,
+    seq_kv = key.shape[1] if page_table is None else page_table.shape[1] * key.shape[1]
+    config = default_config(packed.shape, (batch, seq_kv, *key.shape[2:]), packed.dtype,
                             MaskSpec(packed.shape[1], seq_kv))
+    if page_table is not None:  # each K/V load waits for its page id: a deeper pipeline
+        config = dataclasses.replace(config, num_stages=PAGED_DECODE_STAGES)
 
     def part_interval(all_lengths, length, part):
         first = rows.first_visible(length)
@@ -401,9 +416,8 @@ def _balanced_split_forward(query, key, value, lengths, options: _SplitOptions):
                 _part_bound(first, visible, count, part + 1))
 
     out, lse = split_forward(packed, key, value, lengths, part_interval, rows,
-                             num_splits=num_splits, scale=options.scale,
-                             softcap=options.softcap, config=config,
-                             interpret=options.interpret)
+                             num_splits=num_splits, scale=scale, softcap=softcap,
+                             config=config, interpret=interpret, page_table=page_table)
     out, lse = merge_splits(out, lse)
     return _unpack(out.astype(query.dtype), lse, heads)
 
@@ -506,35 +520,17 @@ def paged_split_forward(query, key_pages, value_pages, page_table, lengths, *,
 
     Like :func:`decode_attention` (``is_causal=True``, per-row ``lengths [B]`` int32) on the
     cache that ``page_table [B, M]`` addresses in ``key_pages, value_pages [P, page_size,
-    K, D]``, without gathering it. Split ``i`` of sequence ``b`` covers the ``i``-th of
-    ``num_splits`` equal parts of the keys its queries can see (:func:`_part_bound`),
-    wherever the row's length ends, and reads each K/V tile from its page through the row's
-    table (:mod:`pallas_flash.triton.decode`).
+    K, D]``, without gathering it: split ``i`` of sequence ``b`` covers the ``i``-th of
+    ``num_splits`` equal parts of the keys its queries can see, and reads each K/V tile
+    from its page through the row's table (:func:`_split_kernel_decode`).
 
     Returns ``(out [B, T, H, D], lse [B, H, T] float32)``.
     """
-    batch, seq_q, heads, _ = query.shape
-    kv_heads = key_pages.shape[2]
-    rows = CacheVisibility(seq_q=seq_q, group=heads // kv_heads, is_causal=True, window=window)
-    packed = _pack_queries(query, kv_heads)
-    cache_shape = (batch, page_table.shape[1] * key_pages.shape[1], *key_pages.shape[2:])
-    config = dataclasses.replace(
-        default_config(packed.shape, cache_shape, packed.dtype,
-                       MaskSpec(packed.shape[1], cache_shape[1])),
-        num_stages=PAGED_DECODE_STAGES)
-
-    def part_interval(all_lengths, length, part):
-        del all_lengths  # a fixed count per row
-        first = rows.first_visible(length)
-        visible = jnp.maximum(length - first, 0)
-        return (_part_bound(first, visible, num_splits, part),
-                _part_bound(first, visible, num_splits, part + 1))
-
-    out, lse = split_forward(packed, key_pages, value_pages, lengths, part_interval, rows,
-                             num_splits=num_splits, scale=scale, softcap=softcap,
-                             config=config, interpret=interpret, page_table=page_table)
-    out, lse = merge_splits(out, lse)
-    return _unpack(out.astype(query.dtype), lse, heads)
+    rows = CacheVisibility(seq_q=query.shape[1], group=query.shape[2] // key_pages.shape[2],
+                           is_causal=True, window=window)
+    return _split_kernel_decode(query, key_pages, value_pages, lengths, rows,
+                                num_splits=num_splits, full_splits=None, scale=scale,
+                                softcap=softcap, interpret=interpret, page_table=page_table)
 
 
 def _chunk_visibility(batch: int, rows_per_chunk: int, lengths, rows: CacheVisibility,

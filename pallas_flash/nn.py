@@ -508,8 +508,7 @@ def make_attention_fn(
       ``attention_fn(query, key, value, bias=None, mask=None, ...) -> [..., seq_q, heads,
       head_dim]``.
     """
-    if not isinstance(is_causal, bool):
-        raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
+    check_bools(is_causal=is_causal)
     if causal_alignment not in (None, "top_left", "bottom_right"):
         raise ValueError("causal_alignment must be None, 'top_left' or 'bottom_right', "
                          f"got {causal_alignment!r}")

@@ -36,6 +36,7 @@ from pallas_flash.arguments import (
     Implementation,
     canonical_scale,
     canonical_window,
+    check_bools,
     check_concrete_range,
     check_deterministic,
     check_sinks,
@@ -124,8 +125,7 @@ def paged_attention(
     cache = jax.ShapeDtypeStruct((page_table.shape[0], page_table.shape[1] * key_pages.shape[1],
                                   *key_pages.shape[2:]), key_pages.dtype)
     dispatch.check_arrays(query, cache, cache)
-    if not isinstance(return_lse, bool):
-        raise ValueError(f"return_lse must be a bool, got {return_lse!r}")
+    check_bools(return_lse=return_lse)
     dispatch.check_implementation(implementation, interpret)
     lengths = clamp_lengths(cache_lengths, page_table.shape[1] * key_pages.shape[1])
     deterministic = dispatch.deterministic_backward(check_deterministic(deterministic))
