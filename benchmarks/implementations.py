@@ -34,6 +34,7 @@ class Implementation:
       note: one line for the report (what exactly is called).
       by_default: run when the command line names no implementations (a variant of
         another one is run only when named).
+      head_dims: the only head dims it runs (None: any); probed at the first of them.
     """
 
     name: str
@@ -41,6 +42,10 @@ class Implementation:
     dtype: jnp.dtype | None = None
     note: str = ""
     by_default: bool = True
+    head_dims: tuple[int, ...] | None = None
+
+    def supports(self, head_dim: int) -> bool:
+        return self.head_dims is None or head_dim in self.head_dims
 
 
 def _cudnn(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
@@ -88,6 +93,13 @@ def _tokamax(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Arra
     return tokamax.dot_product_attention(q, k, v, is_causal=causal, implementation="mosaic")
 
 
+def _fa3(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
+    # An optional cp312 wheel (flash-attn3-jax), built for sm90 and head_dim 128 only.
+    from flash_attn3_jax import flash_mha
+
+    return flash_mha(q, k, v, softmax_scale=q.shape[-1] ** -0.5, is_causal=causal)
+
+
 def _pallas_flash(implementation: str, deterministic: bool = False) -> AttentionFn:
     def fn(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
         import pallas_flash
@@ -111,6 +123,9 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                             "only, no causal backward; q pre-scaled"),
         Implementation("tokamax", _tokamax,
                        note='tokamax.dot_product_attention(implementation="mosaic")'),
+        Implementation("fa3", _fa3, head_dims=(128,),
+                       note="flash_attn3_jax.flash_mha (FlashAttention-3's CUDA kernels, "
+                            "head_dim 128 only)"),
         Implementation("pallas_flash_triton", _pallas_flash("triton"),
                        note='pallas_flash.attention(implementation="triton")'),
         Implementation("pallas_flash_mosaic", _pallas_flash("mosaic"),
@@ -134,7 +149,8 @@ def error_summary(exc: BaseException) -> str:
 
 def probe(impl: Implementation, dtype: jnp.dtype) -> str | None:
     """Run ``impl`` once on a tiny problem; ``None`` if it works, else why it does not."""
-    values = np.random.default_rng(0).standard_normal((3, *_PROBE_SHAPE), np.float32)
+    shape = _PROBE_SHAPE[:-1] + (impl.head_dims or _PROBE_SHAPE[-1:])[:1]
+    values = np.random.default_rng(0).standard_normal((3, *shape), np.float32)
     q, k, v = jnp.asarray(values, impl.dtype or dtype)
     try:
         jax.block_until_ready(jax.jit(impl.fn, static_argnums=3)(q, k, v, False))

@@ -305,6 +305,10 @@ def run_suite(config: SuiteConfig, registry: Mapping[str, Implementation] | None
             if sets is None:
                 skipped = Measurement(error=f"not run: --time-limit {config.time_limit:g} s")
                 measured = dict.fromkeys(kinds, skipped)
+            elif not impl.supports(head_dim):
+                skipped = Measurement(error=f"not run: {impl.name} takes head_dim "
+                                            f"{impl.head_dims} only")
+                measured = dict.fromkeys(kinds, skipped)
             else:
                 check = {} if impl.name == reference_name else expected
                 measured = runner.measure_impl(impl, causal, kinds, sets, check)

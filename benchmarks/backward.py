@@ -1,0 +1,219 @@
+"""Forward, backward and forward+backward against FlashAttention-3 and cuDNN, side by side.
+
+    PYTHONUNBUFFERED=1 python3 -m benchmarks.backward --out DIR [--tag TAG]
+
+Issue #27's table: bf16, the papers' setup (``batch · L = 16384`` tokens, ``heads ·
+head_dim = 2048``), TFLOP/s by :mod:`benchmarks.flops` (forward ``4·B·H·L²·D``, halved
+causal; backward 2.5 × that). Every implementation of ``--impls`` (names of
+:data:`benchmarks.implementations.IMPLEMENTATIONS`; ``fa3`` needs the ``flash-attn3-jax``
+wheel and head_dim 128) is, at each point:
+
+1. checked: its output and its gradients (``jax.vjp`` with a random dO) of batch row 0,
+   head 0 against a float32 reference of that one head (``reference.standard_attention``
+   at ``highest`` matmul precision; heads are independent, so the slice is exact). A
+   non-finite value or an error above ``--tolerance`` marks the row ``correct: false``
+   and the table says "WRONG"; it is still timed (FA3's wheel returns wrong dense
+   gradients, and its speed is part of the comparison), but no ratio is taken against a
+   wrong anchor;
+2. timed in ``--rounds`` interleaved rounds: each round times every implementation's
+   jitted forward, then its jitted forward + backward, with the package's timer
+   (:func:`pallas_flash.tuning.time_fn`). The backward of a round is the round's
+   difference; a row reports medians over rounds, and its ratio to each anchor is the
+   median of the per-round ratios (the card drifts more between rounds than within one).
+
+Writes ``backward-<device>-<date>[-tag].json`` and a markdown table of the same name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.flops import attention_flops, problem_shape, tflops_per_s
+from benchmarks.implementations import IMPLEMENTATIONS, AttentionFn, error_summary
+from benchmarks.suite import file_stem
+from benchmarks.timing import time_fn
+from pallas_flash.masking import MaskSpec
+from pallas_flash.reference import standard_attention
+
+DEFAULT_IMPLS = "pallas_flash_mosaic,pallas_flash_mosaic_deterministic,fa3,cudnn"
+ANCHORS = ("fa3", "cudnn")
+PASSES = ("fwd", "bwd", "fwdbwd")
+
+
+def _calls(fn: AttentionFn, causal: bool) -> tuple[Callable, Callable]:
+    """The jitted ``(q, k, v) -> out`` and ``(q, k, v, do) -> (out, dq, dk, dv)``."""
+    def forward(q, k, v):
+        return fn(q, k, v, causal)
+
+    def forward_backward(q, k, v, d_out):
+        out, vjp = jax.vjp(forward, q, k, v)
+        return (out, *vjp(d_out))
+
+    return jax.jit(forward), jax.jit(forward_backward)
+
+
+def reference_head(q, k, v, d_out, causal: bool) -> list[np.ndarray]:
+    """(out, dq, dk, dv) of batch row 0, head 0 in float32, from the bf16 inputs."""
+    head = [x[:1, :, :1].astype(jnp.float32) for x in (q, k, v, d_out)]
+    mask = MaskSpec(seq_q=q.shape[1], seq_kv=k.shape[1], is_causal=causal)
+
+    def attend(q, k, v):
+        return standard_attention(q, k, v, scale=q.shape[-1] ** -0.5, mask=mask)[0]
+
+    with jax.default_matmul_precision("highest"):
+        out, vjp = jax.vjp(attend, *head[:3])
+        return [np.asarray(x, np.float32) for x in (out, *vjp(head[3]))]
+
+
+def head_errors(outputs: Sequence[jax.Array], expected: Sequence[np.ndarray]) -> list[float]:
+    """Per output, ``‖got − expected‖ / ‖expected‖`` on batch row 0, head 0 (NaN if any
+    value there is not finite)."""
+    errors = []
+    for got, want in zip(outputs, expected, strict=True):
+        got = np.asarray(got[:1, :, :1], np.float32)
+        errors.append(float(np.linalg.norm(got - want) / np.linalg.norm(want))
+                      if np.all(np.isfinite(got)) else math.nan)
+    return errors
+
+
+def run_point(head_dim: int, seq_len: int, causal: bool, impls: Mapping[str, AttentionFn],
+              args: argparse.Namespace, supports: Callable[[str, int], bool]) -> list[dict]:
+    """Every implementation at one point: checked, then timed in interleaved rounds."""
+    batch, heads = problem_shape(head_dim, seq_len)
+    keys = jax.random.split(jax.random.key(args.seed + seq_len + head_dim + causal), 4)
+    q, k, v, d_out = (jax.random.normal(key, (batch, seq_len, heads, head_dim), jnp.bfloat16)
+                      for key in keys)
+    base = dict(head_dim=head_dim, seq_len=seq_len, batch=batch, heads=heads, causal=causal)
+    rows = {name: dict(base, impl=name, error=None) for name in impls}
+    expected = reference_head(q, k, v, d_out, causal)
+    calls = {}
+    for name, fn in impls.items():
+        if not supports(name, head_dim):
+            rows[name]["error"] = f"not run: {name} does not take head_dim {head_dim}"
+            continue
+        try:
+            forward, forward_backward = _calls(fn, causal)
+            errors = head_errors(jax.block_until_ready(forward_backward(q, k, v, d_out)),
+                                 expected)
+            jax.block_until_ready(forward(q, k, v))
+        except Exception as e:  # a failing implementation is a row, not a crash
+            rows[name]["error"] = error_summary(e)
+            continue
+        rows[name]["rel_err"] = dict(zip(("out", "dq", "dk", "dv"), errors, strict=True))
+        rows[name]["correct"] = all(e <= args.tolerance for e in errors)  # NaN fails
+        calls[name] = (forward, forward_backward)
+    samples: dict[str, dict[str, list[float]]] = {
+        name: {p: [] for p in PASSES} for name in calls}
+    timing = dict(iters=args.iters, warmup=1, max_seconds=args.max_seconds)
+    for _ in range(args.rounds):
+        for name, (forward, forward_backward) in calls.items():
+            fwd = time_fn(forward, [(q, k, v)], **timing).median_ms
+            both = time_fn(forward_backward, [(q, k, v, d_out)], **timing).median_ms
+            for pass_, ms in zip(PASSES, (fwd, both - fwd, both), strict=True):
+                samples[name][pass_].append(ms)
+    for name, by_pass in samples.items():
+        row = rows[name]
+        for pass_, ms in by_pass.items():
+            flops = attention_flops(batch, heads, seq_len, head_dim, causal=causal,
+                                    pass_=pass_)
+            median = statistics.median(ms)
+            row[f"{pass_}_ms"] = median
+            row[f"{pass_}_round_ms"] = ms
+            row[f"{pass_}_tflops"] = tflops_per_s(flops, median) if median > 0 else None
+            for anchor in ANCHORS:
+                if anchor != name and anchor in samples and rows[anchor]["correct"]:
+                    row[f"{pass_}_vs_{anchor}"] = statistics.median(
+                        a / x for a, x in zip(samples[anchor][pass_], ms, strict=True))
+    return list(rows.values())
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: one line per (point, implementation), TFLOP/s and ratios per pass."""
+    anchors = [a for a in ANCHORS if any(r["impl"] == a for r in rows)]
+    head = ["D", "L", "causal", "impl"] + [f"{p} TFLOP/s" for p in PASSES] + [
+        f"{p} × {a}" for a in anchors for p in PASSES] + ["max rel err (out, dq, dk, dv)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [str(r["head_dim"]), str(r["seq_len"]), "yes" if r["causal"] else "no",
+                 r["impl"]]
+        if r.get("error"):
+            cells += [r["error"][:120]] + [""] * (len(head) - 5)
+        else:
+            cells += [f"{r[f'{p}_tflops']:.0f}" if r[f"{p}_tflops"] else "–" for p in PASSES]
+            cells += [f"{r[f'{p}_vs_{a}']:.2f}" if f"{p}_vs_{a}" in r else ""
+                      for a in anchors for p in PASSES]
+            worst = max(r["rel_err"].values(), key=lambda e: math.inf if math.isnan(e) else e)
+            cells.append(f"{worst:.1e}" if r["correct"] else f"WRONG ({worst:.1e})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="directory for the JSON and markdown")
+    parser.add_argument("--tag", default=None)
+    parser.add_argument("--head-dims", default="128")
+    parser.add_argument("--seq-lens", default="1024,4096,16384")
+    parser.add_argument("--causal", default="both", choices=("both", "yes", "no"))
+    parser.add_argument("--impls", default=DEFAULT_IMPLS,
+                        help=f"comma list from {sorted(IMPLEMENTATIONS)}")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--max-seconds", type=float, default=0.5)
+    parser.add_argument("--tolerance", type=float, default=2e-2,
+                        help="largest relative error of out, dq, dk, dv on the checked head")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.impls.split(",")) - set(IMPLEMENTATIONS))
+    if unknown:
+        parser.error(f"unknown implementations {unknown}; known: {sorted(IMPLEMENTATIONS)}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    return args
+
+
+def run(args: argparse.Namespace, impls: Mapping[str, AttentionFn],
+        supports: Callable[[str, int], bool]) -> int:
+    """Every point of ``args``; writes the JSON and markdown after each."""
+    causal_modes = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    device = jax.devices()[0]
+    date = datetime.date.today().isoformat()
+    stem = Path(args.out) / ("backward-" + file_stem(device.device_kind, date, args.tag))
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    for head_dim in map(int, args.head_dims.split(",")):
+        for seq_len in map(int, args.seq_lens.split(",")):
+            for causal in causal_modes:
+                rows += run_point(head_dim, seq_len, causal, impls, args, supports)
+                doc = dict(date=date, device=device.device_kind, jax_version=jax.__version__,
+                           command=vars(args), rows=rows)
+                stem.with_suffix(".json").write_text(json.dumps(doc, indent=1))
+                text = (f"# Forward and backward vs FA3 and cuDNN ({device.device_kind}, "
+                        f"{date}, jax {jax.__version__}, {args.rounds} interleaved rounds)\n\n"
+                        f"{table(rows)}\n")
+                stem.with_suffix(".md").write_text(text)
+                print(table([r for r in rows if r["seq_len"] == seq_len
+                             and r["head_dim"] == head_dim and r["causal"] == causal]),
+                      flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    names = args.impls.split(",")
+    return run(args, {n: IMPLEMENTATIONS[n].fn for n in names},
+               lambda name, head_dim: IMPLEMENTATIONS[name].supports(head_dim))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
