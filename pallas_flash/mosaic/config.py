@@ -289,16 +289,16 @@ class MosaicBackwardConfig:
                         segments: bool = False, logit_rings: tuple[LogitRing, ...] = ()
                         ) -> int:
         """dK/dV kernel: resident K/V tiles, the Q/dO ring, the lse/delta ring, barriers,
-        with ``segments`` the ring of the rows' segment ids (int32, next to lse's), and the
-        rings of bias / mask arrays (``logit_rings``, next to lse's too)."""
+        with ``segments`` the ring of the rows' segment ids (int32, on Q's barrier), and the
+        rings of bias / mask arrays (``logit_rings``, on Q's barrier too)."""
         if head_dim > MAX_PER_CONSUMER_HEAD_DIM:
             return self._split_dkdv_smem_bytes(head_dim, itemsize, segments=segments)
         k_v = 2 * _align(NUM_CONSUMERS * self.block_kv * head_dim * itemsize)
         q_do = 2 * _align(self.num_stages * self.block_q * head_dim * itemsize)
         stats = 2 * _align(self.num_stages * self.block_q * 4)
         q_ids = _align(self.num_stages * self.block_q * 4) if segments else 0
-        # K, V ready per consumer; Q, dO, lse, delta ready and one free per slot.
-        barriers = 8 * (2 * NUM_CONSUMERS + 5 * self.num_stages)
+        # K, V ready per consumer; Q (with lse) ready, dO (with delta) ready, free per slot.
+        barriers = 8 * (2 * NUM_CONSUMERS + 3 * self.num_stages)
         fused_dq = 0
         if not self.deterministic:  # per slot and consumer a dSᵀ tile; the f32 dQ staging
             split = splits_dq(head_dim, itemsize)

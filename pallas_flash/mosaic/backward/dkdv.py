@@ -67,8 +67,15 @@ class _QueryRing:
     delta: Any  # [stages, block_q] float32
     q_ids: Any  # [stages, block_q] int32 with segment ids, else None
     logits: tuple  # (bias ring, mask ring), each None when absent
-    ready: tuple  # the ready barriers of (q, do, lse, delta), in the order waited
+    # FA3's two pipelines: what Sᵀ and Pᵀ need (Q, lse, ids, bias / mask) arrives on
+    # q_ready, what dPᵀ and dSᵀ need (dO, delta) on do_ready, which a consumer waits for
+    # only once its Sᵀ GEMM is issued.
+    q_ready: Any  # [stages] barriers
+    do_ready: Any  # [stages] barriers
     free: Any  # [stages] barriers, one arrival per consumer
+
+    def wait_all(self, s) -> None:
+        wait_all((self.q_ready, self.do_ready), s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +99,7 @@ class _Consumer:
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: BackwardStatic,
                  k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, k_ready, v_ready,
-                 q_ready, do_ready, lse_ready, delta_ready, free, q_ids_smem=None,
+                 q_ready, do_ready, free, q_ids_smem=None,
                  a_smem=None, bias_smem=None, mask_smem=None, **mode_smem):
     """One CTA: keys ``[2·block_kv·tile, +2·block_kv)`` of one KV head.
 
@@ -101,14 +108,15 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: Bac
     ``st.segmented``;) (bias, mask operands;) (dq_acc [B, Tq, N, D] float32,
     zero-initialised — with ``st.dq_partials`` [2·tiles, B, Tq, N, D] — with
     ``st.fuse_dq``;) dk/dv [B, Tk, K, D]. SMEM: k/v [2, block_kv, D] (one tile per
-    consumer), the query ring (:class:`_QueryRing`; q_ids on lse's ready barrier, one more
-    TMA arrival), a_smem [2, block_kv, block_q] (interpret mode only); ``mode_smem``: the
-    dQ mode's SMEM and barriers (:func:`~.dq_modes.dq_scratch`).
+    consumer), the query ring (:class:`_QueryRing`: Q, lse, q_ids and bias / mask tiles on
+    q_ready, dO and delta on do_ready, one TMA arrival per copy), a_smem [2, block_kv,
+    block_q] (interpret mode only); ``mode_smem``: the dQ mode's SMEM and barriers
+    (:func:`~.dq_modes.dq_scratch`).
     """
     (q_ids_ref, kv_ids_ref, spans_ref), logit_refs, refs = unpack_refs(st, refs)
     dq_ref, dk_ref, dv_ref = refs if st.fuse_dq else (None, *refs)
     ring = _QueryRing(q_smem, do_smem, lse_smem, delta_smem, q_ids_smem,
-                      (bias_smem, mask_smem), (q_ready, do_ready, lse_ready, delta_ready), free)
+                      (bias_smem, mask_smem), q_ready, do_ready, free)
     bq, bkv = st.block_q, st.block_kv
     batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
     kv_tile = lax.axis_index("kv_tiles")
@@ -130,19 +138,19 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: Bac
         head, i = stream.head_and_block(t)
         rows, s = pl.ds(i * bq, bq), ring_slot(t, st.num_stages)
         plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[s], q_ready.at[s])
+        plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], lse_smem.at[s],
+                                q_ready.at[s])
+        if st.segmented:  # the rows' ids, 4·block_q bytes
+            plgpu.copy_gmem_to_smem(q_ids_ref.at[batch, rows], q_ids_smem.at[s],
+                                    q_ready.at[s])
+        # Bias / mask (transposed: [keys, queries]) tiles or rows.
+        owned = [pl.ds(cta_k0 + c * bkv, bkv) for c in range(NUM_CONSUMERS)]
+        load_logit_slots(st, logit_refs, ring.logits, s, q_ready.at[s], batch=batch,
+                         head=head, owned=owned, walked=rows)
         plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem.at[s],
                                 do_ready.at[s])
-        plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], lse_smem.at[s],
-                                lse_ready.at[s])
-        if st.segmented:  # the rows' ids, 4·block_q bytes, on lse's barrier
-            plgpu.copy_gmem_to_smem(q_ids_ref.at[batch, rows], q_ids_smem.at[s],
-                                    lse_ready.at[s])
-        # Bias / mask (transposed: [keys, queries]) tiles or rows, on lse's barrier.
-        owned = [pl.ds(cta_k0 + c * bkv, bkv) for c in range(NUM_CONSUMERS)]
-        load_logit_slots(st, logit_refs, ring.logits, s, lse_ready.at[s], batch=batch,
-                         head=head, owned=owned, walked=rows)
         plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], delta_smem.at[s],
-                                delta_ready.at[s])
+                                do_ready.at[s])
 
     def consume(wg: int):
         k0 = cta_k0 + wg * bkv
@@ -208,13 +216,9 @@ def _step(c: _Consumer, accs, i, head_step0, *, head, owned_parts, masked: bool)
     """Query block i of one head: dV_j += Pᵀ·dO_i, dK_j += dSᵀ·Q_i, then the dQ mode."""
     st, ring = c.st, c.ring
     s = ring_slot(head_step0 + i, st.num_stages)
-    wait_all(ring.ready, s)
+    plgpu.barrier_wait(ring.q_ready.at[s])
     q_tile, do_tile = ring.q.at[s], ring.do.at[s]
     lse2 = plgpu.load(ring.lse.at[s], layout=plgpu.Layout.WGMMA.reduce(0))
-
-    def load_delta():
-        return plgpu.load(ring.delta.at[s], layout=plgpu.Layout.WGMMA.reduce(0))
-    delta = None if c.dq.late_delta else load_delta()  # see dq_modes: late_delta
     q_ids = None
     if st.segmented:  # read before the slot is freed (the producer refills it)
         q_ids = plgpu.load(ring.q_ids.at[s], layout=plgpu.Layout.WGMMA.reduce(0))
@@ -224,6 +228,7 @@ def _step(c: _Consumer, accs, i, head_step0, *, head, owned_parts, masked: bool)
     def gemms(st_acc, dpt_acc):
         dk_acc, dv_acc = accs
         plgpu.wgmma(st_acc, c.k_a, q_tile.T)
+        plgpu.barrier_wait(ring.do_ready.at[s])  # the Sᵀ GEMM runs while dO lands
         plgpu.wgmma(dpt_acc, c.v_a, do_tile.T)
         # Sᵀ is ready once at most the dPᵀ GEMM is in flight: Pᵀ overlaps it.
         scores_t = plgpu.wgmma_accumulator_load(st_acc, wait_n=1)
@@ -235,7 +240,9 @@ def _step(c: _Consumer, accs, i, head_step0, *, head, owned_parts, masked: bool)
         plgpu.wgmma(dv_acc, a_operand(p_t.astype(st.dtype), c.a_tile), do_tile)
         # dPᵀ is ready once at most the dV GEMM is in flight: dSᵀ overlaps it.
         dp_t = plgpu.wgmma_accumulator_load(dpt_acc, wait_n=1)
-        delta_t = col(load_delta() if delta is None else delta, shape)
+        # delta is loaded where dSᵀ needs it: fewer live registers across the GEMMs.
+        delta_t = col(plgpu.load(ring.delta.at[s], layout=plgpu.Layout.WGMMA.reduce(0)),
+                      shape)
         ds_t = raw_score_gradient(p_t * (dp_t - delta_t), slope_t).astype(st.dtype)
 
         def issue_dk():
@@ -251,7 +258,7 @@ def _skip(c: _Consumer, i, head_step0, *, head):
     """A block only the other consumer needs: same barriers, no math (the dQ mode may
     still take its share of the step's dQ)."""
     s = ring_slot(head_step0 + i, c.st.num_stages)
-    wait_all(c.ring.ready, s)
+    c.ring.wait_all(s)
     c.dq.skipped(Step(i, head, head_step0, s))
     plgpu.barrier_arrive(c.ring.free.at[s])
     return head_step0
@@ -274,11 +281,10 @@ def call_dkdv(st: BackwardStatic, operands, dq_acc, *, interpret: bool):
         delta_smem=plgpu.SMEM((stages, bq), jnp.float32),
         k_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
         v_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
-        q_ready=plgpu.Barrier(num_barriers=stages), do_ready=plgpu.Barrier(num_barriers=stages),
-        # One TMA arrival per copy: lse, with segment ids the rows' ids, bias / mask.
-        lse_ready=plgpu.Barrier(num_arrivals=1 + st.segmented + st.logit_copies(),
-                                num_barriers=stages),
-        delta_ready=plgpu.Barrier(num_barriers=stages),
+        # One TMA arrival per copy: Q and lse, with segment ids the rows' ids, bias / mask.
+        q_ready=plgpu.Barrier(num_arrivals=2 + st.segmented + st.logit_copies(),
+                              num_barriers=stages),
+        do_ready=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # dO and delta
         free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
     )
     if st.segmented:

@@ -18,9 +18,8 @@ The dK/dV consumer (:mod:`.dkdv`) calls a mode's hooks at fixed points of its wa
 step is in registers; the hook issues dK += dSᵀ·Q_i with ``issue_dk`` and retires the
 step's GEMMs) or ``skipped(step)`` (a block only the other consumer needs);
 ``after_walk()``; ``before_epilogue()`` (before dK and dV leave through the K/V tiles). It
-reads ``late_delta`` (delta is loaded where dSᵀ needs it, not at the top of the step: the
-fused modes' dQ adds to the register pressure, see ``default_backward_config``) and
-``resident_kv`` (K and V are loaded into registers once, as the A operands of Sᵀ and dPᵀ).
+reads ``resident_kv`` (K and V are loaded into registers once, as the A operands of Sᵀ
+and dPᵀ).
 :func:`dq_scratch` gives a mode's SMEM and barriers, :func:`dq_mode` one consumer's mode.
 
 Interpret mode has no TMA reduce-add: there each consumer stores its partial sums per key
@@ -76,7 +75,6 @@ class FusedDqRefs:
 class DeterministicDq:
     """No dQ in the dK/dV kernel (the dQ kernel computes it)."""
 
-    late_delta: ClassVar[bool] = False
     resident_kv: ClassVar[bool] = False
 
     def before_walk(self) -> None:
@@ -107,8 +105,6 @@ class FusedDq:
     wg: int  # this consumer
     refs: FusedDqRefs
     stream: QueryStream
-
-    late_delta: ClassVar[bool] = True
 
     @property
     def resident_kv(self) -> bool:
