@@ -89,7 +89,7 @@ def head_errors(outputs: Sequence[jax.Array], expected: Sequence[np.ndarray]) ->
 def run_point(head_dim: int, seq_len: int, causal: bool, impls: Mapping[str, AttentionFn],
               args: argparse.Namespace, supports: Callable[[str, int], bool]) -> list[dict]:
     """Every implementation at one point: checked, then timed in interleaved rounds."""
-    batch, heads = problem_shape(head_dim, seq_len)
+    batch, heads = problem_shape(head_dim, seq_len, tokens=args.tokens, hidden=args.hidden)
     keys = jax.random.split(jax.random.key(args.seed + seq_len + head_dim + causal), 4)
     q, k, v, d_out = (jax.random.normal(key, (batch, seq_len, heads, head_dim), jnp.bfloat16)
                       for key in keys)
@@ -131,7 +131,8 @@ def run_point(head_dim: int, seq_len: int, causal: bool, impls: Mapping[str, Att
             row[f"{pass_}_round_ms"] = ms
             row[f"{pass_}_tflops"] = tflops_per_s(flops, median) if median > 0 else None
             for anchor in ANCHORS:
-                if anchor != name and anchor in samples and rows[anchor]["correct"]:
+                if (anchor != name and anchor in samples and rows[anchor]["correct"]
+                        and min(ms) > 0):
                     row[f"{pass_}_vs_{anchor}"] = statistics.median(
                         a / x for a, x in zip(samples[anchor][pass_], ms, strict=True))
     return list(rows.values())
@@ -173,6 +174,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tolerance", type=float, default=2e-2,
                         help="largest relative error of out, dq, dk, dv on the checked head")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokens", type=int, default=16384, help="batch · L per point")
+    parser.add_argument("--hidden", type=int, default=2048, help="heads · head_dim")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.impls.split(",")) - set(IMPLEMENTATIONS))
     if unknown:

@@ -5,14 +5,17 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import statistics
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from support import random_qkv, rel_err
 
+from benchmarks import backward as backward_bench
 from benchmarks import fp8_cudnn, lowered_modules, mosaic_bwd_probe, report, ring_scaling, suite
 from benchmarks import ring as ring_bench
 from benchmarks.flops import attention_flops, problem_shape, tflops_per_s
@@ -254,6 +257,7 @@ def test_suite_records_timings_wrong_results_and_failures():
         "fails": Implementation("fails", _fails_at_64),
         "fp32": Implementation("fp32", _xla, dtype=jnp.dtype(jnp.float32)),
         "missing": Implementation("missing", lambda q, k, v, c: __import__("no_such_module")),
+        "only128": Implementation("only128", _xla, head_dims=(128,)),
     }
     config = suite.SuiteConfig(head_dims=(32,), seq_lens=(64,), causal=(True,), tokens=128,
                                hidden=64, iters=2, warmup=1, max_seconds=0.05)
@@ -264,7 +268,7 @@ def test_suite_records_timings_wrong_results_and_failures():
                                                 "'no_such_module'"}
     assert len(saved) == 1
     points = {(p["impl"], p["pass"]): p for p in result["points"]}
-    assert len(points) == 4 * 3
+    assert len(points) == 5 * 3
     for pass_ in ("fwd", "bwd", "fwdbwd"):
         xla = points[("xla", pass_)]
         assert (xla["batch"], xla["heads"], xla["causal"]) == (2, 2, True)
@@ -275,8 +279,53 @@ def test_suite_records_timings_wrong_results_and_failures():
         assert points[("fp32", pass_)]["dtype"] == "fp32"
         assert points[("fp32", pass_)]["max_rel_err"] < 0.05
         assert points[("fp32", pass_)]["ratio_to_cudnn"] is None
+        assert points[("only128", pass_)]["error"] == "not run: only128 takes head_dim (128,) only"
     assert points[("xla", "fwd")]["error"] is None and points[("xla", "fwd")]["ms"] > 0
     assert points[("xla", "fwdbwd")]["error"] is None
+
+
+@jax.custom_vjp
+def _nan_cotangent(x):
+    return x
+
+
+_nan_cotangent.defvjp(lambda x: (x, None), lambda _, g: (jnp.full_like(g, jnp.nan),))
+
+
+def _nan_dv(q, k, v, causal):
+    """The right output and dq, dk; a NaN dv (the last gradient checked)."""
+    return _xla(q, k, _nan_cotangent(v), causal)
+
+
+def test_backward_benchmark_checks_each_gradient_and_pairs_rounds(tmp_path):
+    """benchmarks/backward.py on a tiny point: every output and gradient is checked (a NaN
+    in the last one too); wrong rows are timed but flagged, and give no ratios as anchors;
+    bwd is fwdbwd - fwd per round; ratios are medians of per-round ratios."""
+    args = backward_bench.parse_args([
+        "--out", str(tmp_path), "--head-dims", "32", "--seq-lens", "64", "--causal", "yes",
+        "--tokens", "128", "--hidden", "64", "--rounds", "3", "--iters", "2",
+        "--max-seconds", "0.02", "--impls", "xla"])
+    impls = {"ours": _xla, "cudnn": _xla, "fa3": _nan_dv, "wrong": _wrong, "only128": _xla}
+    assert backward_bench.run(args, impls, lambda name, head_dim: name != "only128") == 0
+    (json_path,) = tmp_path.glob("backward-*.json")
+    rows = {r["impl"]: r for r in json.loads(json_path.read_text())["rows"]}
+    ours, cudnn, fa3 = rows["ours"], rows["cudnn"], rows["fa3"]
+    assert ours["correct"] and max(ours["rel_err"].values()) < 1e-2
+    assert (ours["batch"], ours["heads"]) == (2, 2)
+    assert ours["bwd_round_ms"] == pytest.approx(
+        [b - f for f, b in zip(ours["fwd_round_ms"], ours["fwdbwd_round_ms"], strict=True)])
+    assert ours["fwd_vs_cudnn"] == pytest.approx(statistics.median(
+        c / o for c, o in zip(cudnn["fwd_round_ms"], ours["fwd_round_ms"], strict=True)))
+    assert ours["fwdbwd_tflops"] == pytest.approx(tflops_per_s(
+        attention_flops(2, 2, 64, 32, causal=True, pass_="fwdbwd"), ours["fwdbwd_ms"]))
+    assert not fa3["correct"] and math.isnan(fa3["rel_err"]["dv"])
+    assert fa3["rel_err"]["dq"] < 1e-2 and fa3["fwd_ms"] > 0  # timed all the same
+    assert not any(key.endswith("_vs_fa3") for key in ours)  # a wrong anchor: no ratio
+    assert not rows["wrong"]["correct"]
+    assert rows["wrong"]["rel_err"]["out"] == pytest.approx(1, rel=1e-2)
+    assert rows["only128"]["error"] == "not run: only128 does not take head_dim 32"
+    assert "| 32 | 64 | yes | fa3 |" in json_path.with_suffix(".md").read_text()
+    assert "WRONG (nan)" in json_path.with_suffix(".md").read_text()
 
 
 def test_variants_run_only_when_named():
