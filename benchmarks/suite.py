@@ -8,6 +8,9 @@ causal, with the papers' shapes and FLOP conventions (``benchmarks.flops``), and
 ``--quick`` runs tiny shapes in seconds on CPU. Variants of an implementation run only when
 ``--impls`` names them: ``--impls pallas_flash_mosaic,pallas_flash_mosaic_deterministic``
 times the default and the reproducible backward (``deterministic=True``) point by point.
+Each point is timed in ``--rounds`` interleaved rounds (every implementation once per
+round, after the first round's correctness check); a point reports the median over rounds,
+the backward as the median of the rounds' forward+backward minus forward.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -49,9 +53,9 @@ DTYPES: dict[str, jnp.dtype] = {
 _CAUSAL = {"no": (False,), "yes": (True,), "both": (False, True)}
 # Defaults of the size options; --quick swaps in the second set (CPU smoke test, seconds).
 _FULL = {"head_dims": "64,128,256", "seq_lens": "1024,2048,4096,8192,16384", "tokens": 16384,
-         "hidden": 2048, "iters": 30, "warmup": 3, "max_seconds": 2.0}
+         "hidden": 2048, "iters": 30, "warmup": 3, "max_seconds": 2.0, "rounds": 3}
 _QUICK = {"head_dims": "64", "seq_lens": "64,128", "tokens": 256, "hidden": 128,
-          "iters": 3, "warmup": 1, "max_seconds": 0.5}
+          "iters": 3, "warmup": 1, "max_seconds": 0.5, "rounds": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,15 +77,36 @@ class SuiteConfig:
     input_sets: int = 3
     time_limit: float | None = None  # seconds; later points are recorded as not run
     seed: int = 0
+    rounds: int = 3  # interleaved: each round times every implementation once
 
 
 @dataclasses.dataclass(frozen=True)
 class Measurement:
-    """One timing of one implementation at one point (``ms`` is None when it failed)."""
+    """The timings of one implementation at one point (``ms`` is None when it failed):
+    ``round_ms`` per round, ``ms`` their median."""
 
     ms: float | None = None
     max_rel_err: float | None = None
     error: str | None = None
+    round_ms: tuple[float, ...] = ()
+
+    def timed_again(self, fn: Callable[..., Any], arg_sets: Sequence[Sequence[jax.Array]],
+                    config: SuiteConfig) -> Measurement:
+        """One more round (a measurement that failed stays as it is)."""
+        if self.ms is None:
+            return self
+        try:
+            ms = _time(fn, arg_sets, config)
+        except Exception as exc:
+            return Measurement(error=error_summary(exc), max_rel_err=self.max_rel_err)
+        rounds = (*self.round_ms, ms)
+        return dataclasses.replace(self, ms=statistics.median(rounds), round_ms=rounds)
+
+
+def _time(fn: Callable[..., Any], arg_sets: Sequence[Sequence[jax.Array]],
+          config: SuiteConfig) -> float:
+    return time_fn(fn, arg_sets, iters=config.iters, warmup=config.warmup,
+                   max_seconds=config.max_seconds).median_ms
 
 
 def relative_error(actual: Any, expected: Any) -> float:
@@ -127,17 +152,21 @@ class _Runner:
         return self._fns[key]
 
     def measure_impl(self, impl: Implementation, causal: bool, kinds: Sequence[str],
-                     sets: Sequence[tuple[jax.Array, ...]],
-                     expected: Mapping[str, Any]) -> dict[str, Measurement]:
+                     sets: Sequence[tuple[jax.Array, ...]], expected: Mapping[str, Any],
+                     before: Mapping[str, Measurement] | None = None
+                     ) -> dict[str, Measurement]:
         """Measure each kind (``fwd``, ``fwdbwd``) of ``impl`` on input sets ``(q, k, v, do)``,
-        cast to the implementation's own dtype if it has one."""
+        cast to the implementation's own dtype if it has one; with ``before`` (the earlier
+        rounds' measurements) time one more round, unchecked."""
         dtype = sets[0][0].dtype
         if impl.dtype is not None and impl.dtype != dtype:
             sets = [tuple(x.astype(impl.dtype) for x in s) for s in sets]
         measured = {}
         for kind in kinds:
             args = sets if kind == "fwdbwd" else [s[:3] for s in sets]
-            measured[kind] = self.measure(self.fn(impl, causal, kind), args, expected.get(kind))
+            fn = self.fn(impl, causal, kind)
+            measured[kind] = (self.measure(fn, args, expected.get(kind)) if before is None
+                              else before[kind].timed_again(fn, args, self.config))
         del sets
         gc.collect()
         return measured
@@ -153,11 +182,10 @@ class _Runner:
             if err is not None and not err <= cfg.tolerance:
                 return Measurement(max_rel_err=err,
                                    error=f"wrong result: max rel err {err:.3g} > {cfg.tolerance}")
-            timing = time_fn(fn, arg_sets, iters=cfg.iters, warmup=cfg.warmup,
-                             max_seconds=cfg.max_seconds)
+            ms = _time(fn, arg_sets, cfg)
         except Exception as exc:
             return Measurement(error=error_summary(exc))
-        return Measurement(ms=timing.median_ms, max_rel_err=err)
+        return Measurement(ms=ms, max_rel_err=err, round_ms=(ms,))
 
 
 @jax.jit(static_argnums=(1, 2, 3))
@@ -188,17 +216,21 @@ def _point_record(impl: Implementation, dtype: str, head_dim: int, seq_len: int,
         error = both.error or (fwd.error and f"forward: {fwd.error}")
         ms = None
         if error is None and fwd.ms is not None and both.ms is not None:
-            ms = both.ms - fwd.ms
+            ms = statistics.median(b - f for f, b in zip(fwd.round_ms, both.round_ms,
+                                                          strict=True))
             if ms <= 0:
                 error, ms = f"forward+backward ({both.ms:.3f} ms) not slower than forward", None
-        result = Measurement(ms=ms, max_rel_err=both.max_rel_err, error=error)
+        rounds = () if ms is None else tuple(
+            b - f for f, b in zip(fwd.round_ms, both.round_ms, strict=True))
+        result = Measurement(ms=ms, max_rel_err=both.max_rel_err, error=error,
+                             round_ms=rounds)
     else:
         result = measured[pass_]
     flops = attention_flops(batch, heads, seq_len, head_dim, causal=causal, pass_=pass_)
     return {
         "impl": impl.name, "dtype": dtype, "head_dim": head_dim, "seq_len": seq_len,
         "batch": batch, "heads": heads, "causal": causal, "pass": pass_,
-        "flops": flops, "ms": result.ms,
+        "flops": flops, "ms": result.ms, "round_ms": list(result.round_ms),
         "tflops": None if result.ms is None else tflops_per_s(flops, result.ms),
         "ratio_to_cudnn": None, "max_rel_err": result.max_rel_err, "error": result.error,
     }
@@ -300,18 +332,26 @@ def run_suite(config: SuiteConfig, registry: Mapping[str, Implementation] | None
             sets = _inputs(point_key, (batch, seq_len, heads, head_dim), dtype, config.input_sets)
             expected = _reference_outputs(runner, registry.get(reference_name), causal, kinds,
                                           sets)
-        for impl in impls:
-            index += 1
+        measured_by: dict[str, dict[str, Measurement]] = {}
+        for impl in impls:  # the first round checks each result against the reference
             if sets is None:
                 skipped = Measurement(error=f"not run: --time-limit {config.time_limit:g} s")
-                measured = dict.fromkeys(kinds, skipped)
+                measured_by[impl.name] = dict.fromkeys(kinds, skipped)
             elif not impl.supports(head_dim):
                 skipped = Measurement(error=f"not run: {impl.name} takes head_dim "
                                             f"{impl.head_dims} only")
-                measured = dict.fromkeys(kinds, skipped)
+                measured_by[impl.name] = dict.fromkeys(kinds, skipped)
             else:
                 check = {} if impl.name == reference_name else expected
-                measured = runner.measure_impl(impl, causal, kinds, sets, check)
+                measured_by[impl.name] = runner.measure_impl(impl, causal, kinds, sets, check)
+        for _ in range(config.rounds - 1 if sets is not None else 0):
+            for impl in impls:
+                if impl.supports(head_dim):
+                    measured_by[impl.name] = runner.measure_impl(
+                        impl, causal, kinds, sets, expected, before=measured_by[impl.name])
+        for impl in impls:
+            index += 1
+            measured = measured_by[impl.name]
             records = [_point_record(impl, _dtype_name(impl.dtype or dtype), head_dim, seq_len,
                                      batch, heads, causal, p, measured) for p in config.passes]
             result["points"].extend(records)
@@ -397,6 +437,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[SuiteConfig, Path, st
     parser.add_argument("--time-limit", type=float,
                         help="seconds; points not started by then are recorded as not run")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int,
+                        help="interleaved rounds per point (default 3; --quick: 1)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--tag", help="appended to the output file names")
     parser.add_argument("--quick", action="store_true",
@@ -414,7 +456,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[SuiteConfig, Path, st
         causal=_CAUSAL[args.causal], passes=tuple(args.passes), dtype=args.dtype,
         iters=pick["iters"], warmup=pick["warmup"], max_seconds=pick["max_seconds"],
         tokens=pick["tokens"], hidden=pick["hidden"], tolerance=args.tolerance,
-        time_limit=args.time_limit, seed=args.seed)
+        time_limit=args.time_limit, seed=args.seed, rounds=pick["rounds"])
+    if config.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {config.rounds}")
     try:
         for d in config.head_dims:
             for length in config.seq_lens:

@@ -119,13 +119,22 @@ def test_file_stem():
     assert suite.file_stem("cpu", "2026-11-29", "d128") == "cpu-2026-11-29-d128"
 
 
+def _rounds(*ms):
+    return suite.Measurement(ms=float(np.median(ms)), round_ms=ms)
+
+
 def test_backward_time_is_forward_backward_minus_forward():
+    """Round by round: the median of (fwdbwd - fwd) over rounds, not of medians."""
     impl = IMPLEMENTATIONS["xla"]
-    measured = {"fwd": suite.Measurement(ms=1.0), "fwdbwd": suite.Measurement(ms=3.0)}
+    measured = {"fwd": _rounds(1.0), "fwdbwd": _rounds(3.0)}
     record = suite._point_record(impl, "bf16", 128, 16384, 1, 16, False, "bwd", measured)
-    assert record["ms"] == pytest.approx(2.0)
+    assert record["ms"] == pytest.approx(2.0) and record["round_ms"] == [2.0]
     assert record["tflops"] == pytest.approx(2.5 * 2**41 / 2e-3 / 1e12)
-    measured["fwdbwd"] = suite.Measurement(ms=0.9)
+    measured = {"fwd": _rounds(1.0, 2.0, 1.5), "fwdbwd": _rounds(3.0, 3.1, 4.5)}
+    record = suite._point_record(impl, "bf16", 128, 16384, 1, 16, False, "bwd", measured)
+    assert record["round_ms"] == pytest.approx([2.0, 1.1, 3.0])
+    assert record["ms"] == pytest.approx(2.0)  # medians' difference: 3.1 - 1.5 = 1.6
+    measured["fwdbwd"] = _rounds(0.9, 0.9, 0.9)
     record = suite._point_record(impl, "bf16", 128, 16384, 1, 16, False, "bwd", measured)
     assert record["ms"] is None and "not slower" in record["error"]
     measured["fwd"] = suite.Measurement(error="ValueError: boom")
@@ -143,8 +152,11 @@ def test_parse_args_quick_defaults_and_overrides():
     config, _, _ = suite.parse_args([])
     assert config.seq_lens == (1024, 2048, 4096, 8192, 16384)
     assert config.head_dims == (64, 128, 256) and config.tokens == 16384
-    with pytest.raises(SystemExit):
-        suite.parse_args(["--seq-lens", "3000"])
+    assert config.rounds == 3 and suite.parse_args(["--quick"])[0].rounds == 1
+    assert suite.parse_args(["--quick", "--rounds", "2"])[0].rounds == 2
+    for bad in (["--seq-lens", "3000"], ["--rounds", "0"]):
+        with pytest.raises(SystemExit):
+            suite.parse_args(bad)
     with pytest.raises(SystemExit):
         suite.parse_args(["--impls", "nope"])
 
@@ -260,7 +272,7 @@ def test_suite_records_timings_wrong_results_and_failures():
         "only128": Implementation("only128", _xla, head_dims=(128,)),
     }
     config = suite.SuiteConfig(head_dims=(32,), seq_lens=(64,), causal=(True,), tokens=128,
-                               hidden=64, iters=2, warmup=1, max_seconds=0.05)
+                               hidden=64, iters=2, warmup=1, max_seconds=0.05, rounds=2)
     saved = []
     result = suite.run_suite(config, registry, on_point=saved.append, log=lambda _: None)
     assert result["reference"] == "xla"
@@ -282,6 +294,11 @@ def test_suite_records_timings_wrong_results_and_failures():
         assert points[("only128", pass_)]["error"] == "not run: only128 takes head_dim (128,) only"
     assert points[("xla", "fwd")]["error"] is None and points[("xla", "fwd")]["ms"] > 0
     assert points[("xla", "fwdbwd")]["error"] is None
+    for pass_ in ("fwd", "fwdbwd"):  # two interleaved rounds, their median reported
+        xla = points[("xla", pass_)]
+        assert len(xla["round_ms"]) == 2 and xla["ms"] == pytest.approx(
+            float(np.median(xla["round_ms"])))
+        assert points[("wrong", pass_)]["round_ms"] == []  # not timed
 
 
 @jax.custom_vjp
