@@ -20,6 +20,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import pytest
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 SEMANTICS = (plgpu.LoweringSemantics.Warpgroup, plgpu.LoweringSemantics.Lane)
 BF16 = jnp.bfloat16
@@ -108,12 +109,31 @@ def test_eighty_row_contraction_needs_the_32_byte_swizzle(semantics, swizzle):
         lower(80, swizzle)
 
 
-def test_no_named_barrier():
+def test_named_barrier_only_as_inline_ptx():
     """FA3 syncs chosen warpgroups with named barriers (``bar.sync id, n``); plgpu has
-    mbarriers and cluster barriers only."""
+    mbarriers and cluster barriers only, but the Mosaic GPU layer beneath takes the PTX
+    (``plgpu.inline_mgpu`` + ``mosaic.gpu.utils.inline_ptx``), and it lowers."""
     names = [n for n in dir(plgpu) if "barrier" in n.lower()]
     assert "barrier_wait" in names and "barrier_arrive" in names  # the control
     assert not [n for n in names if "named" in n.lower() or "sync" in n.lower()], names
+
+    @plgpu.inline_mgpu()
+    def consumers_meet(ctx):
+        del ctx
+        mgpu_utils.inline_ptx("bar.sync 5, 256;", has_side_effects=True)
+
+    def body(o_ref):
+        wg = jax.lax.axis_index("wg")
+        pl.when(wg < 2)(consumers_meet)  # the two consumer warpgroups, 256 threads
+
+        @pl.when(wg == 0)
+        def _store():
+            o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+    kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128,), jnp.float32),
+                          num_threads=3, thread_name="wg")
+    lowered = jax.jit(kernel).trace().lower(lowering_platforms=("cuda",))
+    assert "bar.sync 5, 256;" in lowered.as_text()
 
 
 def test_no_cache_hint_on_tma():
