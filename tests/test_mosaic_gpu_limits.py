@@ -20,6 +20,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import pytest
+from jax.experimental.mosaic.gpu import launch_context as mgpu_launch_context
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 SEMANTICS = (plgpu.LoweringSemantics.Warpgroup, plgpu.LoweringSemantics.Lane)
@@ -138,8 +139,9 @@ def test_named_barrier_only_as_inline_ptx():
 
 def test_no_cache_hint_on_tma():
     """FA3 loads Q and dO and reduces dQ with ``EVICT_LAST``; plgpu's TMA copies take no
-    cache hint."""
-    for copy in (plgpu.copy_gmem_to_smem, plgpu.copy_smem_to_gmem):
+    cache hint, nor does the Mosaic GPU layer's ``LaunchContext.async_copy`` they lower to."""
+    for copy in (plgpu.copy_gmem_to_smem, plgpu.copy_smem_to_gmem,
+                 mgpu_launch_context.LaunchContext.async_copy):
         params = inspect.signature(copy).parameters
         assert "predicate" in params  # the control: the signature is what we read
         assert not [p for p in params if "cache" in p or "evict" in p], list(params)
