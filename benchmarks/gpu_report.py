@@ -23,7 +23,8 @@ Parts (``--parts``, comma list, in this order by default):
   grid takes two or three calls);
 * ``probes``: the Mosaic forward and backward against cuDNN at the points of the speed
   bars (``benchmarks/mosaic_probe.py``, ``benchmarks/mosaic_bwd_probe.py``; the backward at
-  head_dim 256 runs the split dK/dV kernel);
+  head_dim 256 runs the split dK/dV kernel), and forward + backward against FA3 and cuDNN
+  (``benchmarks.backward``; FA3 only where the ``flash-attn3-jax`` wheel imports);
 * ``variants``: one row per attention variant vs dense causal (``benchmarks.variants``;
   about 150 s for Mosaic and cuDNN);
 * ``training``: the small transformer, ours vs cuDNN vs XLA attention
@@ -88,6 +89,8 @@ def parts(out: Path, pytest_k: str = "", suite_head_dims: str = "64,128,256"
             (_PY, "benchmarks/mosaic_bwd_probe.py", "--head-dims", "64,128,256",
              "--seq-lens", "2048,4096,16384", "--impls", "mosaic;triton;cudnn",
              "--out", str(out / "bwd-probe.json")),
+            # Issue #27's table (FA3 where its wheel imports, else a row saying why).
+            (_PY, "-m", "benchmarks.backward", "--out", str(out / "backward")),
         )),
         Part("variants", 1.0, ((_PY, "-m", "benchmarks.variants", "--out", str(out)),)),
         Part("training", 2.0, ((_PY, "-m", "benchmarks.training", "--steps", "300",
