@@ -82,13 +82,17 @@ class SuiteConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Measurement:
-    """The timings of one implementation at one point (``ms`` is None when it failed):
-    ``round_ms`` per round, ``ms`` their median."""
+    """The timings of one implementation at one point: ``round_ms`` per round (empty when
+    it failed)."""
 
-    ms: float | None = None
+    round_ms: tuple[float, ...] = ()
     max_rel_err: float | None = None
     error: str | None = None
-    round_ms: tuple[float, ...] = ()
+
+    @property
+    def ms(self) -> float | None:
+        """The median over rounds; None when it failed."""
+        return statistics.median(self.round_ms) if self.round_ms else None
 
     def timed_again(self, fn: Callable[..., Any], arg_sets: Sequence[Sequence[jax.Array]],
                     config: SuiteConfig) -> Measurement:
@@ -99,8 +103,7 @@ class Measurement:
             ms = _time(fn, arg_sets, config)
         except Exception as exc:
             return Measurement(error=error_summary(exc), max_rel_err=self.max_rel_err)
-        rounds = (*self.round_ms, ms)
-        return dataclasses.replace(self, ms=statistics.median(rounds), round_ms=rounds)
+        return dataclasses.replace(self, round_ms=(*self.round_ms, ms))
 
 
 def _time(fn: Callable[..., Any], arg_sets: Sequence[Sequence[jax.Array]],
@@ -185,7 +188,7 @@ class _Runner:
             ms = _time(fn, arg_sets, cfg)
         except Exception as exc:
             return Measurement(error=error_summary(exc))
-        return Measurement(ms=ms, max_rel_err=err, round_ms=(ms,))
+        return Measurement(round_ms=(ms,), max_rel_err=err)
 
 
 @jax.jit(static_argnums=(1, 2, 3))
@@ -214,16 +217,13 @@ def _point_record(impl: Implementation, dtype: str, head_dim: int, seq_len: int,
     if pass_ == "bwd":
         fwd, both = measured["fwd"], measured["fwdbwd"]
         error = both.error or (fwd.error and f"forward: {fwd.error}")
-        ms = None
+        rounds = ()
         if error is None and fwd.ms is not None and both.ms is not None:
-            ms = statistics.median(b - f for f, b in zip(fwd.round_ms, both.round_ms,
-                                                          strict=True))
-            if ms <= 0:
-                error, ms = f"forward+backward ({both.ms:.3f} ms) not slower than forward", None
-        rounds = () if ms is None else tuple(
-            b - f for f, b in zip(fwd.round_ms, both.round_ms, strict=True))
-        result = Measurement(ms=ms, max_rel_err=both.max_rel_err, error=error,
-                             round_ms=rounds)
+            rounds = tuple(b - f for f, b in zip(fwd.round_ms, both.round_ms, strict=True))
+            if statistics.median(rounds) <= 0:
+                error, rounds = (f"forward+backward ({both.ms:.3f} ms) not slower than "
+                                 "forward"), ()
+        result = Measurement(round_ms=rounds, max_rel_err=both.max_rel_err, error=error)
     else:
         result = measured[pass_]
     flops = attention_flops(batch, heads, seq_len, head_dim, causal=causal, pass_=pass_)
@@ -345,8 +345,8 @@ def run_suite(config: SuiteConfig, registry: Mapping[str, Implementation] | None
                 check = {} if impl.name == reference_name else expected
                 measured_by[impl.name] = runner.measure_impl(impl, causal, kinds, sets, check)
         for _ in range(config.rounds - 1 if sets is not None else 0):
-            for impl in impls:
-                if impl.supports(head_dim):
+            for impl in impls:  # those not run, or failed in every kind, are not retried
+                if any(m.ms is not None for m in measured_by[impl.name].values()):
                     measured_by[impl.name] = runner.measure_impl(
                         impl, causal, kinds, sets, expected, before=measured_by[impl.name])
         for impl in impls:
