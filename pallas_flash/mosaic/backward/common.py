@@ -149,9 +149,21 @@ class QueryStream:
         return self.kv_head * self.group + g
 
     def head_and_block(self, t):
-        """(query head, query block) of step t."""
+        """(query head, query block) of step t. Without GQA no division: an integer
+        division by a run-time count is some 20 dependent instructions per step."""
+        if self.group == 1:
+            return self.head(0), self.first + t
         g = lax.div(t, self.blocks_per_head)
         return self.head(g), self.first + lax.rem(t, self.blocks_per_head)
+
+    def before(self, head, i):
+        """(query head, query block) of the step before block i of ``head`` (the last
+        block of the previous head when i is its first; meaningless before step 0)."""
+        if self.group == 1:
+            return head, i - 1
+        starts_head = i == self.first
+        return (jnp.where(starts_head, head - 1, head),
+                jnp.where(starts_head, self.last - 1, i - 1))
 
 
 def unpack_refs(st: BackwardStatic, refs):
@@ -272,10 +284,11 @@ def kernel_params(interpret: bool) -> dict:
                 interpret=interpret_params(interpret, NUM_CONSUMERS + 1))
 
 
-def smem_tiles(st: BackwardStatic, *shape, dtype=None):
-    """A swizzled SMEM buffer (the layout TMA writes and wgmma reads)."""
+def smem_tiles(st: BackwardStatic, *shape, dtype=None, swizzle: int | None = None):
+    """A swizzled SMEM buffer (the layout TMA writes and wgmma reads); ``swizzle``: bytes,
+    by default the kernel's (at most one row of the tile)."""
     dtype = jnp.dtype(dtype or st.dtype)
-    swizzle = min(st.swizzle, shape[-1] * dtype.itemsize)  # float32 staging: 128 bytes
+    swizzle = min(swizzle or st.swizzle, shape[-1] * dtype.itemsize)
     return plgpu.SMEM(shape, dtype, transforms=smem_transforms(dtype.itemsize, swizzle))
 
 

@@ -197,20 +197,19 @@ class SplitDq(FusedDq):
         return tuple((refs.ds_smem.at[s, c], refs.k_smem.at[c, :, self.half])
                      for c in range(NUM_CONSUMERS))
 
-    def previous_step(self, t):
-        """(ring slot, query head, query block) of step t-1 (for t = 0: the slot of step
-        -1 and step 0's rows)."""
+    def previous_slot(self, t):
+        """The ring slot of step t-1 (for t = 0: of step -1, see before_walk)."""
         stages = self.st.num_stages
-        s_prev = lax.rem(t - 1 + stages, stages)
-        head, i = self.stream.head_and_block(jnp.maximum(t - 1, 0))
-        return s_prev, head, i
+        return lax.rem(t - 1 + stages, stages)
 
-    def add_previous(self, t, s, ds_t, issue_dk=None) -> None:
-        """At step t (slot s): this consumer's half of step t-1's dQ, and step t's dSᵀ
+    def add_previous(self, step: Step, ds_t, issue_dk=None) -> None:
+        """At ``step``: this consumer's half of the previous step's dQ, and the step's dSᵀ
         published. ``issue_dk``: issues dK += dSᵀ·Q_i first, so that it runs back to back
         with the dQ GEMM, whose wait retires the step's GEMMs (Q_i, dO_i are read)."""
         refs, dq_tile = self.refs, self.refs.dq_smem.at[self.wg]
-        s_prev, head_prev, i_prev = self.previous_step(t)
+        t, s = step.index(), step.slot
+        s_prev = self.previous_slot(t)
+        head_prev, i_prev = self.stream.before(step.head, step.i)
         if issue_dk is not None:
             issue_dk()
         plgpu.barrier_wait(refs.exchanged.at[s_prev])  # both dSᵀ of step t-1 are in SMEM
@@ -233,15 +232,16 @@ class SplitDq(FusedDq):
         plgpu.barrier_arrive(self.refs.exchanged.at[s_init])
 
     def after_ds(self, step: Step, ds_t, issue_dk) -> None:
-        self.add_previous(step.index(), step.slot, ds_t, issue_dk)
+        self.add_previous(step, ds_t, issue_dk)
 
     def skipped(self, step: Step) -> None:
-        self.add_previous(step.index(), step.slot, _zero_tile(self.st))
+        self.add_previous(step, _zero_tile(self.st))
 
     def after_walk(self) -> None:
         """This consumer's half of the last step's dQ."""
-        num_steps = self.stream.num_steps()
-        s_last, head_last, i_last = self.previous_step(num_steps)
+        stream, num_steps = self.stream, self.stream.num_steps()
+        s_last = self.previous_slot(num_steps)
+        head_last, i_last = stream.head(stream.group - 1), stream.last - 1
         plgpu.barrier_wait(self.refs.exchanged.at[s_last])
 
         @pl.when(num_steps > 0)
