@@ -321,8 +321,8 @@ class MosaicBackwardConfig:
         stats = _align(self.num_stages * 2 * self.block_q * 4)
         exchange = 2 * _align(self.num_stages * self.block_kv * self.block_q * itemsize)
         q_ids = _align(self.num_stages * self.block_q * 4) if segments else 0
-        # K, V ready per half; Q, dO, stats ready, free and exchanged per slot.
-        barriers = 8 * (2 * NUM_CONSUMERS + 5 * self.num_stages)
+        # K, V ready per half; Q (with the stats) ready, dO ready, free and exchanged per slot.
+        barriers = 8 * (2 * NUM_CONSUMERS + 4 * self.num_stages)
         return k_v + q_do + stats + exchange + q_ids + barriers
 
     def dq_smem_bytes(self, head_dim: int, itemsize: int = 2, *, segments: bool = False,

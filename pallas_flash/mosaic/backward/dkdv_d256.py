@@ -60,7 +60,7 @@ from pallas_flash.sharding import kernel_output
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: BackwardStatic,
                  k_smem, v_smem, q_smem, do_smem, stats_smem, pt_smem, dst_smem, k_ready,
-                 v_ready, q_ready, do_ready, stats_ready, free, exchanged,
+                 v_ready, q_ready, do_ready, free, exchanged,
                  q_ids_smem=None):
     """One CTA: keys ``[block_kv·tile, +block_kv)`` of one KV head.
 
@@ -68,9 +68,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: Bac
     column half of the head dim, ``r``: a row half of the query block, ``s``: a ring slot):
     k/v [h, block_kv, D/2]; q/do [s, h, r, block_q/2, D/2]; stats [s, lse|delta, r,
     block_q/2] float32; pt/dst [s, r, block_kv, block_q/2] (Pᵀ and dSᵀ, row half r
-    written by consumer r); with segment ids q_ids_smem [s, r, block_q/2] int32 (on the
-    stats' ready barrier). Halves are leading dims, so that a consumer's half is an index,
-    never a slice of a swizzled tile.
+    written by consumer r); with segment ids q_ids_smem [s, r, block_q/2] int32. Q, the
+    stats and the ids arrive on q_ready, dO on do_ready (waited once the Sᵀ GEMMs are
+    issued). Halves are leading dims, so that a consumer's half is an index, never a slice
+    of a swizzled tile.
     """
     q_ids_ref, kv_ids_ref, spans_ref = refs[:3] if st.segmented else (None,) * 3
     dk_ref, dv_ref = refs[3:] if st.segmented else refs
@@ -102,10 +103,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: Bac
                                         do_smem.at[s, h, r], do_ready.at[s])
             for stat, ref in enumerate((lse_ref, delta_ref)):
                 plgpu.copy_gmem_to_smem(ref.at[batch, head, rows], stats_smem.at[s, stat, r],
-                                        stats_ready.at[s])
-            if st.segmented:  # the rows' ids, on the stats' barrier
+                                        q_ready.at[s])
+            if st.segmented:  # the rows' ids
                 plgpu.copy_gmem_to_smem(q_ids_ref.at[batch, rows], q_ids_smem.at[s, r],
-                                        stats_ready.at[s])
+                                        q_ready.at[s])
 
     def consume(wg):
         own_cols = pl.ds(wg * half_d, half_d)  # this consumer's half of dK and dV
@@ -121,8 +122,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: Bac
         shape = (bkv, half_q)  # rows are keys, columns this consumer's queries
 
         c = _Half(st, wg, slot, shape, k0, kv_ids, k_smem, v_smem, q_smem, do_smem,
-                  stats_smem, pt_smem, dst_smem, q_ids_smem, q_ready, do_ready, stats_ready,
-                  free, exchanged)
+                  stats_smem, pt_smem, dst_smem, q_ids_smem, q_ready, do_ready, free,
+                  exchanged)
 
         dk, dv = pl.run_scoped(functools.partial(_accumulate, c, band, stream),
                                plgpu.ACC((bkv, half_d), jnp.float32),
@@ -160,9 +161,8 @@ class _Half(NamedTuple):
     pt_smem: Any
     dst_smem: Any
     q_ids_smem: Any
-    q_ready: Any
-    do_ready: Any
-    stats_ready: Any
+    q_ready: Any  # Q, lse, delta and the rows' ids
+    do_ready: Any  # dO, waited once the Sᵀ GEMMs are issued
     free: Any
     exchanged: Any
 
@@ -176,7 +176,7 @@ def _accumulate(c: _Half, band, stream: QueryStream, dk_acc, dv_acc):
     def skip(i, head_step0):
         """Never runs (both consumers walk the same band); the ring's protocol."""
         s = c.slot(head_step0 + i)
-        wait_all((c.q_ready, c.do_ready, c.stats_ready), s)
+        wait_all((c.q_ready, c.do_ready), s)
         plgpu.barrier_arrive(c.free.at[s])
         return head_step0
 
@@ -196,7 +196,7 @@ def _step(c: _Half, accs, i, head_step0, *, masked: bool):
     halves = range(NUM_CONSUMERS)
     half_q = st.block_q // NUM_CONSUMERS
     s = c.slot(head_step0 + i)
-    wait_all((c.q_ready, c.do_ready, c.stats_ready), s)
+    plgpu.barrier_wait(c.q_ready.at[s])
     layout = plgpu.Layout.WGMMA.reduce(0)
     lse2 = plgpu.load(c.stats_smem.at[s, 0, wg], layout=layout)
     delta = plgpu.load(c.stats_smem.at[s, 1, wg], layout=layout)
@@ -208,6 +208,7 @@ def _step(c: _Half, accs, i, head_step0, *, masked: bool):
         """Step 1: Pᵀ and dSᵀ of this consumer's rows of block i."""
         for h in halves:  # the contraction over the head dim, half by half
             plgpu.wgmma(st_acc, c.k_smem.at[h], c.q_smem.at[s, h, wg].T)
+        plgpu.barrier_wait(c.do_ready.at[s])  # the Sᵀ GEMMs run while dO lands
         for h in halves:
             plgpu.wgmma(dpt_acc, c.v_smem.at[h], c.do_smem.at[s, h, wg].T)
         # Sᵀ is ready once at most the two dPᵀ GEMMs are in flight.
@@ -255,11 +256,10 @@ def call_dkdv_d256(st: BackwardStatic, operands, *, interpret: bool):
         k_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
         v_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
         # One TMA arrival per copy: Q and dO in four quarters each; lse, delta (and the
-        # rows' ids) in two halves each.
-        q_ready=plgpu.Barrier(num_arrivals=NUM_CONSUMERS ** 2, num_barriers=stages),
+        # rows' ids) in two halves each, on Q's barrier.
+        q_ready=plgpu.Barrier(num_arrivals=NUM_CONSUMERS ** 2 + NUM_CONSUMERS
+                              * (2 + st.segmented), num_barriers=stages),
         do_ready=plgpu.Barrier(num_arrivals=NUM_CONSUMERS ** 2, num_barriers=stages),
-        stats_ready=plgpu.Barrier(num_arrivals=NUM_CONSUMERS * (2 + st.segmented),
-                                  num_barriers=stages),
         free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
         exchanged=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
     )
