@@ -284,11 +284,10 @@ def kernel_params(interpret: bool) -> dict:
                 interpret=interpret_params(interpret, NUM_CONSUMERS + 1))
 
 
-def smem_tiles(st: BackwardStatic, *shape, dtype=None, swizzle: int | None = None):
-    """A swizzled SMEM buffer (the layout TMA writes and wgmma reads); ``swizzle``: bytes,
-    by default the kernel's (at most one row of the tile)."""
+def smem_tiles(st: BackwardStatic, *shape, dtype=None):
+    """A swizzled SMEM buffer (the layout TMA writes and wgmma reads)."""
     dtype = jnp.dtype(dtype or st.dtype)
-    swizzle = min(swizzle or st.swizzle, shape[-1] * dtype.itemsize)
+    swizzle = min(st.swizzle, shape[-1] * dtype.itemsize)  # float32 staging: 128 bytes
     return plgpu.SMEM(shape, dtype, transforms=smem_transforms(dtype.itemsize, swizzle))
 
 
