@@ -537,3 +537,89 @@ def test_fp8_cudnn_speed_on_cpu(tmp_path):
     (row,) = json.loads((tmp_path / json_path.name.replace(".json", "-strict.json"))
                         .read_text())["rows"]
     assert row["error"].startswith("wrong result") and "tflops" not in row
+
+
+# --- the ncu profile summary (benchmarks.profile_backward) -----------------------------------
+
+_DETAILS = """\
+  first_kernel (4, 32, 16)x(384, 1, 1), Context 1, Stream 14, Device 0, CC 9.0
+    Section: GPU Speed Of Light Throughput
+    ----------------------- ----------- ------------
+    Duration                         ms         1.19
+    Compute (SM) Throughput           %        62.14
+    L1/TEX Cache Throughput           %        73.25
+    Section: Compute Workload Analysis
+    Issue Slots Busy               %        31.31
+    Local Memory Spilling Requests                        7,372,288
+    Executed Instructions                           inst  346,574,326
+    Registers Per Thread             register/thread             168
+  small_fusion (64, 1, 1)x(128, 1, 1), Context 1, Stream 14, Device 0, CC 9.0
+    Duration                         us        20.50
+    Executed Instructions                           inst  1,000
+"""
+
+
+def _source_block(name, rows):
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+              "stall_wait", "stall_long_sb", "stall_wait (Not Issued)"]
+    return [["Kernel Name", name], header, *rows]
+
+
+def test_profile_details_are_parsed_per_kernel_with_units():
+    from benchmarks import profile_backward
+
+    first, second = profile_backward.parse_details(_DETAILS)
+    assert first["name"] == "first_kernel" and first["grid"] == (4, 32, 16)
+    assert first["duration ms"] == 1.19 and first["spill requests"] == 7372288
+    assert first["instructions"] == 346574326 and first["registers"] == 168
+    assert first["SM (tensor) %"] == 62.14 and first["issue slots %"] == 31.31
+    assert second["duration ms"] == pytest.approx(0.0205) and second["block"] == (128, 1, 1)
+    with pytest.raises(ValueError, match="unknown unit"):
+        profile_backward.parse_details(_DETAILS.replace("us        20.50", "ks        20.50"))
+
+
+def test_profile_source_counts_stalls_and_spills_once_per_kernel():
+    from benchmarks import profile_backward
+
+    rows = [["0x10", "  @!P1 LDL.LU R3, [R1]", "5", "100", "1", "4", "9"],
+            ["0x20", "  STL [R1+0x4], R2", "3", "7", "3", "0", "9"],
+            ["0x30", "  HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24", "2", "50", "2", "0", "0"]]
+    block = _source_block("k", rows)
+    # ncu prints some kernels twice in a row: counted once; a different block is kept.
+    other = _source_block("k", [["0x10", "  LDL R3, [R1]", "1", "1", "1", "0", "0"]])
+    kernels = profile_backward.parse_source(block + block + other)
+    assert len(kernels) == 2
+    first = kernels[0]
+    assert first["samples"] == 10
+    assert first["stalls"] == {"wait": 6, "long_sb": 4}  # "Not Issued" columns left out
+    assert first["executed"]["LDL"] == 100 and first["executed"]["STL"] == 7
+    assert first["executed"]["HGMMA"] == 50
+
+
+def test_profile_table_filters_short_kernels_and_checks_alignment(capsys):
+    from benchmarks import profile_backward
+
+    details = profile_backward.parse_details(_DETAILS)
+    rows = [["0x10", "  LDL R3, [R1]", "6", "11", "6", "0", "0"],
+            ["0x20", "  STL [R1], R3", "4", "2", "0", "4", "0"]]
+    source = profile_backward.parse_source(
+        _source_block("first_kernel", rows)
+        + _source_block("small_fusion", [["0x1", "  EXIT", "1", "1", "1", "0", "0"]]))
+    text = profile_backward.table(details, source, min_ms=0.05)
+    assert "first_kernel" in text and "small_fusion" not in text
+    assert "wait 60.0, long_sb 40.0" in text and "| 11 / 2 |" in text
+    lone = profile_backward.table(details, source[:1], min_ms=0.0)
+    assert "top stalls" not in lone and "small_fusion" in lone
+    assert "stall columns left out" in capsys.readouterr().err
+
+
+def test_profile_workload_runs_and_validates(capsys):
+    from benchmarks import profile_backward
+
+    profile_backward.workload(["xla"], seq_len=128, head_dim=64, causal=True, tokens=256,
+                              hidden=128, seed=0)
+    assert "ran xla" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--impls"):
+        profile_backward.workload(["nope"], 128, 64, True, 256, 128, 0)
+    with pytest.raises(ValueError, match="must divide"):
+        profile_backward.workload(["xla"], 100, 64, True, 256, 128, 0)
