@@ -44,7 +44,8 @@ DETAIL_METRICS = (
     ("issue slots %", "Issue Slots Busy", None),
 )
 _KERNEL_LINE = re.compile(r"^  (\S.*?) \((\d+), (\d+), (\d+)\)x\((\d+), (\d+), (\d+)\)")
-_METRIC_LINE = re.compile(r"^    (\S.*?)\s{2,}(\S*)\s{2,}([\d,.]+)\s*$")
+# Name, unit (none for counts), value; a wide value leaves one space after its unit.
+_METRIC_LINE = re.compile(r"^    (\S.*?)\s{2,}(?:(\S+)\s+)?([\d,.]+)\s*$")
 _STALLS_SHOWN = 6
 
 
@@ -65,7 +66,7 @@ def parse_details(text: str) -> list[dict]:
             column, scale = wanted[metric.group(1)]
             value = float(metric.group(3).replace(",", ""))
             if scale is not None:
-                if metric.group(2) not in scale:
+                if metric.group(2) not in scale:  # (None: no unit)
                     raise ValueError(f"unknown unit {metric.group(2)!r} of {metric.group(1)}")
                 value *= scale[metric.group(2)]
             kernels[-1].setdefault(column, value)
