@@ -555,7 +555,7 @@ _DETAILS = """\
     Registers Per Thread             register/thread             168
   small_fusion (64, 1, 1)x(128, 1, 1), Context 1, Stream 14, Device 0, CC 9.0
     Duration                         us        20.50
-    Executed Instructions                           inst  1,000
+    Executed Instructions                           inst 1,125,144,859
 """
 
 
@@ -574,6 +574,7 @@ def test_profile_details_are_parsed_per_kernel_with_units():
     assert first["instructions"] == 346574326 and first["registers"] == 168
     assert first["SM (tensor) %"] == 62.14 and first["issue slots %"] == 31.31
     assert second["duration ms"] == pytest.approx(0.0205) and second["block"] == (128, 1, 1)
+    assert second["instructions"] == 1125144859  # one space between a unit and a wide value
     with pytest.raises(ValueError, match="unknown unit"):
         profile_backward.parse_details(_DETAILS.replace("us        20.50", "ks        20.50"))
 
