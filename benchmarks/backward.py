@@ -20,6 +20,10 @@ wheel and head_dim 128) is, at each point:
    (:func:`pallas_flash.tuning.time_fn`). The backward of a round is the round's
    difference; a row reports medians over rounds, and its ratio to each anchor is the
    median of the per-round ratios (the card drifts more between rounds than within one).
+3. with ``--control``: the first implementation is timed a second time as a separately
+   jitted copy (``<impl>_again``, right after it in every round), and the markdown adds
+   the per-round ratio of the two: the spread that a difference between implementations
+   must exceed to be a finding.
 
 Writes ``backward-<device>-<date>[-tag].json`` and a markdown table of the same name.
 """
@@ -48,6 +52,8 @@ from pallas_flash.reference import standard_attention
 DEFAULT_IMPLS = "pallas_flash_mosaic,pallas_flash_mosaic_deterministic,fa3,cudnn"
 ANCHORS = ("fa3", "cudnn")
 PASSES = ("fwd", "bwd", "fwdbwd")
+#: The name of ``--control``'s second copy of the first implementation.
+CONTROL_SUFFIX = "_again"
 
 
 def _calls(fn: AttentionFn, causal: bool) -> tuple[Callable, Callable]:
@@ -159,6 +165,31 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def control_spread(rows: list[dict]) -> str:
+    """Markdown: for each point timed with ``--control``, the median per-round ratio of the
+    first implementation's time to its second, separately jitted copy's, per pass (the run's
+    noise: a difference between implementations smaller than this spread is not a finding)."""
+    by_point: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        by_point.setdefault((r["head_dim"], r["seq_len"], r["causal"]), {})[r["impl"]] = r
+    lines = []
+    for (head_dim, seq_len, causal), point in by_point.items():
+        for name, again in point.items():
+            first = point.get(name.removesuffix(CONTROL_SUFFIX))
+            if (not name.endswith(CONTROL_SUFFIX) or first is None or first.get("error")
+                    or again.get("error")):
+                continue
+            ratios = [statistics.median(a / b for a, b in zip(
+                first[f"{p}_round_ms"], again[f"{p}_round_ms"], strict=True))
+                for p in PASSES]
+            lines.append(f"| {head_dim} | {seq_len} | {'yes' if causal else 'no'} | "
+                         f"{first['impl']} | " + " | ".join(f"{x:.3f}" for x in ratios) + " |")
+    if not lines:
+        return ""
+    head = "| D | L | causal | impl | " + " | ".join(f"{p} first / again" for p in PASSES)
+    return "\n".join([head + " |", "|" + "---|" * (4 + len(PASSES)), *lines])
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory for the JSON and markdown")
@@ -176,6 +207,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokens", type=int, default=16384, help="batch · L per point")
     parser.add_argument("--hidden", type=int, default=2048, help="heads · head_dim")
+    parser.add_argument("--control", action="store_true",
+                        help=f"time the first implementation twice (the copy named "
+                             f"'<impl>{CONTROL_SUFFIX}') and report the spread between them")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.impls.split(",")) - set(IMPLEMENTATIONS))
     if unknown:
@@ -204,6 +238,9 @@ def run(args: argparse.Namespace, impls: Mapping[str, AttentionFn],
                 text = (f"# Forward and backward vs FA3 and cuDNN ({device.device_kind}, "
                         f"{date}, jax {jax.__version__}, {args.rounds} interleaved rounds)\n\n"
                         f"{table(rows)}\n")
+                spread = control_spread(rows)
+                if spread:
+                    text += f"\n## Noise: one implementation timed twice\n\n{spread}\n"
                 stem.with_suffix(".md").write_text(text)
                 print(table([r for r in rows if r["seq_len"] == seq_len
                              and r["head_dim"] == head_dim and r["causal"] == causal]),
@@ -214,8 +251,12 @@ def run(args: argparse.Namespace, impls: Mapping[str, AttentionFn],
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     names = args.impls.split(",")
-    return run(args, {n: IMPLEMENTATIONS[n].fn for n in names},
-               lambda name, head_dim: IMPLEMENTATIONS[name].supports(head_dim))
+    impls = {n: IMPLEMENTATIONS[n].fn for n in names}
+    if args.control:  # right after the first, so that the two alternate in every round
+        copy = {names[0] + CONTROL_SUFFIX: impls[names[0]]}
+        impls = {names[0]: impls[names[0]], **copy, **impls}
+    return run(args, impls, lambda name, head_dim: IMPLEMENTATIONS[
+        name.removesuffix(CONTROL_SUFFIX)].supports(head_dim))
 
 
 if __name__ == "__main__":

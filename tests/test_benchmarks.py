@@ -345,6 +345,27 @@ def test_backward_benchmark_checks_each_gradient_and_pairs_rounds(tmp_path):
     assert "WRONG (nan)" in json_path.with_suffix(".md").read_text()
 
 
+def test_backward_control_times_the_first_implementation_twice(tmp_path):
+    """--control (through main, on CPU with xla): a separately timed copy of the first
+    implementation, right after it, and the per-round spread between the two."""
+    assert backward_bench.main([
+        "--out", str(tmp_path), "--head-dims", "32", "--seq-lens", "64", "--causal", "no",
+        "--tokens", "128", "--hidden", "64", "--rounds", "3", "--iters", "2",
+        "--max-seconds", "0.02", "--impls", "xla,cudnn", "--control"]) == 0
+    (json_path,) = tmp_path.glob("backward-*.json")
+    doc = json.loads(json_path.read_text())
+    assert [r["impl"] for r in doc["rows"]] == ["xla", "xla_again", "cudnn"]
+    first, again = doc["rows"][0], doc["rows"][1]
+    assert first["fwd_round_ms"] != again["fwd_round_ms"]  # timed apart, not copied
+    spread = backward_bench.control_spread(doc["rows"])
+    want = [statistics.median(a / b for a, b in zip(
+        first[f"{p}_round_ms"], again[f"{p}_round_ms"], strict=True))
+        for p in backward_bench.PASSES]
+    assert "| 32 | 64 | no | xla | " + " | ".join(f"{x:.3f}" for x in want) + " |" in spread
+    assert spread in json_path.with_suffix(".md").read_text()
+    assert backward_bench.control_spread([dict(r, impl="other") for r in doc["rows"]]) == ""
+
+
 def test_variants_run_only_when_named():
     """An implementation with by_default=False (pallas_flash_mosaic_deterministic) is
     probed, but run only when --impls names it."""
