@@ -16,3 +16,31 @@ os.environ.setdefault("PJRT_NPROC", "8")
 _DEVICES_FLAG = "--xla_force_host_platform_device_count"
 if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}=8".strip()
+
+import contextlib  # noqa: E402  (after the environment set-up above)
+import faulthandler  # noqa: E402
+
+import pytest  # noqa: E402
+
+#: A test still running after this long is taken for a hang (the slowest CPU test takes
+#: about 12 s on 2 cores; GPU tests compile for a minute or two).
+TEST_TIMEOUT_S = 900
+
+
+@contextlib.contextmanager
+def watchdog(seconds: float):
+    """Ends the process (exit code 1, every thread's traceback on stderr) if the body runs
+    longer than ``seconds``. A kernel protocol bug in interpret mode (a barrier that never
+    completes) blocks a warpgroup thread forever; this turns the hang into a failure: under
+    pytest-xdist the worker's crash fails the test and a new worker takes over."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(autouse=True)
+def _fail_hangs():
+    with watchdog(TEST_TIMEOUT_S):
+        yield
