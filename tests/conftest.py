@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
+
+import pytest
 
 # Mosaic GPU's interpret mode runs each warpgroup as a thread that can block in a host
 # callback while it waits on a barrier; XLA's CPU client sizes its thread pool by the core
@@ -16,11 +20,6 @@ os.environ.setdefault("PJRT_NPROC", "8")
 _DEVICES_FLAG = "--xla_force_host_platform_device_count"
 if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}=8".strip()
-
-import contextlib  # noqa: E402  (after the environment set-up above)
-import faulthandler  # noqa: E402
-
-import pytest  # noqa: E402
 
 #: A test still running after this long is taken for a hang (the slowest CPU test takes
 #: about 12 s on 2 cores; GPU tests compile for a minute or two).
