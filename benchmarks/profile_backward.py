@@ -176,8 +176,10 @@ def workload(impl_names: Sequence[str], seq_len: int, head_dim: int, causal: boo
         def forward(q, k, v, fn=fn):
             return fn(q, k, v, causal)
 
-        grads = jax.jit(lambda q, k, v, forward=forward: jax.vjp(forward, q, k, v)[1](d_out))
-        jax.block_until_ready(grads(q, k, v))
+        # dO is an argument: closed over, a 64 MB array would be a constant of the program.
+        grads = jax.jit(lambda q, k, v, d_out, forward=forward:
+                        jax.vjp(forward, q, k, v)[1](d_out))
+        jax.block_until_ready(grads(q, k, v, d_out))
         print(f"ran {name}", flush=True)
 
 

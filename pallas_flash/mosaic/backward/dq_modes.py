@@ -39,6 +39,7 @@ from jax import lax
 
 from pallas_flash.mosaic.backward.common import BackwardStatic, QueryStream, smem_tiles
 from pallas_flash.mosaic.config import NUM_CONSUMERS
+from pallas_flash.mosaic.pipeline import ring_slot
 
 #: Head dims up to which the fused dQ keeps K and V in registers (:attr:`FusedDq.resident_kv`).
 _RESIDENT_MAX_HEAD_DIM = 64
@@ -199,8 +200,7 @@ class SplitDq(FusedDq):
 
     def previous_slot(self, t):
         """The ring slot of step t-1 (for t = 0: of step -1, see before_walk)."""
-        stages = self.st.num_stages
-        return lax.rem(t - 1 + stages, stages)
+        return ring_slot(t - 1 + self.st.num_stages, self.st.num_stages)
 
     def add_previous(self, step: Step, ds_t, issue_dk=None) -> None:
         """At ``step``: this consumer's half of the previous step's dQ, and the step's dSᵀ
