@@ -201,8 +201,10 @@ def default_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicConfig:
 
     Always 64 query rows per consumer warpgroup and two stages. Above head_dim 128:
     ``block_kv`` 64 (a 2-stage ring of 128-key blocks exceeds 227 KiB) with the overlapped
-    schedule; head_dim 65-128: ``block_kv`` 128, overlapped. At head_dim 64 the choice
-    follows ``seq_kv`` and the mask, with persistent CTAs except on long causal rows:
+    schedule; head_dim 65-128: ``block_kv`` 128, overlapped, with persistent CTAs up to
+    2048 keys, dense or causal (the next tile's loads hide a short tile's fixed costs;
+    longer rows gain nothing from them). At head_dim 64 the choice follows ``seq_kv`` and
+    the mask, with persistent CTAs except on long causal rows:
     dense up to 2048 keys ``64x256``, persistent; dense above, three consumers of 128-key
     blocks, overlapped and persistent; causal up to 2048 ``64x128`` serial, persistent;
     causal from 16384 three consumers, overlapped, not persistent; causal in between
@@ -213,9 +215,10 @@ def default_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicConfig:
     head_dim = padded_head_dim(q_shape[-1])
     if head_dim > 128:
         return MosaicConfig(block_q=64, block_kv=64, num_stages=2, overlap=True)
-    if head_dim > 64:
-        return MosaicConfig(block_q=64, block_kv=128, num_stages=2, overlap=True)
     seq_kv = kv_shape[1]
+    if head_dim > 64:
+        return MosaicConfig(block_q=64, block_kv=128, num_stages=2, overlap=True,
+                            persistent=seq_kv <= 2048)
     if mask.is_dense:
         if seq_kv <= 2048:
             return MosaicConfig(block_q=64, block_kv=256, num_stages=2, persistent=True)
