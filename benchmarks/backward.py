@@ -17,7 +17,10 @@ wheel and head_dim 128) is, at each point:
    wrong anchor;
 2. timed in ``--rounds`` interleaved rounds: each round times every implementation's
    jitted forward, then its jitted forward + backward, with the package's timer
-   (:func:`pallas_flash.tuning.time_fn`). The backward of a round is the round's
+   (:func:`pallas_flash.tuning.time_fn`), in samples of ``--sample-ms`` of work (2 ms
+   samples, the timer's default, read 13-24 % below a loop of 50 calls at L 1024-4096
+   on the H200: the device idles after each sample's wait,
+   ``benchmarks/results/timing-method-h200-2026-12-04.md``). The backward of a round is the round's
    difference; a row reports medians over rounds, and its ratio to each anchor is the
    median of the per-round ratios (the card drifts more between rounds than within one).
 3. with ``--control``: the first implementation is timed a second time as a separately
@@ -54,6 +57,8 @@ ANCHORS = ("fa3", "cudnn")
 PASSES = ("fwd", "bwd", "fwdbwd")
 #: The name of ``--control``'s second copy of the first implementation.
 CONTROL_SUFFIX = "_again"
+#: Enough calls for ``--sample-ms`` of the shortest forward (about 0.15 ms).
+MAX_CALLS_PER_SAMPLE = 1024
 
 
 def _calls(fn: AttentionFn, causal: bool) -> tuple[Callable, Callable]:
@@ -120,7 +125,8 @@ def run_point(head_dim: int, seq_len: int, causal: bool, impls: Mapping[str, Att
         calls[name] = (forward, forward_backward)
     samples: dict[str, dict[str, list[float]]] = {
         name: {p: [] for p in PASSES} for name in calls}
-    timing = dict(iters=args.iters, warmup=1, max_seconds=args.max_seconds)
+    timing = dict(iters=args.iters, warmup=1, max_seconds=args.max_seconds,
+                  min_sample_ms=args.sample_ms, max_calls_per_sample=MAX_CALLS_PER_SAMPLE)
     for _ in range(args.rounds):
         for name, (forward, forward_backward) in calls.items():
             fwd = time_fn(forward, [(q, k, v)], **timing).median_ms
@@ -202,6 +208,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--max-seconds", type=float, default=0.5)
+    parser.add_argument("--sample-ms", type=float, default=20.0,
+                        help="work per timing sample: the host's wait between samples and "
+                             "the first dispatch after it leave the device idle (about 0.1 ms "
+                             "on the H200 host: 13-24 %% of 2 ms samples at L 1024-4096)")
     parser.add_argument("--tolerance", type=float, default=2e-2,
                         help="largest relative error of out, dq, dk, dv on the checked head")
     parser.add_argument("--seed", type=int, default=0)
