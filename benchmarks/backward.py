@@ -17,12 +17,13 @@ wheel and head_dim 128) is, at each point:
    wrong anchor;
 2. timed in ``--rounds`` interleaved rounds: each round times every implementation's
    jitted forward, then its jitted forward + backward, with the package's timer
-   (:func:`pallas_flash.tuning.time_fn`), in samples of ``--sample-ms`` of work (2 ms
-   samples, the timer's default, read 13-24 % below a loop of 50 calls at L 1024-4096
-   on the H200: the device idles after each sample's wait,
-   ``benchmarks/results/timing-method-h200-2026-12-04.md``). The backward of a round is the round's
-   difference; a row reports medians over rounds, and its ratio to each anchor is the
-   median of the per-round ratios (the card drifts more between rounds than within one).
+   (:func:`pallas_flash.tuning.time_fn`), in samples of ``--sample-ms`` of work (the
+   timer's default 2 ms samples read 13-24 % below a loop of 50 calls at L 1024-4096 on
+   the H200: the device idles after each sample's wait,
+   ``benchmarks/results/timing-method-h200-2026-12-04.md``). The backward of a round is
+   the round's difference; a row reports medians over rounds, and its ratio to each
+   anchor is the median of the per-round ratios (the card drifts more between rounds
+   than within one).
 3. with ``--control``: the first implementation is timed a second time as a separately
    jitted copy (``<impl>_again``, right after it in every round), and the markdown adds
    the per-round ratio of the two: the spread that a difference between implementations

@@ -196,14 +196,20 @@ def padded_head_dim(head_dim: int) -> int:
     return round_up(head_dim, HEAD_DIM_MULTIPLE)
 
 
+#: Rows of at most this many keys are short for the forward's heuristic: persistent CTAs
+#: (the next tile's loads hide a short tile's fixed costs) and, at head_dim 64 dense,
+#: 256-key blocks (:func:`default_config` has the timings).
+SHORT_FORWARD_SEQ = 2048
+
+
 def default_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicConfig:
     """Heuristic per (head_dim, causal, length), from H200 timings (bf16, hidden 2048).
 
     Always 64 query rows per consumer warpgroup and two stages. Above head_dim 128:
     ``block_kv`` 64 (a 2-stage ring of 128-key blocks exceeds 227 KiB) with the overlapped
     schedule; head_dim 65-128: ``block_kv`` 128, overlapped, with persistent CTAs up to
-    2048 keys, dense or causal (the next tile's loads hide a short tile's fixed costs;
-    longer rows gain nothing from them). At head_dim 64 the choice follows ``seq_kv`` and
+    ``SHORT_FORWARD_SEQ`` (2048) keys, dense or causal (longer rows gain nothing from
+    them). At head_dim 64 the choice follows ``seq_kv`` and
     the mask, with persistent CTAs except on long causal rows:
     dense up to 2048 keys ``64x256``, persistent; dense above, three consumers of 128-key
     blocks, overlapped and persistent; causal up to 2048 ``64x128`` serial, persistent;
@@ -218,13 +224,13 @@ def default_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicConfig:
     seq_kv = kv_shape[1]
     if head_dim > 64:
         return MosaicConfig(block_q=64, block_kv=128, num_stages=2, overlap=True,
-                            persistent=seq_kv <= 2048)
+                            persistent=seq_kv <= SHORT_FORWARD_SEQ)
     if mask.is_dense:
-        if seq_kv <= 2048:
+        if seq_kv <= SHORT_FORWARD_SEQ:
             return MosaicConfig(block_q=64, block_kv=256, num_stages=2, persistent=True)
         return MosaicConfig(block_q=64, block_kv=128, num_stages=2, overlap=True,
                             num_consumers=3, persistent=True)
-    if seq_kv <= 2048:
+    if seq_kv <= SHORT_FORWARD_SEQ:
         return MosaicConfig(block_q=64, block_kv=128, num_stages=2, persistent=True)
     if seq_kv >= 16384:
         return MosaicConfig(block_q=64, block_kv=128, num_stages=2, overlap=True,
