@@ -209,8 +209,8 @@ def default_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> MosaicConfig:
     ``block_kv`` 64 (a 2-stage ring of 128-key blocks exceeds 227 KiB) with the overlapped
     schedule; head_dim 65-128: ``block_kv`` 128, overlapped, with persistent CTAs up to
     ``SHORT_FORWARD_SEQ`` (2048) keys, dense or causal (longer rows gain nothing from
-    them). At head_dim 64 the choice follows ``seq_kv`` and
-    the mask, with persistent CTAs except on long causal rows:
+    them). At head_dim 64 the choice follows ``seq_kv`` and the mask, with persistent
+    CTAs except on long causal rows:
     dense up to 2048 keys ``64x256``, persistent; dense above, three consumers of 128-key
     blocks, overlapped and persistent; causal up to 2048 ``64x128`` serial, persistent;
     causal from 16384 three consumers, overlapped, not persistent; causal in between
