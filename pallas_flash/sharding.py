@@ -34,6 +34,7 @@ partitioner already splits by itself, so under ``jit`` its calls are left to it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import re
@@ -77,16 +78,31 @@ class _Call:
 
     def run(self, operands):
         """The kernels on (local) operands, as ``autodiff`` calls them."""
-        if not self.backward:
-            q, k, v, segment_ids, bias, attn_mask, into = operands
-            kwargs = self.static.kernel_kwargs(bias, attn_mask)
-            if into is not None:
-                kwargs["into"] = into
-            return tuple(self.static.kernels.forward(q, k, v, segment_ids, **kwargs))
-        q, k, v, segment_ids, bias, attn_mask, out, lse, d_out, delta = operands
-        kwargs = self.static.backward_kwargs(bias, attn_mask, bias_grad=self.bias_grad)
-        return tuple(self.static.kernels.backward(q, k, v, segment_ids, out, lse, d_out,
-                                                  delta, **kwargs))
+        return _run_kernels(self, operands)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _run_kernels(call: _Call, operands):
+    """``call``'s kernels on ``operands``, traced once per call and operand types.
+
+    A model's layers make the same call on arrays of the same types: through one jitted
+    function they share its jaxpr, and so one lowering and compilation of the Pallas
+    kernels, instead of one per layer. On the H200 (2026-12-04,
+    ``benchmarks/results/compile-time-nvidia-h200-2026-12-04.md``) the grad of 12
+    Mosaic attention layers took 40 s to lower and 43 s to compile with a copy of the
+    kernels per layer, 3 s and 7 s through this function.
+    """
+    static = call.static
+    if not call.backward:
+        q, k, v, segment_ids, bias, attn_mask, into = operands
+        kwargs = static.kernel_kwargs(bias, attn_mask)
+        if into is not None:
+            kwargs["into"] = into
+        return tuple(static.kernels.forward(q, k, v, segment_ids, **kwargs))
+    q, k, v, segment_ids, bias, attn_mask, out, lse, d_out, delta = operands
+    kwargs = static.backward_kwargs(bias, attn_mask, bias_grad=call.bias_grad)
+    return tuple(static.kernels.backward(q, k, v, segment_ids, out, lse, d_out, delta,
+                                         **kwargs))
 
 
 def forward(static, q, k, v, segment_ids, bias, attn_mask, into=None

@@ -7,6 +7,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import pallas_flash as pf
@@ -209,16 +210,43 @@ def test_kernels_run_first_order_and_xla_second_order(monkeypatch):
     def loss(q):
         return jnp.sum(jnp.sin(pf.attention(q, q, q, implementation="triton", interpret=True)))
 
-    jax.grad(loss)(q)
-    jax.vmap(jax.grad(loss))(q[:, None])
-    jax.grad(lambda q: jnp.sum(jax.vmap(loss)(q)))(q[:, None])
+    for grad in (jax.grad(loss), lambda q: jax.vmap(jax.grad(loss))(q[:, None]),
+                 lambda q: jax.grad(lambda x: jnp.sum(jax.vmap(loss)(x)))(q[:, None])):
+        jax.clear_caches()  # each traces the kernel call anew (not the jit cache's trace)
+        grad(q)
     assert ran == [("triton", "forward"), ("triton", "backward")] * 3
     ran.clear()
+    jax.clear_caches()
     jax.jvp(loss, (q,), (q,))
     assert ran == [("triton", "forward")]
     ran.clear()
+    jax.clear_caches()
     jax.jvp(jax.grad(loss), (q,), (q,))
     assert ran == [("xla", "forward")]
+
+
+def test_identical_calls_trace_the_kernels_once(monkeypatch):
+    """A model's layers (the same call on arrays of the same types) share one trace of the
+    kernels, forward and backward, and so one lowering; other shapes trace anew. The
+    gradients are those of the XLA path."""
+    ran = _record_passes(monkeypatch, "triton")
+    jax.clear_caches()
+
+    def layers(q, k, v, implementation):
+        for _ in range(3):
+            q = pf.attention(q, k, v, is_causal=True, implementation=implementation,
+                             interpret=implementation == "triton")
+        return jnp.sum(jnp.sin(q))
+
+    for seq in (16, 32):
+        q, k, v = (_random((1, seq, 2, 16), seed) for seed in range(3))
+        grads = jax.jit(jax.grad(layers, argnums=(0, 1, 2)), static_argnums=3)(
+            q, k, v, "triton")
+        assert ran == [("triton", "forward"), ("triton", "backward")]
+        ran.clear()
+        want = jax.grad(layers, argnums=(0, 1, 2))(q, k, v, "xla")
+        for got, expected in zip(grads, want, strict=True):
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_choose_backward():

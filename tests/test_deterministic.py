@@ -125,6 +125,7 @@ def dq_paths(monkeypatch) -> list:
     monkeypatch.setattr(mosaic_backward, "_fused_dq", spy_fused)
     monkeypatch.setattr(mosaic_backward, "call_dq", spy_separate)
     monkeypatch.setenv("XLA_FLAGS", "")
+    jax.clear_caches()  # a kernel call traced by an earlier test would not be traced again
     return paths
 
 
