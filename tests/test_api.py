@@ -227,8 +227,8 @@ def test_kernels_run_first_order_and_xla_second_order(monkeypatch):
 
 def test_identical_calls_trace_the_kernels_once(monkeypatch):
     """A model's layers (the same call on arrays of the same types) share one trace of the
-    kernels, forward and backward, and so one lowering; other shapes trace anew. The
-    gradients are those of the XLA path."""
+    kernels, forward and backward, and so one lowering; other shapes trace anew; eager
+    calls of the same types reuse the compiled kernels. The results are the XLA path's."""
     ran = _record_passes(monkeypatch, "triton")
     jax.clear_caches()
 
@@ -247,6 +247,17 @@ def test_identical_calls_trace_the_kernels_once(monkeypatch):
         want = jax.grad(layers, argnums=(0, 1, 2))(q, k, v, "xla")
         for got, expected in zip(grads, want, strict=True):
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+    # Eager calls too: once traced (and compiled), a call of the same types is not again.
+    def eager(q):
+        return pf.attention(q, k, v, implementation="triton", interpret=True)
+
+    eager(q)
+    ran.clear()
+    outs = [eager(q + i) for i in range(2)]
+    assert ran == []
+    np.testing.assert_allclose(outs[1], pf.attention(q + 1, k, v, implementation="xla"),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_choose_backward():
