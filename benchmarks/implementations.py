@@ -130,6 +130,9 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                        note='pallas_flash.attention(implementation="triton")'),
         Implementation("pallas_flash_mosaic", _pallas_flash("mosaic"),
                        note='pallas_flash.attention(implementation="mosaic")'),
+        # Our XLA backend (plain JAX): what the benchmarks' CPU smoke runs call.
+        Implementation("pallas_flash_xla", _pallas_flash("xla"), by_default=False,
+                       note='pallas_flash.attention(implementation="xla")'),
         # Beside pallas_flash_mosaic in one run (--impls), the cost of a reproducible
         # backward: the separate dQ kernel instead of the fused dQ's reduce-adds.
         Implementation("pallas_flash_mosaic_deterministic",

@@ -233,6 +233,14 @@ def not_run(items: list[str]) -> list[str]:
     return ["", "Not run:", ""] + [f"- {item}" for item in items] if items else []
 
 
+def fill_defaults(args, defaults: dict[str, Any]) -> None:
+    """Set each of ``args``' attributes that the command line left at None to its value
+    in ``defaults`` (the row-per-point benchmarks' ``--quick`` and GPU defaults)."""
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def write_rows(out: str, stem: str, header: str, jax_version: str, rows: list[dict],
                markdown_table: str) -> None:
     """``OUT/<stem>.json`` (``{"device": header, "jax_version", "rows"}``) and

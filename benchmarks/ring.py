@@ -227,9 +227,7 @@ def parse_args(argv: list[str] | None):
                      implementation="xla", rounds=1, iters=2) if args.quick else
                 dict(seq_lens="4096,8192,16384", steps=8, heads=16, head_dim=128,
                      dtype="bfloat16", implementation=None, rounds=5, iters=10))
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    report.fill_defaults(args, defaults)
     return args
 
 

@@ -214,9 +214,7 @@ def parse_args(argv: list[str] | None):
                      implementation="xla", rounds=1, iters=1, cudnn=False) if args.quick else
                 dict(seq_lens="131072,262144,524288", heads=16, head_dim=128,
                      dtype="bfloat16", implementation=None, rounds=5, iters=5, cudnn=True))
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    report.fill_defaults(args, defaults)
     available = jax.device_count()
     counts = ([int(n) for n in args.devices.split(",")] if args.devices else
               [n for n in (2, 4, 8) if n <= available])

@@ -16,7 +16,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from support import random_qkv, rel_err
 
 from benchmarks import backward as backward_bench
-from benchmarks import fp8_cudnn, lowered_modules, mosaic_bwd_probe, report, ring_scaling, suite
+from benchmarks import (
+    compile_time,
+    fp8_cudnn,
+    lowered_modules,
+    mosaic_bwd_probe,
+    report,
+    ring_scaling,
+    suite,
+)
 from benchmarks import ring as ring_bench
 from benchmarks.flops import attention_flops, problem_shape, tflops_per_s
 from benchmarks.implementations import IMPLEMENTATIONS, Implementation, error_summary
@@ -406,6 +414,25 @@ def test_ring_main_quick_on_cpu(tmp_path, capsys):
     assert permutes["sync"] + permutes["async"] == 2, permutes
     assert json_path.with_suffix(".md").exists()
     assert "| fwd | yes | 64 |" in capsys.readouterr().out
+
+
+def test_compile_time_quick_on_cpu(tmp_path, capsys):
+    """benchmarks/compile_time.py --quick: both implementations lower, compile and run the
+    layered gradient, which agrees between them; JSON + table; bad flags raise."""
+    assert compile_time.main(["--quick", "--out", str(tmp_path)]) == 0
+    (json_path,) = tmp_path.glob("compile-time-*.json")
+    rows = json.loads(json_path.read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["pallas_flash_xla", "xla"]
+    for r in rows:
+        assert r["error"] is None and r["layers"] == 3, r
+        assert r["lower_s"] > 0 and r["compile_s"] > 0 and r["call_ms"] > 0
+    assert rows[0]["max_abs_diff"] == 0 and rows[1]["max_abs_diff"] < 1e-4
+    assert "| xla | 32 | 3 |" in capsys.readouterr().out
+    assert json_path.with_suffix(".md").exists()
+    for flags, match in ((["--impls", "nope"], "--impls"), (["--layers", "0"], "--layers"),
+                         (["--heads", "3", "--kv-heads", "2"], "--kv-heads")):
+        with pytest.raises(ValueError, match=match):
+            compile_time.main(["--quick", *flags])
 
 
 def test_ring_scaling_quick_on_fake_devices(tmp_path, capsys):
