@@ -26,7 +26,7 @@ test: venv
 
 # The seed's equivalence check, then the tiny transformer trained on the stdlib's source.
 demo: venv
-	$(PY) -m pallas_flash.demo
+	$(PY) -m pallas_flash.tutorial.demo
 	$(PY) -m models.train --preset tiny --overwrite --out runs/tiny
 
 # The documentation site, offline, into site/ (mkdocs.yml; pages in docs/).

@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_flash import fp8
-from pallas_flash.cli import int_list
 from pallas_flash.masking import MaskSpec
 from pallas_flash.reference import attention_float64
+from pallas_flash.tutorial.cli import int_list
 
 #: (name, scaling, incoherent processing)
 METHODS = (("per-tensor", "tensor", False), ("per-block", "block", False),

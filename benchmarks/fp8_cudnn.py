@@ -86,10 +86,10 @@ from benchmarks.implementations import error_summary
 from benchmarks.mosaic_probe import parse_config
 from benchmarks.timing import time_fn
 from pallas_flash import fp8
-from pallas_flash.cli import int_list
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import forward_fp8
 from pallas_flash.reference import attention_float64
+from pallas_flash.tutorial.cli import int_list
 
 E4M3_MAX = fp8.E4M3_MAX
 

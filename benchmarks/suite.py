@@ -43,7 +43,7 @@ from benchmarks.implementations import (
     probe,
 )
 from benchmarks.timing import time_fn
-from pallas_flash.cli import int_list
+from pallas_flash.tutorial.cli import int_list
 
 DTYPES: dict[str, jnp.dtype] = {
     "bf16": jnp.dtype(jnp.bfloat16),

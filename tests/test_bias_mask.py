@@ -254,11 +254,8 @@ def test_jit_and_vmap(backend):
 
 
 def test_references_accept_bias_and_mask():
-    from pallas_flash.reference import (
-        flash_attention_v1,
-        flash_attention_v2,
-        standard_attention,
-    )
+    from pallas_flash.reference import standard_attention
+    from pallas_flash.tutorial.loops import flash_attention_v1, flash_attention_v2
 
     q, k, v, _ = random_qkv(2, 64, 64, 2, 1, 32)
     bias = random_bias("1NTS", 2, 2, 64, 64)

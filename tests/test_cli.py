@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_flash import cli, demo
+from pallas_flash.tutorial import cli, demo
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--batch", "1", "--heads", "2", "--seq-len", "32", "--head-dim", "16"]
@@ -103,7 +103,7 @@ def test_the_package_imports_neither_benchmarks_nor_models(tmp_path):
     """They are not installed with the wheel: the CLI must work without them, even where
     the repository root is on the path."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    code = ("import sys, pallas_flash.cli, pallas_flash.tuning; "
+    code = ("import sys, pallas_flash.tutorial.cli, pallas_flash.tuning; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('benchmarks', 'models')))")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, cwd=tmp_path, timeout=120)

@@ -1,4 +1,4 @@
-"""pallas_flash.io_model against hand computations."""
+"""pallas_flash.tutorial.io_model against hand computations."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from pallas_flash import io_model
 from pallas_flash.masking import MaskSpec
+from pallas_flash.tutorial import io_model
 
 
 def test_standard_traffic_by_hand():

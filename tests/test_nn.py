@@ -507,7 +507,7 @@ def _run_python(code: str) -> subprocess.CompletedProcess:
 
 def test_core_package_imports_no_extra():
     done = _run_python(
-        "import sys, pallas_flash, pallas_flash.cli\n"
+        "import sys, pallas_flash, pallas_flash.tutorial.cli\n"
         f"loaded = sorted(m for m in sys.modules if m.split('.')[0] in {_EXTRAS!r})\n"
         "assert not loaded, loaded\n")
     assert done.returncode == 0, done.stderr

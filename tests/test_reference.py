@@ -1,4 +1,5 @@
-"""The papers' algorithms (reference.py) against the oracle, and the seed's two checks."""
+"""Standard attention and the papers' loops (tutorial/loops.py) against the oracle, and the
+seed's two checks."""
 
 from __future__ import annotations
 
@@ -8,12 +9,8 @@ from support import IMPLEMENTATIONS, implementation_kwargs, random_qkv, rel_err
 
 import pallas_flash as pf
 from pallas_flash.masking import MaskSpec
-from pallas_flash.reference import (
-    attention_float64,
-    flash_attention_v1,
-    flash_attention_v2,
-    standard_attention,
-)
+from pallas_flash.reference import attention_float64, standard_attention
+from pallas_flash.tutorial.loops import flash_attention_v1, flash_attention_v2
 
 ALGORITHMS = {
     "standard": standard_attention,

@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 
 import pallas_flash as pf
-from pallas_flash import demo, io_model
 from pallas_flash.masking import MaskSpec
 from pallas_flash.reference import standard_attention
 from pallas_flash.tuning import time_fn
+from pallas_flash.tutorial import demo, io_model
 
 DTYPES = {"fp32": jnp.dtype(jnp.float32), "bf16": jnp.dtype(jnp.bfloat16),
           "fp16": jnp.dtype(jnp.float16)}
@@ -636,7 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     memory = sub.add_parser(
         "memory", help="peak memory of standard vs tiled attention as L grows",
-        description="Analytic (pallas_flash.io_model) and compiled (XLA memory_analysis "
+        description="Analytic (pallas_flash.tutorial.io_model) and compiled (XLA memory_analysis "
                     "temp bytes) memory of standard vs tiled attention, up to the L where "
                     "standard attention no longer fits the GPU (CPU: up to --seq-lens).")
     memory.add_argument("--seq-lens", type=int_list)
@@ -653,7 +653,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     io = sub.add_parser(
         "io", help="HBM traffic of standard vs tiled attention for the real block sizes",
-        description="The FlashAttention IO model (pallas_flash.io_model) for the block "
+        description="The FlashAttention IO model (pallas_flash.tutorial.io_model) for the block "
                     "sizes of the kernel's default config and the device's shared memory; "
                     "on a GPU also the measured forward time.")
     io.add_argument("--impl", choices=("triton", "mosaic"),
@@ -676,7 +676,7 @@ def main(argv: Sequence[str] | None = None, *,
     Args:
       argv: the arguments (default ``sys.argv[1:]``).
       candidates: the implementations ``check`` runs, by name (default
-        :func:`pallas_flash.demo.candidates`: everything that runs on this machine).
+        :func:`pallas_flash.tutorial.demo.candidates`: everything that runs on this machine).
 
     Returns:
       The exit status: 0, or 1 when ``check`` finds a wrong implementation. Bad options

@@ -1,9 +1,10 @@
 """The tutorial's equivalence check: tiled attention equals standard attention.
 
-    python -m pallas_flash.demo
+    python -m pallas_flash.tutorial.demo
 
-B=2, H=4, L=128, d=64, float32, causal and not: the papers' loops (reference.py) and every
-implementation that runs here are compared with standard attention computed in float64
+B=2, H=4, L=128, d=64, float32, causal and not: the papers' loops
+(:mod:`pallas_flash.tutorial.loops`) and every implementation that runs here are compared
+with standard attention computed in float64
 (:func:`pallas_flash.reference.attention_float64`). Pallas kernels run in interpret mode
 when no GPU is present. ``pallas-flash check`` runs the same comparison with gradients.
 """
@@ -21,7 +22,8 @@ import numpy as np
 
 import pallas_flash as pf
 from pallas_flash.masking import MaskSpec
-from pallas_flash.reference import attention_float64, flash_attention_v1, flash_attention_v2
+from pallas_flash.reference import attention_float64
+from pallas_flash.tutorial.loops import flash_attention_v1, flash_attention_v2
 
 #: Largest accepted ``max |error| / max |reference|`` per input dtype.
 TOLERANCES = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
