@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import jax
@@ -66,6 +68,12 @@ def test_check_triton_interpret_forward(capsys):
     (["io", "--head-dim", "-3"], "positive integer"),
     (["io", "--impl", "mosaic", "--dtype", "fp32"], "bf16 or fp16"),
     ([], "required"),
+    # Tiny and forward-only: before these were refused, the check ran with them.
+    *((["check", *TINY, "--impls", "xla", "--no-grads", "--tolerance", value],
+       "--tolerance: expected a positive number") for value in ("-1", "0", "nan", "inf")),
+    *((["bench", "--seq-lens", "32", "--tokens", "64", "--hidden", "32", "--head-dim", "16",
+        "--impls", "standard", "--time-limit", value], "--time-limit: expected a positive number")
+      for value in ("-1", "0", "nan", "x")),
 ])
 def test_bad_options_exit_2(argv, message, capsys):
     code, err = _exit_code(argv, capsys)
@@ -87,16 +95,41 @@ def test_bench_tiny(tmp_path, capsys):
     assert out_png.stat().st_size > 0
 
 
-def test_bench_backward_stops_at_the_time_limit(tmp_path, capsys):
+def test_bench_backward_stops_at_the_time_limit(tmp_path, monkeypatch, capsys):
+    """Points that would start after --time-limit are listed as not run."""
+    ticks = iter(range(0, 1000, 10))  # a clock that moves 10 s each time it is read
+    monkeypatch.setattr(cli, "time", types.SimpleNamespace(monotonic=lambda: next(ticks)))
+    monkeypatch.setattr(cli, "_bench_point", lambda *args: (1.0, None))
     out_json = tmp_path / "bench.json"
     argv = ["bench", "--seq-lens", "32", "--tokens", "64", "--hidden", "32", "--head-dim", "16",
-            "--impls", "pallas_flash_xla", "--backward", "--time-limit", "0",
+            "--impls", "pallas_flash_xla", "--backward", "--time-limit", "15",
             "--json", str(out_json)]
     assert cli.main(argv) == 0
     points = json.loads(out_json.read_text())["points"]
     assert [p["pass"] for p in points] == ["fwd", "fwdbwd"]
-    assert all(p["ms"] is None and p["error"].startswith("not run") for p in points)
+    assert points[0]["ms"] == 1.0 and points[0]["error"] is None   # read at 10 s of 15
+    assert points[1]["ms"] is None and points[1]["error"].startswith("not run")   # at 20 s
     assert "python -m benchmarks.suite" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [
+    ["memory", "--seq-lens", "64", "--heads", "1", "--head-dim", "16"],
+    ["bench", "--seq-lens", "32", "--tokens", "64", "--hidden", "32", "--head-dim", "16",
+     "--impls", "standard"],
+], ids=["memory", "bench"])
+def test_plot_without_matplotlib_stops_before_any_work(argv, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+
+    def work(*args):
+        raise AssertionError("the table was computed before --plot was checked")
+    monkeypatch.setattr(cli, "compiled_temp_bytes", work)
+    monkeypatch.setattr(cli, "_bench_point", work)
+    with pytest.raises(SystemExit) as info:
+        cli.main([*argv, "--plot", str(tmp_path / "plot.png")])
+    message = str(info.value.code)
+    assert "\n" not in message and "--plot needs matplotlib" in message
+    assert 'pip install "pallas-flash[bench]"' in message
+    assert not (tmp_path / "plot.png").exists()
 
 
 def test_the_package_imports_neither_benchmarks_nor_models(tmp_path):
@@ -108,6 +141,24 @@ def test_the_package_imports_neither_benchmarks_nor_models(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, cwd=tmp_path, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
+
+
+def test_the_product_never_imports_the_tutorial():
+    """pallas_flash/tutorial/ sits on top of the package: no other module of it imports the
+    tutorial (``__main__``, the command line's second entry point, aside)."""
+    package = ROOT / "pallas_flash"
+    imports = []
+    for path in sorted(package.rglob("*.py")):
+        if path.relative_to(package).parts[0] in ("tutorial", "__main__.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imports += [(path.name, alias.name) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                imports += [(path.name, f"{node.module}.{alias.name}") for alias in node.names]
+    assert len(imports) > 100   # the walk saw the package
+    assert [(name, module) for name, module in imports
+            if module.startswith("pallas_flash.tutorial")] == []
 
 
 def test_memory_tiny(tmp_path, capsys):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 import sys
 import time
@@ -72,6 +73,27 @@ def _positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def _positive_float(text: str) -> float:
+    """argparse type: one positive finite number."""
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from exc
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _require_matplotlib(command: str) -> None:
+    """Exit with one line unless matplotlib imports: ``--plot`` needs it, and finding out
+    after the table has been computed would waste the run."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit(f"pallas-flash {command}: --plot needs matplotlib, which the core "
+                         'package does not install: pip install "pallas-flash[bench]"') from None
 
 
 class _NoBar:
@@ -603,7 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--head-dim", type=_positive_int, default=64)
     check.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
     check.add_argument("--causal", choices=tuple(_CAUSAL), default="both")
-    check.add_argument("--tolerance", type=float,
+    check.add_argument("--tolerance", type=_positive_float,
                        help="max |error| / max |reference| (default: 1e-5 fp32, 2e-2 bf16, "
                             "5e-3 fp16)")
     check.add_argument("--no-grads", action="store_true", help="forward only")
@@ -629,7 +651,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--impls", type=lambda s: tuple(x for x in s.split(",") if x),
                        help="comma list (default: every one that runs here)")
     bench.add_argument("--iters", type=_positive_int, help="timing samples")
-    bench.add_argument("--time-limit", type=float, help="seconds; later points are not run")
+    bench.add_argument("--time-limit", type=_positive_float,
+                       help="seconds; later points are not run")
     bench.add_argument("--json", type=Path, help="write the results (JSON) here")
     bench.add_argument("--plot", type=Path, help="write a PNG of time and TFLOP/s vs L")
     bench.set_defaults(run=_bench, subparser=bench)
@@ -680,9 +703,12 @@ def main(argv: Sequence[str] | None = None, *,
 
     Returns:
       The exit status: 0, or 1 when ``check`` finds a wrong implementation. Bad options
-      exit with status 2 (argparse).
+      exit with status 2 (argparse); ``--plot`` without matplotlib exits at once with
+      status 1 and a line naming the ``bench`` extra.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "plot", None) is not None:
+        _require_matplotlib(args.command)
     return args.run(args, args.subparser, candidates)
 
