@@ -189,6 +189,19 @@ def check_cache_room(index: jax.Array | int, new_tokens: int, max_length: int) -
              lambda: io_callback(fail, None, index), lambda: None)
 
 
+def _check_compute_dtype(dtype: Any) -> None:
+    """ValueError unless ``dtype`` is None or names a dtype the attention takes: the
+    projections would accept any and fail only at the first call."""
+    allowed = (*dispatch.DTYPES, dispatch.FLOAT64)
+    try:
+        ok = dtype is None or jnp.dtype(dtype) in allowed
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"dtype must be None or one of {', '.join(d.name for d in allowed)}, "
+                         f"got {dtype!r}")
+
+
 class FlashSelfAttention(nnx.Module):
     """Multi-head self-attention computed by :func:`pallas_flash.attention`.
 
@@ -219,7 +232,8 @@ class FlashSelfAttention(nnx.Module):
       attention_fn: replaces :func:`pallas_flash.attention` (see :data:`AttentionFn`);
         exclusive with ``implementation`` / ``interpret`` / ``deterministic_backward``.
       decode: default for ``__call__``'s ``decode``.
-      dtype: computation dtype (default: that of the inputs and parameters).
+      dtype: computation dtype, None (that of the inputs and parameters) or one that
+        :func:`pallas_flash.attention` takes: bfloat16, float16, float32, float64.
       param_dtype: parameter dtype.
       kernel_init: initialiser of the projection kernels.
       rngs: parameter initialisation keys.
@@ -263,6 +277,7 @@ class FlashSelfAttention(nnx.Module):
                     deterministic_backward=deterministic_backward, decode=decode)
         canonical_window(local_window_size)
         check_soft_cap(logits_soft_cap)
+        _check_compute_dtype(dtype)
         # cuDNN has no split-KV decode of its own here: decode steps take the package's
         # choice (decode_attention refuses the name).
         decode_implementation = None if implementation == "cudnn" else implementation

@@ -244,6 +244,20 @@ def test_layer_errors():
         _layer(is_causal=False).init_cache(1, 4)
 
 
+@pytest.mark.parametrize("dtype", ["float13", jnp.int8, "bool", 3])
+def test_layer_refuses_a_dtype_at_construction(dtype):
+    """Not at the first call, where it used to fail inside the projections."""
+    with pytest.raises(ValueError, match="dtype must be None or one of bfloat16, float16, "
+                                         "float32, float64"):
+        _layer(dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16, "float16", jnp.dtype(jnp.float32)])
+def test_layer_takes_float_dtypes(dtype):
+    out = _layer(dtype=dtype, implementation="xla")(_inputs())
+    assert out.dtype == (jnp.float32 if dtype is None else jnp.dtype(dtype))
+
+
 def _linen_pair(attention_fn, x, our_kwargs=None, **call_kwargs):
     """Outputs of MultiHeadDotProductAttention with flax's default and with attention_fn,
     on the same parameters."""
