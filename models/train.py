@@ -57,6 +57,11 @@ TRAIN_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+class OutFolderError(ValueError):
+    """``--out`` already holds a run that this one would mix into: the user's to resolve
+    with a flag, so :func:`main` reports it in one line instead of a traceback."""
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows defaults, except where there is none to show (None, switches)."""
 
@@ -381,7 +386,7 @@ def open_checkpoints(out: Path, resume: bool, overwrite: bool) -> ocp.Checkpoint
     manager = ocp.CheckpointManager(directory,
                                     options=ocp.CheckpointManagerOptions(max_to_keep=2))
     if not resume and manager.latest_step() is not None:
-        raise ValueError(
+        raise OutFolderError(
             f"{directory} already holds checkpoints (latest: step {manager.latest_step()}); "
             "pass --resume to continue that run or --overwrite to start afresh")
     return manager
@@ -530,7 +535,10 @@ def train(args: argparse.Namespace) -> dict[str, list]:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m models.train``."""
-    train(parse_args(argv))
+    try:
+        train(parse_args(argv))
+    except OutFolderError as error:
+        raise SystemExit(f"models.train: {error}") from None
 
 
 if __name__ == "__main__":

@@ -8,9 +8,10 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
-from models.train import build_parser, check_schedule, parse_args, train
+from models.train import build_parser, check_schedule, main, parse_args, train
 
 _TEXT = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x: int = 0\n    y: int = 0\n"
 
@@ -70,6 +71,19 @@ def test_resume_gives_the_same_next_losses(corpus, tmp_path):
     assert got["step"] == want["step"]
     np.testing.assert_allclose(got["loss"][3:], want["loss"][3:], rtol=1e-6)
     np.testing.assert_allclose(got["val_loss"], want["val_loss"], rtol=1e-6)
+
+
+def test_a_second_run_on_the_same_out_is_a_one_line_error(tmp_path, capsys):
+    """Not a traceback: the command stops before any work and says what to pass."""
+    manager = ocp.CheckpointManager(tmp_path / "checkpoints")
+    manager.save(3, args=ocp.args.StandardSave({"w": np.zeros(2)}))
+    manager.wait_until_finished()
+    with pytest.raises(SystemExit) as info:
+        main(["--preset", "tiny", "--out", str(tmp_path), "--data-parallel", "1"])
+    message = str(info.value.code)
+    assert "\n" not in message and "latest: step 3" in message
+    assert "--resume" in message and "--overwrite" in message
+    assert "parameters" not in capsys.readouterr().out   # the model was never built
 
 
 def test_help_describes_every_option():
