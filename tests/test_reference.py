@@ -46,3 +46,13 @@ def test_seed_equivalence(impl, causal):
     else:
         out = pf.attention(q, k, v, is_causal=causal, **implementation_kwargs(impl, 64))
     assert np.max(np.abs(np.asarray(out) - np.asarray(expected))) < 1e-5
+
+
+@pytest.mark.parametrize("loop", [flash_attention_v1, flash_attention_v2])
+def test_loops_refuse_tiles_that_do_not_divide_the_sequence(loop):
+    q, k, v, _ = random_qkv(1, 64, 48, 2, 2, 16)
+    with pytest.raises(ValueError, match=r"block_kv \(32\) must divide the sequence length "
+                                         r"\(48\)"):
+        loop(q, k, v)
+    with pytest.raises(ValueError, match="block_q must be a positive int"):
+        loop(q, k, v, block_q=0, block_kv=16)
