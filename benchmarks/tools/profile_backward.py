@@ -6,7 +6,7 @@ profile (nothing is timed here: the ``benchmarks.backward`` table is the speed r
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats \\
         --section MemoryWorkloadAnalysis --section LaunchStats --section SourceCounters \\
         --section InstructionStats --section ComputeWorkloadAnalysis -f -o /tmp/prof \\
-        python3 -m benchmarks.profile_backward workload --impls pallas_flash_mosaic,fa3 \\
+        python3 -m benchmarks.tools.profile_backward workload --impls pallas_flash_mosaic,fa3 \\
             --seq-len 4096 --causal
     ncu --import /tmp/prof.ncu-rep --page details > details.txt
     ncu --import /tmp/prof.ncu-rep --page source --csv --print-source sass > source.csv
@@ -18,7 +18,7 @@ pipe's share (ncu's "Compute (SM) Throughput", which the tensor pipe dominates i
 kernels), shared / L1 throughput, issue-slot use, and from the SASS page the warp-stall
 reasons (shares of all samples) and the executed local loads / stores::
 
-    python3 -m benchmarks.profile_backward summarize --details details.txt \\
+    python3 -m benchmarks.tools.profile_backward summarize --details details.txt \\
         --source source.csv --out profile.md
 """
 

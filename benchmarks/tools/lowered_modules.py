@@ -7,8 +7,8 @@ ids, soft-cap, window, bias / mask arrays; the FP8 forward) for ``cuda`` on the 
 prints each Mosaic GPU module without debug info (no source locations, no symbol or dump
 names), and hashes it.
 
-    python -m benchmarks.lowered_modules --out before.json
-    python -m benchmarks.lowered_modules --compare before.json
+    python -m benchmarks.tools.lowered_modules --out before.json
+    python -m benchmarks.tools.lowered_modules --compare before.json
 
 ``--compare`` exits 1 when any module differs, naming the cases.
 
