@@ -2,7 +2,7 @@
 
     PYTHONUNBUFFERED=1 python3 -m benchmarks.backward --out DIR [--tag TAG]
 
-Issue #27's table: bf16, the papers' setup (``batch · L = 16384`` tokens, ``heads ·
+The FlashAttention-3 comparison: bf16, the papers' setup (``batch · L = 16384`` tokens, ``heads ·
 head_dim = 2048``), TFLOP/s by :mod:`benchmarks.flops` (forward ``4·B·H·L²·D``, halved
 causal; backward 2.5 × that). Every implementation of ``--impls`` (names of
 :data:`benchmarks.implementations.IMPLEMENTATIONS`; ``fa3`` needs the ``flash-attn3-jax``
@@ -19,8 +19,8 @@ wheel and head_dim 128) is, at each point:
    jitted forward, then its jitted forward + backward, with the package's timer
    (:func:`pallas_flash.tuning.time_fn`), in samples of ``--sample-ms`` of work (the
    timer's default 2 ms samples read 13-24 % below a loop of 50 calls at L 1024-4096 on
-   the H200: the device idles after each sample's wait,
-   ``benchmarks/results/timing-method-h200-2026-12-04.md``). The backward of a round is
+   the H200: the device idles after each sample's wait; ``docs/tuning.md``). The
+   backward of a round is
    the round's difference; a row reports medians over rounds, and its ratio to each
    anchor is the median of the per-round ratios (the card drifts more between rounds
    than within one).
@@ -46,9 +46,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import report
 from benchmarks.flops import attention_flops, problem_shape, tflops_per_s
 from benchmarks.implementations import IMPLEMENTATIONS, AttentionFn, error_summary
-from benchmarks.suite import file_stem
 from benchmarks.timing import time_fn
 from pallas_flash.masking import MaskSpec
 from pallas_flash.reference import standard_attention
@@ -236,7 +236,7 @@ def run(args: argparse.Namespace, impls: Mapping[str, AttentionFn],
     causal_modes = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     device = jax.devices()[0]
     date = datetime.date.today().isoformat()
-    stem = Path(args.out) / ("backward-" + file_stem(device.device_kind, date, args.tag))
+    stem = Path(args.out) / report.file_stem("backward", device.device_kind, date, args.tag)
     stem.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     for head_dim in map(int, args.head_dims.split(",")):

@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{datetime.date.today()}, batch {args.batch}, {args.heads} heads "
               f"({args.kv_heads} KV), head_dim {args.head_dim}, {args.dtype}")
     rows: list[dict] = []
+    stem = report.file_stem("compile-time", jax.devices()[0].device_kind,
+                            datetime.date.today().isoformat())
     for seq in (int(s) for s in args.seq_lens.split(",")):
         keys = jax.random.split(jax.random.PRNGKey(args.seed), 3)
         inputs = [jax.random.normal(key, (args.batch, seq, heads, args.head_dim), args.dtype)
@@ -139,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
             if args.out:  # after every point: a run cut short keeps what it measured
-                report.write_rows(args.out, f"compile-time-{datetime.date.today()}", header,
-                                  jax.__version__, rows, table(header, rows))
+                report.write_rows(args.out, stem, header, jax.__version__, rows,
+                                  table(header, rows))
     print(table(header, rows))
     return 0
 

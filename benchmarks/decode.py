@@ -300,7 +300,8 @@ def _write(out: str, header: str, rows: list[dict], args) -> None:
     lengths = "-ragged" if args.ragged else ""
     if args.fill is not None:
         lengths = f"-fill{args.fill:g}"
-    stem = f"decode{lengths}-{datetime.date.today()}"
+    stem = report.file_stem(f"decode{lengths}", jax.devices()[0].device_kind,
+                            datetime.date.today().isoformat())
     report.write_rows(out, stem, header, jax.__version__, rows, table(header, rows))
 
 

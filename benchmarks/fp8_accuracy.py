@@ -13,8 +13,8 @@ The backward (``--backward``, same inputs, dO from N(0, 1)): the relative error 
 dv against the float64 oracle of :func:`pallas_flash.fp8.attention_fp8_backward_reference`
 with FP8 operands in one GEMM at a time (the others bf16, residuals from the bf16
 forward), and in all five (residuals from the FP8 forward with the same scaling, as an
-FP8 training step would have them), next to the bf16 backward (no GEMM in FP8). The bar
-of issue 8 is gradients within 2x the bf16 backward's error.
+FP8 training step would have them), next to the bf16 backward (no GEMM in FP8). The bar for
+an FP8 backward is gradients within 2x the bf16 backward's error.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.report import file_stem
 from pallas_flash import fp8
 from pallas_flash.masking import MaskSpec
 from pallas_flash.reference import attention_float64
@@ -173,9 +174,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"{name}-{date}.json").write_text(json.dumps(
+        stem = file_stem(name, jax.devices()[0].device_kind, date)
+        (args.out / f"{stem}.json").write_text(json.dumps(
             {"date": date, "jax_version": jax.__version__, "rows": rows}, indent=1) + "\n")
-        (args.out / f"{name}-{date}.md").write_text(text)
+        (args.out / f"{stem}.md").write_text(text)
 
 
 if __name__ == "__main__":

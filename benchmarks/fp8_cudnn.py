@@ -32,7 +32,7 @@ the median over rounds gives TFLOP/s (forward 4·B·H·L²·D, halved when causa
 * ``cudnn_bf16``: ``jax.nn.dot_product_attention(implementation="cudnn")``;
 * ``fa3``: ``flash_attn3_jax.flash_mha`` (bf16) where it imports, head_dim 128 only;
 * ``ours_fp8``: the whole ``pallas_flash.fp8.attention_fp8`` (bf16 in and out, per-block
-  quantization included): the call issue 28 measures;
+  quantization included): the call a user makes;
 * ``ours_fp8_quantized``: ``fp8.attention_fp8_quantized`` on ``fp8.quantize_operands``'
   per-block operands (V already transposed): the kernel alone;
 * ``ours_bf16``: ``pallas_flash.attention`` (``--bf16-implementation``, default the
@@ -81,13 +81,11 @@ import pallas_flash as pf
 from benchmarks import report
 from benchmarks.flops import attention_flops, problem_shape, tflops_per_s
 from benchmarks.fp8_accuracy import with_outliers
-from benchmarks.fp8_probe import rel_err
 from benchmarks.implementations import error_summary
-from benchmarks.mosaic_probe import parse_config
 from benchmarks.timing import time_fn
 from pallas_flash import fp8
 from pallas_flash.masking import MaskSpec
-from pallas_flash.mosaic import forward_fp8
+from pallas_flash.mosaic import MosaicConfig, forward_fp8
 from pallas_flash.reference import attention_float64
 from pallas_flash.tutorial.cli import int_list
 
@@ -96,12 +94,41 @@ E4M3_MAX = fp8.E4M3_MAX
 SPEED_IMPLS = ("cudnn_fp8", "cudnn_bf16", "fa3", "ours_fp8", "ours_fp8_quantized", "ours_bf16",
                "ours_tensor_e4m3out")
 #: ``ours_fp8:SPEC``: the whole ``attention_fp8`` with the kernel config ``SPEC``
-#: (:func:`benchmarks.mosaic_probe.parse_config`, e.g. ``64x128x2op``).
+#: (:func:`parse_config`, e.g. ``64x128x2op``).
 CONFIGURED = "ours_fp8:"
 DEFAULT_SPEED_IMPLS = SPEED_IMPLS[:6]
 #: The speeds every other implementation is divided by (when they ran at the point).
 ANCHORS = ("cudnn_fp8", "ours_bf16", "cudnn_bf16")
 _FP8 = frozenset({"cudnn_fp8", "ours_fp8", "ours_fp8_quantized", "ours_tensor_e4m3out"})
+
+def parse_config(spec: str) -> MosaicConfig:
+    """A kernel config from ``block_q x block_kv x num_stages`` and flags.
+
+    ``"64x128x2o"`` is ``MosaicConfig(64, 128, 2, overlap=True)``; ``c3`` after the stages
+    (``"64x128x2oc3"``) asks for three consumer warpgroups, a final ``p`` (``"64x128x2op"``)
+    for persistent CTAs.
+
+    Raises:
+      ValueError: if ``spec`` is not of that form, or names a config the kernel rejects.
+    """
+    persistent = spec.endswith("p")
+    body, _, consumers = spec.removesuffix("p").partition("c")
+    overlap = body.endswith("o")
+    sizes = body.removesuffix("o").split("x")
+    if len(sizes) != 3 or not all(size.isdigit() for size in sizes) or not (
+            consumers == "" or consumers.isdigit()):
+        raise ValueError(f"config {spec!r}: expected BLOCKQxBLOCKKVxSTAGES[o][cN][p], "
+                         "e.g. 64x128x2op")
+    block_q, block_kv, stages = (int(size) for size in sizes)
+    return MosaicConfig(block_q, block_kv, stages, overlap=overlap,
+                        num_consumers=int(consumers or 2), persistent=persistent)
+
+
+def rel_err(x, ref) -> float:
+    """``‖x − ref‖ / ‖ref‖`` in float64 (the FP8 literature's relative error)."""
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
 
 DISTRIBUTIONS = ("gaussian", "outliers")
 CUDNN_METHODS = ("cudnn_fp8", "cudnn_fp8_hadamard")
@@ -349,7 +376,7 @@ def speed_main(args) -> int:
               f"inputs, batch·L = {args.tokens} tokens, heads·head_dim = {args.hidden}, "
               f"fp8 implementation {args.fp8_implementation or 'default'}, bf16 "
               f"implementation {args.bf16_implementation or 'default'}")
-    stem = f"fp8-cudnn-{date}" + (f"-{args.tag}" if args.tag else "")
+    stem = report.file_stem("fp8-cudnn", jax.devices()[0].device_kind, date, args.tag)
     start = time.perf_counter()
     rows: list[dict] = []
     for head_dim in args.head_dims:
@@ -518,7 +545,8 @@ def accuracy_main(args) -> int:
     header = (f"{jax.devices()[0].device_kind}, {date}, jax {jax.__version__}, "
               f"{args.heads} heads, seed {args.seed}, fp8 implementation "
               f"{args.fp8_implementation or 'default'}")
-    stem = f"fp8-cudnn-accuracy-{date}" + (f"-{args.tag}" if args.tag else "")
+    stem = report.file_stem("fp8-cudnn-accuracy", jax.devices()[0].device_kind, date,
+                            args.tag)
     rows: list[dict] = []
     for seq_len in args.seq_lens:
         for head_dim in args.head_dims:

@@ -1,4 +1,4 @@
-"""Everything the issues ask to see on the card, in one call of the device machine.
+"""The GPU tests and the maintained benchmarks, in one call of a GPU machine.
 
 Run from the repository root on the GPU machine::
 
@@ -21,10 +21,9 @@ Parts (``--parts``, comma list, in this order by default):
   (``benchmarks.suite``, fwd / bwd / fwd+bwd, causal and not, L 512…16384, the head dims of
   ``--suite-head-dims``: about 4 minutes each for the five implementations, so the whole
   grid takes two or three calls);
-* ``probes``: the Mosaic forward and backward against cuDNN at the points of the speed
-  bars (``benchmarks/mosaic_probe.py``, ``benchmarks/mosaic_bwd_probe.py``; the backward at
-  head_dim 256 runs the split dK/dV kernel), and forward + backward against FA3 and cuDNN
-  (``benchmarks.backward``; FA3 only where the ``flash-attn3-jax`` wheel imports);
+* ``backward``: forward and backward against FA3 and cuDNN at head_dim 128
+  (``benchmarks.backward``; FA3 only where the ``flash-attn3-jax`` wheel imports), then
+  against cuDNN at head_dims 64 and 256;
 * ``variants``: one row per attention variant vs dense causal (``benchmarks.variants``;
   about 150 s for Mosaic and cuDNN);
 * ``training``: the small transformer, ours vs cuDNN vs XLA attention
@@ -35,7 +34,7 @@ Parts (``--parts``, comma list, in this order by default):
 
 On a machine with several GPUs, ``;`` in ``--parts`` splits the parts into lanes that run at
 the same time, lane ``i`` on GPU ``i`` (``CUDA_VISIBLE_DEVICES``), each lane with the whole
-budget shared among its own parts: ``--parts "tests,probes;suite;training,cli"`` on three
+budget shared among its own parts: ``--parts "tests,backward;suite;training,cli"`` on three
 GPUs. (Timings of different GPUs of one host do not disturb each other: each point of the
 suite still compares implementations on one GPU.)
 """
@@ -82,15 +81,11 @@ def parts(out: Path, pytest_k: str = "", suite_head_dims: str = "64,128,256"
     return {p.name: p for p in (
         Part("tests", 3.0, (tests,)),
         Part("suite", 4.0, ((_PY, *suite),)),
-        Part("probes", 3.0, (
-            (_PY, "benchmarks/mosaic_probe.py", "--lengths", "2048", "4096", "8192", "16384",
-             "--head-dims", "64", "128", "256", "--iters", "10", "--repeats", "3",
-             "--out", str(out / "fwd-probe.json")),
-            (_PY, "benchmarks/mosaic_bwd_probe.py", "--head-dims", "64,128,256",
-             "--seq-lens", "2048,4096,16384", "--impls", "mosaic;triton;cudnn",
-             "--out", str(out / "bwd-probe.json")),
-            # Issue #27's table (FA3 where its wheel imports, else a row saying why).
+        Part("backward", 3.0, (
+            # FA3 where its wheel imports, else a row saying why.
             (_PY, "-m", "benchmarks.backward", "--out", str(out / "backward")),
+            (_PY, "-m", "benchmarks.backward", "--head-dims", "64,256", "--impls",
+             "pallas_flash_mosaic,cudnn", "--out", str(out / "backward"), "--tag", "d64-d256"),
         )),
         Part("variants", 1.0, ((_PY, "-m", "benchmarks.variants", "--out", str(out)),)),
         Part("training", 2.0, ((_PY, "-m", "benchmarks.training", "--steps", "300",
@@ -166,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="e.g. $OUT on the device")
     parser.add_argument("--budget", type=float, default=560.0,
                         help="seconds for all parts together (default 560)")
-    parser.add_argument("--parts", default="tests,suite,probes,variants,training,cli",
+    parser.add_argument("--parts", default="tests,suite,backward,variants,training,cli",
                         help="comma list, run in this order; ';' separates lanes that run "
                              "at the same time, one GPU each")
     parser.add_argument("--pytest-k", default="", help="pytest -k expression for 'tests'")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -239,6 +240,20 @@ def fill_defaults(args, defaults: dict[str, Any]) -> None:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+
+
+def file_stem(benchmark: str, device_kind: str, date: str, tag: str | None = None) -> str:
+    """``<benchmark>-<device>-<date>[-<tag>]``: what was measured, where and when.
+
+    The device kind is lower-cased with runs of other characters as single dashes
+    (``"NVIDIA H200"`` -> ``nvidia-h200``). A result file is named after the benchmark and
+    the configuration it measured, never after a run: re-measuring overwrites it.
+    """
+    if not re.fullmatch(r"[a-z0-9]+(-[a-z0-9.]+)*", benchmark):
+        raise ValueError(f"benchmark name must be lower-case words joined by dashes, "
+                         f"got {benchmark!r}")
+    slug = re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-") or "device"
+    return f"{benchmark}-{slug}-{date}" + (f"-{tag}" if tag else "")
 
 
 def write_rows(out: str, stem: str, header: str, jax_version: str, rows: list[dict],

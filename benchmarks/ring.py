@@ -252,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write(out: str, header: str, rows: list[dict]) -> None:
-    report.write_rows(out, f"ring-{datetime.date.today()}", header, jax.__version__, rows,
-                      table(header, rows))
+    stem = report.file_stem("ring", jax.devices()[0].device_kind,
+                            datetime.date.today().isoformat())
+    report.write_rows(out, stem, header, jax.__version__, rows, table(header, rows))
 
 
 if __name__ == "__main__":

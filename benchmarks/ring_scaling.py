@@ -1,4 +1,4 @@
-"""Ring attention across devices: per-device TFLOP/s and scaling efficiency (issue #24).
+"""Ring attention across devices: per-device TFLOP/s and scaling efficiency.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 -m benchmarks.ring_scaling --out $OUT
     [--seq-lens 131072,262144,524288] [--devices 2,4,8] [--layouts zigzag,contiguous]
@@ -21,7 +21,7 @@ devices, one mesh axis ``ring``) and layout, this times, in interleaved rounds:
 Reported per device: ``TFLOP/s = FLOPs(L) / n / time`` with the FlashAttention papers'
 conventions (:mod:`benchmarks.flops`: forward ``4·B·H·L²·D``, halved when causal; the
 backward 2.5×), and the **scaling efficiency** ``ring TFLOP/s per device / plain TFLOP/s
-at L / n`` (#24's goal: ≥ 0.95 on 2 devices, ≥ 0.90 on 8). Forward, and forward + backward
+at L / n`` (the goal: ≥ 0.95 on 2 devices, ≥ 0.90 on 8). Forward, and forward + backward
 (``--passes``).
 
 XLA overlaps one asynchronous collective at a time by default, which leaves one of each
@@ -235,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.head_dim}, {args.dtype}, {'causal' if args.causal else 'not causal'}, "
               f"implementation {args.implementation or 'auto'}")
     rows: list[dict] = []
+    stem = report.file_stem("ring-scaling", jax.devices()[0].device_kind,
+                            datetime.date.today().isoformat())
     for pass_ in args.passes.split(","):
         if pass_ not in ("fwd", "fwdbwd"):
             raise ValueError(f"--passes takes fwd and fwdbwd, got {pass_!r}")
@@ -244,8 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(run_point(seq, n, layout, pass_ == "fwdbwd", args))
                     print(json.dumps(rows[-1]), flush=True)
                     if args.out:  # after every point: a run cut short keeps what it measured
-                        report.write_rows(args.out, f"ring-scaling-{datetime.date.today()}",
-                                          header, jax.__version__, rows, table(header, rows))
+                        report.write_rows(args.out, stem, header, jax.__version__, rows,
+                                          table(header, rows))
     print(table(header, rows))
     return 0
 

@@ -3,8 +3,9 @@
 ``python -m benchmarks.suite --out DIR`` times forward, backward and forward+backward of each
 available implementation (``benchmarks.implementations``) over head dims × sequence lengths ×
 causal, with the papers' shapes and FLOP conventions (``benchmarks.flops``), and writes
-``DIR/<device>-<date>.json``, ``.md`` and bar charts (``benchmarks.report``). A point that fails
-(compile error, out of memory, wrong result) is recorded with its error and the suite goes on.
+``DIR/suite-<device>-<date>.json``, ``.md`` and bar charts (``benchmarks.report``). A point
+that fails (compile error, out of memory, wrong result) is recorded with its error and the
+suite goes on.
 ``--quick`` runs tiny shapes in seconds on CPU. Variants of an implementation run only when
 ``--impls`` names them: ``--impls pallas_flash_mosaic,pallas_flash_mosaic_deterministic``
 times the default and the reproducible backward (``deterministic=True``) point by point.
@@ -22,7 +23,6 @@ import gc
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -385,12 +385,6 @@ def _dtype_name(dtype: jnp.dtype) -> str:
     return next(name for name, d in DTYPES.items() if d == jnp.dtype(dtype))
 
 
-def file_stem(device_kind: str, date: str, tag: str | None = None) -> str:
-    """``<device>-<date>[-<tag>]`` with the device kind lower-cased and spaces as dashes."""
-    slug = re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-") or "device"
-    return f"{slug}-{date}" + (f"-{tag}" if tag else "")
-
-
 def write_json(result: Mapping[str, Any], path: Path) -> None:
     """Write ``result`` atomically (a killed run leaves the previous complete file)."""
     tmp = path.with_suffix(".json.tmp")
@@ -473,7 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config, out_dir, tag = parse_args(argv)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = jax.devices()[0]
-    stem = file_stem(device.device_kind, datetime.date.today().isoformat(), tag)
+    stem = report.file_stem("suite", device.device_kind, datetime.date.today().isoformat(), tag)
     json_path = out_dir / f"{stem}.json"
     print(f"pallas-flash benchmark suite: {device.device_kind}, jax {jax.__version__}, "
           f"writing {json_path}", flush=True)

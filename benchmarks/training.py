@@ -24,7 +24,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from benchmarks.suite import file_stem, write_json
+from benchmarks.report import file_stem
+from benchmarks.suite import write_json
 from models import train as training
 
 #: Our API's choice (mosaic/triton on a GPU) and the jax.nn baselines of models.train.
@@ -170,8 +171,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     command = "python -m benchmarks.training " + " ".join(argv if argv is not None
                                                           else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "training-" + file_stem(jax.devices()[0].device_kind,
-                                   datetime.date.today().isoformat(), args.tag)
+    stem = file_stem("training", jax.devices()[0].device_kind,
+                     datetime.date.today().isoformat(), args.tag)
 
     def save(result: dict[str, Any]) -> None:
         write_json(result, args.out / f"{stem}.json")

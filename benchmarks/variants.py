@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_flash as pf
+from benchmarks import report
 from benchmarks.flops import BWD_FACTOR, tflops_per_s
 from benchmarks.timing import time_fn
 from pallas_flash.masking import MaskSpec
@@ -153,7 +154,8 @@ def _table(header: str, rows: list[dict]) -> str:
 
 def _write(out: str, header: str, rows: list[dict]) -> None:
     os.makedirs(out, exist_ok=True)
-    stem = os.path.join(out, f"variants-{datetime.date.today()}")
+    stem = os.path.join(out, report.file_stem("variants", jax.devices()[0].device_kind,
+                                              datetime.date.today().isoformat()))
     with open(stem + ".json", "w") as f:
         json.dump({"device": header, "rows": rows}, f, indent=1)
     with open(stem + ".md", "w") as f:

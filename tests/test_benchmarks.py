@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import statistics
@@ -12,15 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
-from support import random_qkv, rel_err
 
 from benchmarks import backward as backward_bench
 from benchmarks import (
     compile_time,
     fp8_cudnn,
-    lowered_modules,
-    mosaic_bwd_probe,
     report,
     ring_scaling,
     suite,
@@ -29,11 +24,7 @@ from benchmarks import ring as ring_bench
 from benchmarks.flops import attention_flops, problem_shape, tflops_per_s
 from benchmarks.implementations import IMPLEMENTATIONS, Implementation, error_summary
 from benchmarks.timing import time_fn
-from pallas_flash.masking import MaskSpec
-from pallas_flash.mosaic import MosaicBackwardConfig
-from pallas_flash.reference import attention_float64
-
-mosaic_backward = importlib.import_module("pallas_flash.mosaic.backward")
+from benchmarks.tools import lowered_modules, profile_backward
 
 # --- FLOP conventions ------------------------------------------------------------------------
 
@@ -122,9 +113,13 @@ def test_error_summary_keeps_type_and_first_line():
     assert error_summary(AssertionError()) == "AssertionError"
 
 
-def test_file_stem():
-    assert suite.file_stem("NVIDIA H200", "2026-11-29") == "nvidia-h200-2026-11-29"
-    assert suite.file_stem("cpu", "2026-11-29", "d128") == "cpu-2026-11-29-d128"
+def test_file_stem_names_benchmark_device_and_date():
+    assert report.file_stem("suite", "NVIDIA H200", "2026-11-29") == \
+        "suite-nvidia-h200-2026-11-29"
+    assert report.file_stem("decode-fill0.5", "cpu", "2026-11-29", "d128") == \
+        "decode-fill0.5-cpu-2026-11-29-d128"
+    with pytest.raises(ValueError, match="benchmark name"):
+        report.file_stem("Suite run 3", "cpu", "2026-11-29")
 
 
 def _rounds(*ms):
@@ -389,7 +384,7 @@ def test_variants_run_only_when_named():
 def test_suite_main_quick_on_cpu(tmp_path, capsys):
     assert suite.main(["--quick", "--impls", "xla", "--causal", "no", "--seq-lens", "64",
                        "--passes", "fwd", "--out", str(tmp_path)]) == 0
-    (json_path,) = tmp_path.glob("*.json")
+    (json_path,) = tmp_path.glob("suite-cpu-*.json")
     result = json.loads(json_path.read_text())
     assert result["device"] and result["jax_version"]
     assert json_path.with_suffix(".md").exists()
@@ -457,52 +452,8 @@ def test_ring_scaling_quick_on_fake_devices(tmp_path, capsys):
         ring_scaling.main(["--quick", "--devices", "16"])
 
 
-@pytest.mark.parametrize("only", ["dkdv", "dq"])
-def test_bwd_probe_times_one_kernel_with_the_other_left_out(only):
-    """``mosaic:only=...`` of benchmarks/mosaic_bwd_probe.py: the kernel named runs (and
-    matches the oracle), the other's gradients are zeros; the module is restored after."""
-    originals = mosaic_backward.call_dq, mosaic_backward.call_dkdv
-    q, k, v, d_out = random_qkv(1, 128, 128, 1, 1, 64, jnp.bfloat16)
-    mask = MaskSpec(seq_q=128, seq_kv=128, is_causal=True)
-    out, lse, want = attention_float64(q, k, v, scale=0.125, mask=mask,
-                                       d_out=np.asarray(d_out, np.float64))
-    out = jnp.asarray(out, q.dtype)
-    delta = jnp.einsum("btnd,btnd->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
-    with (plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()),
-          mosaic_bwd_probe._traced_with(f"mosaic:only={only}")):
-        grads = mosaic_backward.backward(
-            q, k, v, None, out, jnp.asarray(lse, jnp.float32), d_out, delta, mask=mask,
-            scale=0.125, config=MosaicBackwardConfig(), interpret=True)
-    ran = (1, 2) if only == "dkdv" else (0,)
-    for i, (got, ref) in enumerate(zip(grads, want, strict=True)):
-        if i in ran:
-            assert rel_err(got, ref) < 1e-2
-        else:
-            assert not np.any(np.asarray(got))
-    assert (mosaic_backward.call_dq, mosaic_backward.call_dkdv) == originals
-
-
-@pytest.mark.parametrize(("name", "head_dim", "causal", "deterministic"), [
-    ("mosaic", 64, True, False),           # the API's default: the fused dQ up to 128,
-    ("mosaic", 128, False, False),
-    ("mosaic", 128, True, False),
-    ("mosaic", 256, True, True),           # ... the separate dQ kernel above
-    ("mosaic_fused", 128, True, False),
-    ("mosaic:deterministic=1", 64, True, True),
-    ("mosaic:num_stages=3", 64, True, False),  # other fields keep the default dQ mode
-])
-def test_bwd_probe_times_the_config_the_api_runs(name, head_dim, causal, deterministic,
-                                                 monkeypatch):
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
-    shape = (1, 4096, 2048 // head_dim, head_dim)
-    mask = MaskSpec(seq_q=4096, seq_kv=4096, is_causal=causal)
-    config = mosaic_bwd_probe.mosaic_config(name, shape, shape, jnp.bfloat16, mask)
-    assert bool(config.deterministic) is deterministic
-    assert config.num_stages == (3 if "num_stages" in name else 2)
-
-
 def test_lowered_modules_fingerprints_tell_kernels_apart(tmp_path):
-    """benchmarks/lowered_modules.py: the same kernel lowers to the same fingerprint in
+    """benchmarks/tools/lowered_modules.py: the same kernel lowers to the same fingerprint in
     another order of cases (dump counters and names are blanked), different kernels to
     different ones, and ``--compare`` names a case whose module changed."""
     dense, causal = "fwd-d64-dense-plain", "fwd-d64-causal-plain"
@@ -566,7 +517,7 @@ def test_fp8_cudnn_speed_on_cpu(tmp_path):
     common = ["--head-dims", "64", "--seq-lens", "128", "--tokens", "256", "--hidden", "128",
               "--causal", "yes", "--rounds", "1", "--iters", "2", "--max-seconds", "0.05"]
     assert fp8_cudnn.main([*common, "--out", str(tmp_path)]) == 0
-    (json_path,) = tmp_path.glob("fp8-cudnn-2*.json")
+    (json_path,) = tmp_path.glob("fp8-cudnn-cpu-*.json")
     rows = {r["impl"]: r for r in json.loads(json_path.read_text())["rows"]}
     assert set(rows) == set(fp8_cudnn.DEFAULT_SPEED_IMPLS)
     for name in ("cudnn_fp8", "cudnn_bf16", "fa3"):
@@ -587,7 +538,7 @@ def test_fp8_cudnn_speed_on_cpu(tmp_path):
     assert row["error"].startswith("wrong result") and "tflops" not in row
 
 
-# --- the ncu profile summary (benchmarks.profile_backward) -----------------------------------
+# --- the ncu profile summary (benchmarks.tools.profile_backward) -----------------------------
 
 _DETAILS = """\
   first_kernel (4, 32, 16)x(384, 1, 1), Context 1, Stream 14, Device 0, CC 9.0
@@ -614,7 +565,6 @@ def _source_block(name, rows):
 
 
 def test_profile_details_are_parsed_per_kernel_with_units():
-    from benchmarks import profile_backward
 
     first, second = profile_backward.parse_details(_DETAILS)
     assert first["name"] == "first_kernel" and first["grid"] == (4, 32, 16)
@@ -628,7 +578,6 @@ def test_profile_details_are_parsed_per_kernel_with_units():
 
 
 def test_profile_source_counts_stalls_and_spills_once_per_kernel():
-    from benchmarks import profile_backward
 
     rows = [["0x10", "  @!P1 LDL.LU R3, [R1]", "5", "100", "1", "4", "9"],
             ["0x20", "  STL [R1+0x4], R2", "3", "7", "3", "0", "9"],
@@ -646,7 +595,6 @@ def test_profile_source_counts_stalls_and_spills_once_per_kernel():
 
 
 def test_profile_table_filters_short_kernels_and_checks_alignment(capsys):
-    from benchmarks import profile_backward
 
     details = profile_backward.parse_details(_DETAILS)
     rows = [["0x10", "  LDL R3, [R1]", "6", "11", "6", "0", "0"],
@@ -663,7 +611,6 @@ def test_profile_table_filters_short_kernels_and_checks_alignment(capsys):
 
 
 def test_profile_workload_runs_and_validates(capsys):
-    from benchmarks import profile_backward
 
     profile_backward.workload(["xla"], seq_len=128, head_dim=64, causal=True, tokens=256,
                               hidden=128, seed=0)

@@ -68,7 +68,7 @@ def test_lanes_run_at_the_same_time_one_gpu_each(tmp_path, monkeypatch, capsys):
 
 def test_real_catalogue_and_bad_options(tmp_path):
     catalogue = gpu_report.parts(tmp_path, pytest_k="mosaic", suite_head_dims="128,256")
-    assert list(catalogue) == ["tests", "suite", "probes", "variants", "training", "cli"]
+    assert list(catalogue) == ["tests", "suite", "backward", "variants", "training", "cli"]
     assert catalogue["tests"].commands[0][-2:] == ("-k", "mosaic")
     suite = catalogue["suite"].commands[0]
     assert gpu_report.TIME_LIMIT in suite
