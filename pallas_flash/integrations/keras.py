@@ -25,8 +25,9 @@ blocks above the diagonal. Decode steps (one query against the cache) keep the d
 Differences from Keras's own path: a query row that sees no key outputs 0 (Keras, through
 ``jax.nn``, outputs the mean of V); integer 0/1 masks are read as booleans, as Keras's
 layers do. Calls with arguments this path cannot honour run Keras's own function, with a
-one-time warning saying why: ``attn_logits_soft_cap`` (Keras's formula is not our
-``tanh`` soft-cap). ``flash_attention=False`` (``keras.config.disable_flash_attention()``)
+one-time warning saying why: ``attn_logits_soft_cap`` (Keras documents its cap as
+``logits / (1 + |logits| / cap)``, not the ``cap · tanh(logits / cap)`` of
+``pallas_flash.attention``). ``flash_attention=False`` (``keras.config.disable_flash_attention()``)
 runs Keras's own path without a warning: the user asked for it.
 
 Needs ``keras`` (tested: 3.15) with the JAX backend; KerasHub (tested: 0.32) is optional.
@@ -130,8 +131,8 @@ def dot_product_attention(
       scale: logit scale; default ``1 / sqrt(head_dim)``.
       is_causal: hide keys after the query position.
       flash_attention: ``None`` or ``True``: ours. ``False``: Keras's own path.
-      attn_logits_soft_cap: not supported here (Keras's formula differs from
-        ``pallas_flash``'s ``tanh`` cap): any value runs Keras's own path, with a one-time
+      attn_logits_soft_cap: not supported here (Keras documents a cap other than
+        ``pallas_flash``'s ``tanh`` one): any value runs Keras's own path, with a one-time
         warning.
 
     Returns:
@@ -143,8 +144,8 @@ def dot_product_attention(
     if flash_attention not in (None, True):
         raise ValueError(f"flash_attention must be None, True or False, got {flash_attention!r}")
     if attn_logits_soft_cap is not None:
-        _warn_once("attn_logits_soft_cap follows Keras's own formula, not pallas_flash's "
-                   "tanh soft-cap")
+        _warn_once("attn_logits_soft_cap is Keras's own cap (documented as "
+                   "logits / (1 + |logits| / cap)), not pallas_flash's tanh soft-cap")
         return keras_dot_product_attention(query, key, value, bias, mask, scale, is_causal,
                                            flash_attention, attn_logits_soft_cap)
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
