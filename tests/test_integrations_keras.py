@@ -24,13 +24,13 @@ TOL = dict(atol=2e-5, rtol=2e-5)
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Installs the adapter for the test; records the ``is_causal`` of each
+    """Installs the adapter for the test; records ``(is_causal, local_window_size)`` of each
     pallas_flash.attention call it makes."""
-    calls: list[bool] = []
+    calls: list[tuple[bool, tuple[int, int] | None]] = []
     original = pf_keras.attention
 
     def recording(*args, **kwargs):
-        calls.append(kwargs["is_causal"])
+        calls.append((kwargs["is_causal"], kwargs["local_window_size"]))
         return original(*args, **kwargs)
 
     monkeypatch.setattr(pf_keras, "attention", recording)
@@ -95,11 +95,11 @@ def test_install_routes_keras_ops_and_layers(spy):
     layer = keras.layers.MultiHeadAttention(num_heads=4, key_dim=8, seed=0)
     x = np.random.RandomState(0).randn(2, 12, 16).astype("float32")
     ours = layer(x, x, use_causal_mask=True)
-    assert spy == [True]
+    assert spy == [(True, None)]
     q, k, v = _inputs()
     np.testing.assert_allclose(keras.ops.dot_product_attention(q, k, v),
                                pf_keras.keras_dot_product_attention(q, k, v), **TOL)
-    assert spy == [True, False]
+    assert spy == [(True, None), (False, None)]
     pf_keras.install()            # a second install changes nothing
     pf_keras.uninstall()
     assert not pf_keras.installed()
@@ -135,7 +135,8 @@ def test_moved_private_names_raise_naming_tested_versions(monkeypatch):
     with pytest.raises(ImportError, match=r"keras 3\.15"):
         pf_keras.install()
     monkeypatch.undo()
-    monkeypatch.setattr(pf_keras, "CAUSAL_DECODERS", (("keras_hub.src.models.llama", "Gone"),))
+    monkeypatch.setattr(pf_keras, "CAUSAL_DECODERS",
+                        (("keras_hub.src.models.llama", "Gone", None),))
     with pytest.raises(ImportError, match=r"keras-hub 0\.32"):
         pf_keras.install()
     assert not pf_keras.installed()
@@ -174,9 +175,9 @@ def test_keras_hub_llama_forward_training_step_and_generate(spy):
         if name == "ours":
             # forward, training (forward and its backward's trace), prompt: square, causal;
             # then one call per generated token, against the cache.
-            layers = 2
-            assert spy[:layers] == [True] * layers and False in spy
-            assert all(spy[: spy.index(False)])
+            causal = [c for c, _ in spy]
+            assert causal[:2] == [True, True] and False in causal  # 2 layers
+            assert all(causal[: causal.index(False)])
     (logits, loss, weights, tokens), (ref_logits, ref_loss, ref_weights, ref_tokens) = (
         results["ours"], results["keras"])
     valid = x["padding_mask"][:, :, None]
@@ -185,3 +186,23 @@ def test_keras_hub_llama_forward_training_step_and_generate(spy):
     for a, b in zip(weights, ref_weights, strict=True):
         np.testing.assert_allclose(a, b, **TOL)
     np.testing.assert_array_equal(tokens, ref_tokens)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen"])
+def test_keras_hub_mistral_and_qwen_forward(spy, family):
+    """The other marked decoders: logits equal Keras's own; square calls pass is_causal,
+    and Mistral's sliding_window=w as local_window_size=(w - 1, 0)."""
+    sizes = dict(vocabulary_size=64, num_layers=1, num_query_heads=4, num_key_value_heads=2,
+                 hidden_dim=32, intermediate_dim=64)
+    keras.utils.set_random_seed(0)
+    if family == "mistral":
+        backbone = keras_hub.models.MistralBackbone(sliding_window=5, **sizes)
+    else:
+        backbone = keras_hub.models.QwenBackbone(**sizes)
+    x = {"token_ids": np.random.RandomState(0).randint(1, 64, (2, 12)).astype("int32"),
+         "padding_mask": np.array([[1] * 12, [1] * 8 + [0] * 4], bool)}
+    ours = np.asarray(backbone(x))
+    assert spy == [(True, (4, 0) if family == "mistral" else None)]
+    pf_keras.uninstall()
+    valid = x["padding_mask"][:, :, None]
+    np.testing.assert_allclose(ours * valid, np.asarray(backbone(x)) * valid, **TOL)

@@ -18,9 +18,10 @@ calls it with ``implementation="xla"`` or ``"cudnn"``.
 
 Keras's layers hand over dense masks (``[batch, 1, seq_q, seq_kv]``), so no block would be
 skipped. While :func:`install` is in force, the self-attention of KerasHub decoders whose
-mask is causal by construction (:data:`CAUSAL_DECODERS`) also passes ``is_causal=True``
-when ``seq_q == seq_kv`` (the prompt, training): the mask stays, and the kernel skips the
-blocks above the diagonal. Decode steps (one query against the cache) keep the dense mask.
+mask is causal by construction (:data:`CAUSAL_DECODERS`: Llama, Mistral, Qwen) also passes
+``is_causal=True`` when ``seq_q == seq_kv`` (the prompt, training), and Mistral's
+``sliding_window=w`` as ``local_window_size=(w - 1, 0)``: the mask stays, and the kernel
+skips the blocks it hides. Decode steps (one query against the cache) keep the dense mask.
 
 Differences from Keras's own path: a query row that sees no key outputs 0 (Keras, through
 ``jax.nn``, outputs the mean of V); integer 0/1 masks are read as booleans, as Keras's
@@ -36,6 +37,7 @@ Needs ``keras`` (tested: 3.15) with the JAX backend; KerasHub (tested: 0.32) is 
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import importlib
 import threading
@@ -57,19 +59,37 @@ from pallas_flash.api import attention
 #: The library versions this adapter was tested against.
 TESTED_VERSIONS = "keras 3.15, keras-hub 0.32"
 
-#: KerasHub decoder layers (module, class) whose self-attention mask is causal by
-#: construction (their ``_compute_self_attention_mask`` ands the padding mask with
-#: ``compute_causal_mask``; no cross-attention goes through them). Within their ``call``,
-#: a square self-attention call from the first cache slot is causal, top-left.
-CAUSAL_DECODERS = (("keras_hub.src.models.llama.llama_decoder", "LlamaTransformerDecoder"),)
+#: KerasHub decoder layers ``(module, class, window attribute or None)`` whose
+#: self-attention mask is causal by construction: their ``_compute_self_attention_mask``
+#: ands the padding mask with ``compute_causal_mask`` (and, where the attribute is named and
+#: not None, with the band ``k > q - w``), and no cross-attention goes through them. Within
+#: their ``call``, a square self-attention call from the first cache slot is causal,
+#: top-left, with that window.
+CAUSAL_DECODERS = (
+    ("keras_hub.src.models.llama.llama_decoder", "LlamaTransformerDecoder", None),
+    ("keras_hub.src.models.mistral.mistral_transformer_decoder", "MistralTransformerDecoder",
+     "sliding_window"),
+    ("keras_hub.src.models.qwen.qwen_decoder", "QwenTransformerDecoder", None),
+)
 
 # The private names this adapter depends on: the backend function every keras.ops
 # attention call ends in.
 _BACKEND_MODULE = "keras.src.backend.jax.nn"
 _BACKEND_FUNCTION = "dot_product_attention"
 
-# True inside the call of a CAUSAL_DECODERS layer, from the first cache slot.
-_IN_CAUSAL_DECODER = contextvars.ContextVar("pallas_flash_keras_causal_decoder", default=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DecoderMask:
+    """What a :data:`CAUSAL_DECODERS` layer's mask is, for square calls: causal, and this
+    ``local_window_size`` (None: no window)."""
+
+    window: tuple[int, int] | None
+
+
+# Set inside the call of a CAUSAL_DECODERS layer, from the first cache slot.
+_DECODER_MASK: contextvars.ContextVar[_DecoderMask | None] = contextvars.ContextVar(
+    "pallas_flash_keras_decoder_mask", default=None)
 
 _lock = threading.Lock()
 _warned: set[str] = set()
@@ -162,13 +182,16 @@ def dot_product_attention(
         mask = jnp.asarray(mask)
         if mask.dtype != jnp.bool_:
             mask = mask.astype(bool)
-    causal = bool(is_causal) or (
-        _IN_CAUSAL_DECODER.get() and mask is not None and query.shape[1] == key.shape[1])
-    return attention(query, key, value, bias=bias, mask=mask, scale=scale, is_causal=causal)
+    window = None
+    decoder_mask = _DECODER_MASK.get()
+    if decoder_mask is not None and mask is not None and query.shape[1] == key.shape[1]:
+        is_causal, window = True, decoder_mask.window
+    return attention(query, key, value, bias=bias, mask=mask, scale=scale,
+                     is_causal=bool(is_causal), local_window_size=window)
 
 
-def _causal_decoder_call(call: Callable) -> Callable:
-    """``call`` of a :data:`CAUSAL_DECODERS` layer, run with the causal flag set.
+def _causal_decoder_call(call: Callable, window_attribute: str | None) -> Callable:
+    """``call`` of a :data:`CAUSAL_DECODERS` layer, run with :data:`_DECODER_MASK` set.
 
     From the first cache slot only: a square call at a later slot (which no KerasHub model
     makes) would see a shifted mask, not a causal one.
@@ -177,25 +200,30 @@ def _causal_decoder_call(call: Callable) -> Callable:
     @functools.wraps(call)
     def wrapped(self, *args, **kwargs):
         index = kwargs.get("self_attention_cache_update_index")
-        token = _IN_CAUSAL_DECODER.set(index is None or (isinstance(index, int) and index == 0))
+        from_start = index is None or (isinstance(index, int) and index == 0)
+        size = getattr(self, window_attribute, None) if window_attribute else None
+        # KerasHub's band k > q - w: w keys, the query's own included.
+        window = (size - 1, 0) if isinstance(size, int) and size >= 1 else None
+        token = _DECODER_MASK.set(_DecoderMask(window) if from_start else None)
         try:
             return call(self, *args, **kwargs)
         finally:
-            _IN_CAUSAL_DECODER.reset(token)
+            _DECODER_MASK.reset(token)
 
     return wrapped
 
 
-def _causal_decoder_classes() -> list[type]:
-    """The :data:`CAUSAL_DECODERS` classes; none without KerasHub."""
+def _causal_decoder_classes() -> list[tuple[type, str | None]]:
+    """The :data:`CAUSAL_DECODERS` classes and window attributes; none without KerasHub."""
     try:
         importlib.import_module("keras_hub")
     except ImportError:
         return []
     classes = []
-    for module_name, class_name in CAUSAL_DECODERS:
+    for module_name, class_name, window_attribute in CAUSAL_DECODERS:
         try:
-            classes.append(getattr(importlib.import_module(module_name), class_name))
+            classes.append((getattr(importlib.import_module(module_name), class_name),
+                            window_attribute))
         except (ImportError, AttributeError) as error:
             raise ImportError(
                 f"{module_name}.{class_name} is missing in this KerasHub: "
@@ -224,9 +252,9 @@ def install() -> None:
         if _installed:
             return
         classes = _causal_decoder_classes()
-        for cls in classes:
+        for cls, window_attribute in classes:
             _installed[cls] = cls.call
-            cls.call = _causal_decoder_call(cls.call)
+            cls.call = _causal_decoder_call(cls.call, window_attribute)
         _installed[module] = getattr(module, _BACKEND_FUNCTION)
         setattr(module, _BACKEND_FUNCTION, dot_product_attention)
 
