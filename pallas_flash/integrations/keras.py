@@ -78,7 +78,6 @@ _BACKEND_MODULE = "keras.src.backend.jax.nn"
 _BACKEND_FUNCTION = "dot_product_attention"
 
 
-
 @dataclasses.dataclass(frozen=True)
 class _DecoderMask:
     """What a :data:`CAUSAL_DECODERS` layer's mask is, for square calls: causal, and this
@@ -93,7 +92,8 @@ _DECODER_MASK: contextvars.ContextVar[_DecoderMask | None] = contextvars.Context
 
 _lock = threading.Lock()
 _warned: set[str] = set()
-_installed: dict[str, Any] = {}
+# What install() replaced: class -> its call, backend module -> its function.
+_installed: dict[Any, Callable] = {}
 
 
 def _backend_module():
