@@ -130,6 +130,13 @@ def test_fallbacks_and_bad_input(recwarn):
         pf_keras.dot_product_attention(q, k, v, mask=jnp.ones((3, 16), bool))
 
 
+def test_install_needs_the_jax_backend(monkeypatch):
+    monkeypatch.setattr(keras.config, "backend", lambda: "torch")
+    with pytest.raises(ValueError, match="JAX backend"):
+        pf_keras.install()
+    assert not pf_keras.installed()
+
+
 def test_moved_private_names_raise_naming_tested_versions(monkeypatch):
     monkeypatch.setattr(pf_keras, "_BACKEND_MODULE", "keras.src.backend.jax.no_such_module")
     with pytest.raises(ImportError, match=r"keras 3\.15"):
