@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e ".[test,train,bench]"
+	$(PY) -m pip install -q -c constraints.txt --no-deps keras-hub
 	touch $(STAMP)
 
 # The CPU suite is compile-bound (tiny shapes): LLVM at -O0 takes ~20 % off its time (on 2
