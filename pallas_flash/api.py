@@ -251,9 +251,9 @@ def _decodes(query, key, implementation, config, bias, mask, window, is_causal: 
     answers identically and faster: on a GPU, a few new queries (``seq_q <=``
     ``decode.MAX_DECODE_SEQ_Q``) against a longer cache, 16-bit inputs, no arrays or
     options decode does not take (measured: ``docs/decode.md``). Only calls in which no
-    query's hidden keys lie outside the step's own tokens: no lengths, no window (decode
-    hides keys by masking logits, and a NaN in a stale cache row would still reach the
-    output through P·V; this path zeroes such rows first, which decode cannot afford).
+    query's hidden keys lie outside the step's own tokens: no lengths, no window (kept
+    from when decode let a NaN in a hidden cache row reach the output through P·V, which
+    it no longer does; taking such calls too is a change of its own, not measured yet).
     """
     seq_q, seq_kv = query.shape[1], key.shape[1]
     return (jax.default_backend() == "gpu" and not interpret

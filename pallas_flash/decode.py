@@ -124,7 +124,8 @@ def decode_attention(
     Alignment is bottom-right *per row*: the cache of sequence ``b`` holds
     ``key_value_seq_lengths[b]`` tokens (default: all ``seq_kv``), the last ``seq_q`` of
     which are the new tokens themselves, so query ``t`` is at position
-    ``key_value_seq_lengths[b] - seq_q + t``. Keys at or past the length are hidden.
+    ``key_value_seq_lengths[b] - seq_q + t``. Keys at or past the length are hidden,
+    whatever they hold: NaN or inf in a stale cache reaches no output or gradient.
 
     Args:
       query: ``[batch, seq_q, heads, head_dim]``, ``seq_q <= 16``.

@@ -82,7 +82,8 @@ def paged_attention(
 
     Query ``t`` of sequence ``b`` is at position ``cache_lengths[b] - seq_q + t`` (the new
     tokens are the last ``seq_q`` cached, see :func:`write_pages`) and sees the cached keys
-    up to its own position.
+    up to its own position. Later slots are hidden, whatever they hold (NaN or inf in a
+    stale page reaches no output or gradient).
 
     Args:
       query: ``[batch, seq_q, heads, head_dim]``.
