@@ -503,12 +503,13 @@ def _split_forward(packed_q, key, value, lengths, rows: CacheVisibility, *, num_
     q_chunks = jnp.repeat(packed_q, num_splits, axis=0)  # [B·n, R, K, D], small
     seen, segment_ids, attn_mask = _chunk_visibility(batch, q_chunks.shape[1], lengths, rows,
                                                      seq_kv, num_splits, chunk)
-    if seen is not None:
+    if lengths is not None or rows.window is not None:
         # Keys no query of the row sees (past its length: a stale cache may hold anything,
         # NaN included) have their logits hidden by a select, but P·V and dS·K are matmuls,
         # where 0 · NaN is NaN. A select zeroes them on the way into the chunks (one
         # elementwise pass, as attention's zero_unseen_rows), for every backend's forward
-        # and backward; their dk, dv are then exactly 0.
+        # and backward; their dk, dv are then exactly 0. (A full cache hides only the
+        # padding of its last chunk, zeros already: no pass.)
         visible = seen[:, :seq_kv, None, None]
         key, value = (jnp.where(visible, x, jnp.zeros((), x.dtype)) for x in (key, value))
     k_chunks, v_chunks = split(key), split(value)
