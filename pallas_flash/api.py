@@ -207,8 +207,9 @@ def attention(
             implementation=implementation)
         return out.reshape(output_shape)
     segment_ids = canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv)
-    segment_ids = _fold_lengths(segment_ids, _as_array(query_seq_lengths),
-                                _as_array(key_value_seq_lengths), batch, seq_q, seq_kv)
+    # The lengths as given: check_lengths reads their range before the int32 cast.
+    segment_ids = _fold_lengths(segment_ids, query_seq_lengths, key_value_seq_lengths, batch,
+                                seq_q, seq_kv)
     softcap = check_soft_cap(logits_soft_cap)
     sinks = check_sinks(sinks, query.shape[2])
     logits_shape = (batch, query.shape[2], seq_q, seq_kv)
@@ -250,9 +251,9 @@ def _decodes(query, key, implementation, config, bias, mask, window, is_causal: 
     answers identically and faster: on a GPU, a few new queries (``seq_q <=``
     ``decode.MAX_DECODE_SEQ_Q``) against a longer cache, 16-bit inputs, no arrays or
     options decode does not take (measured: ``docs/decode.md``). Only calls in which no
-    query's hidden keys lie outside the step's own tokens: no lengths, no window (decode
-    hides keys by masking logits, and a NaN in a stale cache row would still reach the
-    output through P·V; this path zeroes such rows first, which decode cannot afford).
+    query's hidden keys lie outside the step's own tokens: no lengths, no window (kept
+    from when decode let a NaN in a hidden cache row reach the output through P·V, which
+    it no longer does; taking such calls too is a change of its own, not measured yet).
     """
     seq_q, seq_kv = query.shape[1], key.shape[1]
     return (jax.default_backend() == "gpu" and not interpret
@@ -316,10 +317,10 @@ def _unbatched_ids(ids):
 
 def _unbatched_lengths(lengths):
     """Lengths of a query without batch dim: a scalar (as ``jax.vmap`` hands it) as
-    ``[1]``."""
-    lengths = _as_array(lengths)
-    if isinstance(lengths, int) and not isinstance(lengths, bool):
-        lengths = jnp.asarray(lengths)
+    ``[1]``. Python and NumPy values stay NumPy (64-bit), so that their range is checked
+    before the int32 cast (:func:`pallas_flash.arguments.check_lengths`)."""
+    if isinstance(lengths, (list, tuple, int, np.generic)):
+        lengths = np.asarray(lengths)
     return lengths[None] if getattr(lengths, "ndim", None) == 0 else lengths
 
 
@@ -341,7 +342,7 @@ def _fold_lengths(segment_ids, q_lengths, kv_lengths, batch, seq_q, seq_kv):
     ):
         if lengths is None:
             continue
-        check_lengths(lengths, name, batch, ids.shape[1], "the sequence length")
+        lengths = check_lengths(lengths, name, batch, ids.shape[1], "the sequence length")
         positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
         padded = jnp.where(positions < lengths[:, None], ids, pad_id)
         if pad_id == PADDED_QUERY_ID:

@@ -152,9 +152,14 @@ def check_concrete_range(values, name: str, low: int, high: int, bounds: str) ->
 
 
 def check_lengths(lengths, name: str, batch: int, seq: int, bounds: str) -> jax.Array:
-    """Per-sequence lengths: an integer array ``[batch]``, concrete values in ``[0, seq]``.
+    """Per-sequence lengths: an integer array ``[batch]`` (JAX or NumPy, or a list),
+    concrete values in ``[0, seq]``.
 
-    Returns them as int32 (:func:`clamp_lengths`)."""
+    The range is checked on the values as given, before any cast: with 64-bit types off,
+    ``jnp.asarray`` would wrap an int64 ``2**32 + 3`` to 3, a valid length. Returns them as
+    int32 (:func:`clamp_lengths`)."""
+    if isinstance(lengths, (list, tuple)):
+        lengths = np.asarray(lengths)
     if getattr(lengths, "shape", None) != (batch,):
         raise ValueError(f"{name} must have shape [batch] = {(batch,)}, "
                          f"got {getattr(lengths, 'shape', None)}")

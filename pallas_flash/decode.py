@@ -38,6 +38,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from pallas_flash import dispatch
 from pallas_flash.arguments import (
@@ -122,7 +124,8 @@ def decode_attention(
     Alignment is bottom-right *per row*: the cache of sequence ``b`` holds
     ``key_value_seq_lengths[b]`` tokens (default: all ``seq_kv``), the last ``seq_q`` of
     which are the new tokens themselves, so query ``t`` is at position
-    ``key_value_seq_lengths[b] - seq_q + t``. Keys at or past the length are hidden.
+    ``key_value_seq_lengths[b] - seq_q + t``. Keys at or past the length are hidden,
+    whatever they hold: NaN or inf in a stale cache reaches no output or gradient.
 
     Args:
       query: ``[batch, seq_q, heads, head_dim]``, ``seq_q <= 16``.
@@ -227,7 +230,7 @@ def _check_lengths(lengths, batch: int, seq_kv: int) -> tuple[jax.Array | None, 
     if lengths is None:
         return None, True
     if isinstance(lengths, int) and not isinstance(lengths, bool):
-        lengths = jnp.asarray(lengths, jnp.int32)
+        lengths = np.asarray(lengths)  # 64-bit: its range is checked before the int32 cast
     if getattr(lengths, "shape", None) == ():
         lengths = check_lengths(lengths[None], "key_value_seq_lengths", 1, seq_kv,
                                 "the cache length")
@@ -362,14 +365,33 @@ def _balanced_decode(query, key, value, lengths, options: _SplitOptions):
     return _balanced_split_forward(query, key, value, lengths, options)
 
 
-@_balanced_decode.defjvp
 def _balanced_decode_jvp(options, primals, tangents):
     # The balanced layout is a forward-only kernel call; differentiated, the call runs the
     # fixed chunks, whose attention has forward- and reverse-mode rules (primal included:
     # that formulation's backward keeps its own (out, lse) as residuals).
-    query, key, value, lengths = primals
-    return jax.jvp(lambda q, k, v: _chunked_decode(q, k, v, lengths, options),
-                   (query, key, value), tuple(tangents[:3]))
+    lengths = primals[3]
+    return jvp_of_differentiated(lambda q, k, v: _chunked_decode(q, k, v, lengths, options),
+                                 primals[:3], tangents[:3])
+
+
+_balanced_decode.defjvp(_balanced_decode_jvp, symbolic_zeros=True)
+
+
+def jvp_of_differentiated(fn, primals: tuple, tangents: tuple):
+    """``jax.jvp`` of ``fn(*primals)`` in the primals being differentiated, for a
+    ``custom_jvp`` rule defined with ``symbolic_zeros=True``: the others (``SymbolicZero``
+    tangents) are closed over as constants. Given zero tangents instead, they would enter
+    the attention's linear rule as linear inputs, which its transpose (reverse mode, e.g.
+    ``jax.grad`` in the query alone) cannot take."""
+    live = [i for i, t in enumerate(tangents) if not isinstance(t, SymbolicZero)]
+
+    def of_live(*xs):
+        args = list(primals)
+        for i, x in zip(live, xs, strict=True):
+            args[i] = x
+        return fn(*args)
+
+    return jax.jvp(of_live, tuple(primals[i] for i in live), tuple(tangents[i] for i in live))
 
 
 def _balanced_split_forward(query, key, value, lengths, options: _SplitOptions):
@@ -478,10 +500,19 @@ def _split_forward(packed_q, key, value, lengths, rows: CacheVisibility, *, num_
         x = pad_axis(x, 1, padded_kv)
         return x.reshape(batch * num_splits, chunk, *x.shape[2:])
 
-    k_chunks, v_chunks = split(key), split(value)
     q_chunks = jnp.repeat(packed_q, num_splits, axis=0)  # [B·n, R, K, D], small
-    segment_ids, attn_mask = _chunk_visibility(batch, q_chunks.shape[1], lengths, rows,
-                                               seq_kv, num_splits, chunk)
+    seen, segment_ids, attn_mask = _chunk_visibility(batch, q_chunks.shape[1], lengths, rows,
+                                                     seq_kv, num_splits, chunk)
+    if lengths is not None or rows.window is not None:
+        # Keys no query of the row sees (past its length: a stale cache may hold anything,
+        # NaN included) have their logits hidden by a select, but P·V and dS·K are matmuls,
+        # where 0 · NaN is NaN. A select zeroes them on the way into the chunks (one
+        # elementwise pass, as attention's zero_unseen_rows), for every backend's forward
+        # and backward; their dk, dv are then exactly 0. (A full cache hides only the
+        # padding of its last chunk, zeros already: no pass.)
+        visible = seen[:, :seq_kv, None, None]
+        key, value = (jnp.where(visible, x, jnp.zeros((), x.dtype)) for x in (key, value))
+    k_chunks, v_chunks = split(key), split(value)
     spec = MaskSpec(seq_q=q_chunks.shape[1], seq_kv=chunk)
     features = dispatch.Features(has_segments=segment_ids is not None, softcap=softcap,
                                  has_mask=attn_mask is not None)
@@ -535,9 +566,11 @@ def paged_split_forward(query, key_pages, value_pages, page_table, lengths, *,
 
 def _chunk_visibility(batch: int, rows_per_chunk: int, lengths, rows: CacheVisibility,
                       seq_kv: int, num_splits: int, chunk: int):
-    """``(segment_ids, attn_mask)`` of the packed chunks ``[B·n, R]`` x ``[B·n, chunk]``:
-    kv segment ids hide the keys no query of the row sees (past its length or padding,
-    before its window), a mask array gives the per-token band where tokens differ."""
+    """``(seen, segment_ids, attn_mask)`` of the packed chunks ``[B·n, R]`` x ``[B·n,
+    chunk]``: ``seen [B, n·chunk]`` marks the keys some query of the row sees, kv segment
+    ids hide the others (past its length or padding, before its window), a mask array gives
+    the per-token band where tokens differ. ``seen`` and the ids are None where no key is
+    hidden from a whole row."""
     padded_kv = chunk * num_splits
     # Segment ids are needed whenever some key is hidden from a whole row (length, padding,
     # a window's left edge); without any, the chunks run unmasked.
@@ -545,7 +578,7 @@ def _chunk_visibility(batch: int, rows_per_chunk: int, lengths, rows: CacheVisib
     if lengths is None:
         lengths = jnp.full((batch,), seq_kv, jnp.int32)
     positions = jnp.arange(padded_kv, dtype=jnp.int32)
-    segment_ids = attn_mask = None
+    seen = segment_ids = attn_mask = None
     if needs_ids:
         seen = (positions[None, :] < lengths[:, None]) & (
             positions[None, :] >= rows.first_visible(lengths)[:, None])
@@ -554,7 +587,7 @@ def _chunk_visibility(batch: int, rows_per_chunk: int, lengths, rows: CacheVisib
         segment_ids = (q_ids, kv_ids.reshape(batch * num_splits, chunk))
     if rows.needs_mask_array:
         attn_mask = rows.chunk_mask(lengths, positions, num_splits)
-    return segment_ids, attn_mask
+    return seen, segment_ids, attn_mask
 
 
 def _merge_chunks(out, lse, batch: int, num_splits: int):

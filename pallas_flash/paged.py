@@ -16,10 +16,12 @@ HBM traffic), then attended by :func:`pallas_flash.decode.decode_attention` (``s
 with a per-row causal mask. The derivatives of the direct path (forward and reverse mode)
 are those of the gathered formulation (they gather).
 
-Page ids are not range-checked (they cannot be, inside ``jit``): an id outside
-``[0, num_pages)`` is clamped into it on reads (the gather's ``mode="clip"``) and the write is
-dropped by :func:`write_pages`. Table entries past a sequence's length are never attended,
-whatever they hold.
+Page ids of a concrete ``page_table`` are checked: every entry that a sequence's tokens
+use must lie in ``[0, num_pages)`` (``ValueError`` naming ``page_table``). A traced table
+cannot be checked: an id outside the pool is clamped into it on reads (the gather's
+``mode="clip"``) and the write is dropped by :func:`write_pages`. Table entries past a
+sequence's length are never attended, whatever they hold (with concrete lengths they are not
+checked either; with traced lengths, a concrete table's every entry is).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_flash import dispatch
 from pallas_flash.api import attention
@@ -39,9 +42,9 @@ from pallas_flash.arguments import (
     check_bools,
     check_concrete_range,
     check_deterministic,
+    check_lengths,
     check_sinks,
     check_soft_cap,
-    clamp_lengths,
 )
 from pallas_flash.autodiff import add_sinks
 from pallas_flash.decode import (
@@ -49,6 +52,7 @@ from pallas_flash.decode import (
     CacheVisibility,
     decode_attention,
     default_num_splits,
+    jvp_of_differentiated,
     paged_split_forward,
 )
 from pallas_flash.masking import MaskSpec
@@ -78,14 +82,16 @@ def paged_attention(
 
     Query ``t`` of sequence ``b`` is at position ``cache_lengths[b] - seq_q + t`` (the new
     tokens are the last ``seq_q`` cached, see :func:`write_pages`) and sees the cached keys
-    up to its own position.
+    up to its own position. Later slots are hidden, whatever they hold (NaN or inf in a
+    stale page reaches no output or gradient).
 
     Args:
       query: ``[batch, seq_q, heads, head_dim]``.
       key_pages: ``[num_pages, page_size, kv_heads, head_dim]``, same dtype as ``query``;
         ``page_size`` one of :data:`PAGE_SIZES`.
       value_pages: like ``key_pages``.
-      page_table: ``[batch, max_pages_per_seq]`` int32 page ids.
+      page_table: ``[batch, max_pages_per_seq]`` int32 page ids, those the cached tokens
+        use in ``[0, num_pages)`` (checked when concrete; traced ids are clamped into it).
       cache_lengths: ``[batch]`` integer tokens cached per sequence, at most
         ``max_pages_per_seq · page_size`` (checked when concrete; traced lengths cannot be,
         and are clamped into ``[0, max_pages_per_seq · page_size]``).
@@ -104,11 +110,11 @@ def paged_attention(
     Returns:
       ``out: [batch, seq_q, heads, head_dim]``, or ``(out, lse [batch, seq_q, heads])``.
     """
-    _check_pages(key_pages, value_pages, page_table, cache_lengths)
-    if getattr(query, "ndim", None) != 4 or query.shape[0] != page_table.shape[0]:
-        raise ValueError(
-            "query must have rank 4 [batch, seq_q, heads, head_dim] with the page_table's "
-            f"batch {page_table.shape[0]}, got shape {getattr(query, 'shape', None)}")
+    _check_pools(key_pages, value_pages)
+    if getattr(query, "ndim", None) != 4:
+        raise ValueError("query must have rank 4 [batch, seq_q, heads, head_dim], got shape "
+                         f"{getattr(query, 'shape', None)}")
+    lengths = _check_table(page_table, cache_lengths, key_pages.shape, query.shape[0], "query")
     if query.shape[1] < 1:
         raise ValueError(f"query must hold at least one new token (seq_q >= 1), got shape "
                          f"{query.shape}")
@@ -127,7 +133,6 @@ def paged_attention(
     dispatch.check_arrays(query, cache, cache)
     check_bools(return_lse=return_lse)
     dispatch.check_implementation(implementation, interpret)
-    lengths = clamp_lengths(cache_lengths, page_table.shape[1] * key_pages.shape[1])
     deterministic = dispatch.deterministic_backward(check_deterministic(deterministic))
     seq_q = query.shape[1]
     if seq_q <= MAX_DECODE_SEQ_Q and _reads_pages(query, key_pages, page_table,
@@ -229,17 +234,19 @@ def _gathered_decode(query, key_pages, value_pages, page_table, lengths,
     return out, jnp.swapaxes(lse, 1, 2)
 
 
-@_paged_decode.defjvp
 def _paged_decode_jvp(options, primals, tangents):
     # Differentiated, the call runs the gathered formulation, whose attention has forward-
     # and reverse-mode rules; undifferentiated, it reads the pages in place. The page table
     # and lengths are integers: no tangent.
     # Its primal too: the residuals of that formulation's backward are its own (out, lse),
     # so taking the value from the pages as well would run a second forward.
-    query, key_pages, value_pages, page_table, lengths = primals
-    return jax.jvp(
+    page_table, lengths = primals[3:]
+    return jvp_of_differentiated(
         lambda q, kp, vp: _gathered_decode(q, kp, vp, page_table, lengths, options),
-        (query, key_pages, value_pages), tuple(tangents[:3]))
+        primals[:3], tangents[:3])
+
+
+_paged_decode.defjvp(_paged_decode_jvp, symbolic_zeros=True)
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
@@ -261,7 +268,8 @@ def write_pages(key_pages: jax.Array, value_pages: jax.Array, page_table: jax.Ar
 
     Args:
       key_pages, value_pages: ``[num_pages, page_size, kv_heads, head_dim]``.
-      page_table: ``[batch, max_pages_per_seq]`` int32.
+      page_table: ``[batch, max_pages_per_seq]`` int32; the ids that the cached and new
+        tokens use in ``[0, num_pages)`` (checked when concrete).
       cache_lengths: ``[batch]`` tokens cached before the write; ``cache_lengths +
         seq_new`` must fit the table (checked when concrete).
       new_key, new_value: ``[batch, seq_new, kv_heads, head_dim]``, the pools' dtype.
@@ -269,16 +277,14 @@ def write_pages(key_pages: jax.Array, value_pages: jax.Array, page_table: jax.Ar
     Returns:
       The updated ``(key_pages, value_pages)``. A write through an out-of-range page id
       (negative, or past the pool) is dropped, and so is one to a position outside the
-      table (possible only under ``jit``, where ``cache_lengths`` cannot be checked).
+      table: possible only under ``jit``, where the table or ``cache_lengths`` cannot be
+      checked.
     """
-    _check_pages(key_pages, value_pages, page_table, cache_lengths)
-    batch, max_pages = page_table.shape
-    page_size = key_pages.shape[1]
-    expected = (batch, None, *key_pages.shape[2:])
+    _check_pools(key_pages, value_pages)
+    expected = ("batch", "seq_new", *key_pages.shape[2:])
     for name, x in (("new_key", new_key), ("new_value", new_value)):
         shape = getattr(x, "shape", None)
-        if (shape is None or len(shape) != 4 or shape[0] != batch
-                or shape[2:] != key_pages.shape[2:]):
+        if shape is None or len(shape) != 4 or shape[2:] != key_pages.shape[2:]:
             raise ValueError(f"{name} must have shape [batch, seq_new, kv_heads, head_dim] = "
                              f"{expected}, got {shape}")
         if x.dtype != key_pages.dtype:
@@ -287,9 +293,14 @@ def write_pages(key_pages: jax.Array, value_pages: jax.Array, page_table: jax.Ar
         raise ValueError(f"new_key and new_value must have the same shape, got "
                          f"{new_key.shape} and {new_value.shape}")
     seq_new = new_key.shape[1]
-    check_concrete_range(cache_lengths + seq_new, "cache_lengths + seq_new", 0,
-                         max_pages * page_size, _ADDRESSED)
-    positions = cache_lengths.astype(jnp.int32)[:, None] + jnp.arange(seq_new, dtype=jnp.int32)
+    _check_table(page_table, cache_lengths, key_pages.shape, new_key.shape[0], "new_key",
+                 seq_new=seq_new)
+    max_pages, page_size = page_table.shape[1], key_pages.shape[1]
+    # Not clamp_lengths: a negative traced length would become 0 and write over cached
+    # tokens. Positions outside the table are dropped below; this clip keeps them outside
+    # and the int32 cast from wrapping (concrete lengths, checked, pass unchanged).
+    starts = jnp.clip(jnp.asarray(cache_lengths), -seq_new, max_pages * page_size)
+    positions = starts.astype(jnp.int32)[:, None] + jnp.arange(seq_new, dtype=jnp.int32)
     table_index = positions // page_size
     page_ids = jnp.take_along_axis(page_table, table_index, axis=1, mode="clip")
     # Dropped like an id past the pool: a negative id (which indexing would wrap to a page
@@ -303,8 +314,8 @@ def write_pages(key_pages: jax.Array, value_pages: jax.Array, page_table: jax.Ar
             jnp.asarray(value_pages).at[page_ids, slots].set(new_value, mode="drop"))
 
 
-def _check_pages(key_pages, value_pages, page_table, cache_lengths) -> None:
-    """ValueError naming the argument for a malformed pool, table or lengths."""
+def _check_pools(key_pages, value_pages) -> None:
+    """ValueError naming the argument for a malformed page pool."""
     for name, pages in (("key_pages", key_pages), ("value_pages", value_pages)):
         if getattr(pages, "ndim", None) != 4:
             raise ValueError(f"{name} must have rank 4 [num_pages, page_size, kv_heads, "
@@ -321,17 +332,51 @@ def _check_pages(key_pages, value_pages, page_table, cache_lengths) -> None:
     if key_pages.shape[1] not in PAGE_SIZES:
         raise ValueError(
             f"page_size (key_pages.shape[1]) must be one of {PAGE_SIZES}, got {key_pages.shape[1]}")
+
+
+def _check_table(page_table, cache_lengths, pages_shape: tuple, batch: int, batch_of: str, *,
+                 seq_new: int = 0) -> jax.Array:
+    """ValueError naming the argument for a malformed table or lengths, for ``batch``
+    sequences (the batch of the array named ``batch_of``); ``seq_new`` tokens to be written
+    after each row's ``cache_lengths``. Returns the lengths as int32 ``[batch]``."""
     if getattr(page_table, "ndim", None) != 2 or getattr(page_table, "dtype", None) != jnp.int32:
         raise ValueError("page_table must be an int32 array [batch, max_pages_per_seq], got "
                          f"shape {getattr(page_table, 'shape', None)} dtype "
                          f"{getattr(page_table, 'dtype', None)}")
     if min(page_table.shape) < 1:
         raise ValueError(f"page_table must not be empty, got shape {page_table.shape}")
-    batch = page_table.shape[0]
-    if getattr(cache_lengths, "shape", None) != (batch,) or not jnp.issubdtype(
-            cache_lengths.dtype, jnp.integer):
-        raise ValueError(f"cache_lengths must be an integer array [batch] = {(batch,)}, got "
-                         f"shape {getattr(cache_lengths, 'shape', None)} dtype "
-                         f"{getattr(cache_lengths, 'dtype', None)}")
-    check_concrete_range(cache_lengths, "cache_lengths", 0,
-                         page_table.shape[1] * key_pages.shape[1], _ADDRESSED)
+    table_batch = page_table.shape[0]
+    if table_batch != batch:
+        if getattr(cache_lengths, "shape", None) == (table_batch,):  # the two agree
+            raise ValueError(f"{batch_of} must have the batch of page_table and cache_lengths, "
+                             f"{table_batch}, got {batch}")
+        raise ValueError(f"page_table must have one row per sequence, {batch_of}'s batch "
+                         f"{batch}, got shape {page_table.shape}")
+    num_pages, page_size = pages_shape[:2]
+    addressed = page_table.shape[1] * page_size
+    lengths = check_lengths(cache_lengths, "cache_lengths", batch, addressed, _ADDRESSED)
+    if seq_new:
+        check_concrete_range(lengths + seq_new, "cache_lengths + seq_new", 0, addressed,
+                             _ADDRESSED)
+    _check_page_ids(page_table, num_pages, page_size, lengths + seq_new)
+    return lengths
+
+
+def _check_page_ids(page_table, num_pages: int, page_size: int, reach) -> None:
+    """ValueError naming ``page_table`` for a concrete table whose entries that a row's
+    first ``reach[b]`` tokens use (every entry where ``reach`` is traced) name no page of
+    the pool. A traced table cannot be checked: its ids are clamped (reads) or dropped
+    (writes), as documented."""
+    if isinstance(page_table, jax.core.Tracer):
+        return
+    table = np.asarray(page_table)
+    used = np.ones(table.shape, bool)
+    if not isinstance(reach, jax.core.Tracer):
+        # The entries past a row's tokens are never read: free ones may hold anything.
+        used = np.arange(table.shape[1])[None, :] * page_size < np.asarray(reach)[:, None]
+    bad = used & ((table < 0) | (table >= num_pages))
+    if bad.any():
+        row, entry = np.argwhere(bad)[0]
+        raise ValueError(
+            f"page_table ids must lie in [0, {num_pages}) (the pool holds {num_pages} pages, "
+            f"key_pages.shape[0]), got {table[row, entry]} at [{row}, {entry}]")

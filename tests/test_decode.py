@@ -586,18 +586,48 @@ def test_out_of_range_page_ids_are_clamped_on_read():
 
 
 def test_out_of_range_page_ids_are_clamped_by_the_direct_read(monkeypatch):
+    """A traced table cannot be checked: its ids are clamped into the pool."""
     pages = jax.random.normal(fresh_key(), (2, 3, 16, 1, 16), jnp.float32)
     q = jax.random.normal(fresh_key(), (1, 1, 2, 16), jnp.float32)
     table = jnp.array([[7, -3]], jnp.int32)  # read as pages 2 and 0
     lengths = jnp.array([32], jnp.int32)
     from pallas_flash import paged
     monkeypatch.setattr(paged, "gather_pages", None)  # the direct read, not the gather
-    direct = pf.paged_attention(q, *pages, table, lengths, implementation="triton",
-                                interpret=True)
+    direct = jax.jit(lambda table: pf.paged_attention(
+        q, *pages, table, lengths, implementation="triton", interpret=True))(table)
     monkeypatch.undo()
     clamped = pf.paged_attention(q, *pages, jnp.array([[2, 0]], jnp.int32), lengths,
                                  implementation="xla")
     assert np.max(np.abs(np.asarray(direct) - np.asarray(clamped))) < 1e-5
+
+
+def test_concrete_page_tables_are_checked_where_the_tokens_use_them():
+    """Ids of a concrete table: those past a row's tokens are never read, and may hold
+    anything (free entries marked -1); with traced lengths every entry may be read, so the
+    whole table is checked; a traced table is clamped (id 8 of an 8-page pool reads page
+    7), as documented."""
+    pages = [jax.random.normal(fresh_key(), (8, 8, 1, 16), jnp.float32) for _ in range(2)]
+    q = jax.random.normal(fresh_key(), (2, 1, 2, 16), jnp.float32)
+    lengths = jnp.array([16, 4], jnp.int32)
+    free = jnp.array([[3, 5], [7, -1]], jnp.int32)  # row 1 uses entry 0 only
+    out = pf.paged_attention(q, *pages, free, lengths, implementation="xla")
+    filled = pf.paged_attention(q, *pages, jnp.array([[3, 5], [7, 0]], jnp.int32), lengths,
+                                implementation="xla")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(filled))
+    new = jnp.ones((2, 1, 1, 16), jnp.float32)
+    written, _ = pf.write_pages(*pages, free, lengths - 1, new, new)
+    assert np.all(np.asarray(written[7, 3]) == 1) and np.all(np.asarray(written[5, 7]) == 1)
+    with pytest.raises(ValueError, match=r"page_table ids must lie in \[0, 8\).*got -1"):
+        jax.jit(lambda n: pf.paged_attention(q, *pages, free, n, implementation="xla"))(
+            lengths)
+    past_the_pool = jnp.array([[3, 8], [7, 0]], jnp.int32)
+    with pytest.raises(ValueError, match=r"\[0, 8\) \(the pool holds 8 pages.*got 8"):
+        pf.paged_attention(q, *pages, past_the_pool, lengths, implementation="xla")
+    clamped = jax.jit(lambda table: pf.paged_attention(q, *pages, table, lengths,
+                                                       implementation="xla"))(past_the_pool)
+    last_page = pf.paged_attention(q, *pages, jnp.array([[3, 7], [7, 0]], jnp.int32),
+                                   lengths, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(clamped), np.asarray(last_page))
 
 
 def test_write_pages_round_trip():
@@ -627,22 +657,25 @@ def test_write_pages_round_trip():
 
 
 def test_write_through_an_out_of_range_page_id_is_dropped():
+    """Through a traced table (a concrete one is checked)."""
     key_pages = jnp.zeros((2, 8, 1, 4), jnp.float32)
     table = jnp.array([[9, 1]], jnp.int32)
     new = jnp.ones((1, 10, 1, 4), jnp.float32)  # 8 slots of page 9 (dropped), 2 of page 1
-    key_pages, _ = pf.write_pages(key_pages, key_pages, table, jnp.array([0]), new, new)
+    key_pages, _ = jax.jit(pf.write_pages)(key_pages, key_pages, table, jnp.array([0]), new,
+                                           new)
     assert np.all(np.asarray(key_pages[0]) == 0)
     assert np.all(np.asarray(key_pages[1, :2]) == 1) and np.all(np.asarray(key_pages[1, 2:]) == 0)
 
 
 def test_writes_through_negative_ids_or_past_the_table_are_dropped():
-    """A negative id does not wrap to a page from the end of the pool, and under jit (no
-    check of cache_lengths) a position past the table does not land in its last page."""
+    """Under jit (no check of the table or cache_lengths), a negative id does not wrap to a
+    page from the end of the pool, and a position past the table does not land in its last
+    page; a negative length writes nothing."""
     pages = jnp.zeros((6, 8, 1, 4), jnp.float32)
     new = jnp.ones((1, 2, 1, 4), jnp.float32)
     for bad_id in (-1, -6):
         table = jnp.array([[0, bad_id]], jnp.int32)
-        written, _ = pf.write_pages(pages, pages, table, jnp.array([7]), new, new)
+        written, _ = jax.jit(pf.write_pages)(pages, pages, table, jnp.array([7]), new, new)
         # Token 7 goes to page 0's last slot; token 8 through the bad id nowhere.
         assert np.all(np.asarray(written[0, 7]) == 1)
         assert np.sum(np.asarray(written)) == 4, bad_id
@@ -651,6 +684,10 @@ def test_writes_through_negative_ids_or_past_the_table_are_dropped():
     # Position 15 is page 1's last slot; position 16 is past the table's 2 pages.
     assert np.all(np.asarray(written[1, 7]) == 1)
     assert np.sum(np.asarray(written)) == 4
+    for length in (-2, -1):  # positions -2, -1 / -1, 0: only position 0 is written
+        written, _ = jax.jit(pf.write_pages)(pages, pages, table, jnp.array([length]), new,
+                                             new)
+        assert np.sum(np.asarray(written)) == 4 * (length + 2), length
 
 
 def _paged_args(**overrides):
@@ -669,14 +706,24 @@ def _paged_args(**overrides):
      "page_size"),
     (dict(page_table=jnp.zeros((2, 3), jnp.int16)), "page_table must be an int32"),
     (dict(page_table=jnp.zeros((6,), jnp.int32)), "page_table must be an int32"),
-    (dict(cache_lengths=jnp.array([5.0, 24.0])), "cache_lengths must be an integer"),
-    (dict(cache_lengths=jnp.array([5, 24, 1])), "cache_lengths must be an integer"),
+    (dict(cache_lengths=jnp.array([5.0, 24.0])), "cache_lengths must have an integer"),
+    (dict(cache_lengths=jnp.array([5, 24, 1])), "cache_lengths must have shape"),
     (dict(cache_lengths=jnp.array([5, 25])), "cache_lengths must lie in"),
     (dict(cache_lengths=jnp.array([-1, 2])), "cache_lengths must lie in"),
-    (dict(query=jnp.ones((3, 1, 4, 8))), "query must have rank 4"),
+    (dict(query=jnp.ones((3, 1, 4, 8))), "query must have the batch of page_table"),
+    (dict(query=jnp.ones((4, 8))), "query must have rank 4"),
     (dict(query=jnp.ones((2, 1, 3, 8))), "multiple of key/value"),
     (dict(key_pages=jnp.ones((0, 8, 2, 8)), value_pages=jnp.ones((0, 8, 2, 8))),
      "at least one page"),
+    # A table of another batch than the query's is the table's fault, not the lengths'.
+    (dict(page_table=jnp.zeros((3, 3), jnp.int32)),
+     r"page_table must have one row per sequence, query's batch 2, got shape \(3, 3\)"),
+    # Ids that the cached tokens use (row 1: all three entries) outside the 6-page pool.
+    (dict(page_table=jnp.array([[0, 0, 0], [1, 2, 6]], jnp.int32)),
+     r"page_table ids must lie in \[0, 6\) \(the pool holds 6 pages.*got 6 at \[1, 2\]"),
+    (dict(page_table=jnp.array([[0, 0, 0], [1, -1, 2]], jnp.int32)),
+     r"page_table ids must lie in \[0, 6\).*got -1 at \[1, 1\]"),
+    (dict(page_table=np.array([[8, 0, 0], [1, 2, 3]], np.int32)), r"got 8 at \[0, 0\]"),
 ])
 def test_paged_attention_rejects_bad_input(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -688,6 +735,14 @@ def test_paged_attention_rejects_bad_input(overrides, match):
     (dict(new_value=jnp.ones((2, 1, 2, 8), jnp.bfloat16)), "new_value dtype"),
     (dict(new_value=jnp.ones((2, 2, 2, 8))), "same shape"),
     (dict(cache_lengths=jnp.array([5, 24])), r"cache_lengths \+ seq_new must lie in"),
+    (dict(page_table=jnp.zeros((3, 3), jnp.int32)),
+     "page_table must have one row per sequence, new_key's batch 2"),
+    (dict(new_key=jnp.ones((3, 1, 2, 8)), new_value=jnp.ones((3, 1, 2, 8))),
+     "new_key must have the batch of page_table and cache_lengths"),
+    # Row 0 writes token 5 (entry 0), row 1 token 23 (entry 2).
+    (dict(page_table=jnp.array([[6, 0, 0], [1, 2, 3]], jnp.int32)), r"got 6 at \[0, 0\]"),
+    (dict(page_table=jnp.array([[0, 0, 0], [1, 2, -2]], jnp.int32)),
+     r"got -2 at \[1, 2\]"),
 ])
 def test_write_pages_rejects_bad_input(overrides, match):
     args = _paged_args()

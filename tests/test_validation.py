@@ -43,6 +43,39 @@ def test_attention_rejects(kwargs, match):
         pf.attention(Q, Q, Q, **kwargs)
 
 
+@pytest.mark.parametrize("lengths", [
+    np.array([2**32 + 3, 5]),  # int64: the int32 cast would make it 3, a valid length
+    [5, 2**32 + 3], np.array([-1, 5]), np.array([5, 9]), jnp.array([9, 5]),
+], ids=["int64-wraps", "list-wraps", "negative", "past-seq", "jax-past-seq"])
+def test_lengths_are_range_checked_before_the_int32_cast(lengths):
+    """The one check (pallas_flash.arguments.check_lengths) of attention, decode_attention
+    and paged_attention, on the values as given (x64 off), against 8 keys."""
+    q, kv = _normal(2, 1, 2, 8), _normal(2, 8, 2, 8)
+    pages, table = _normal(2, 8, 2, 8), jnp.array([[0], [1]], jnp.int32)
+    calls = [
+        ("key_value_seq_lengths", lambda: pf.attention(
+            q, kv, kv, key_value_seq_lengths=lengths, implementation="xla")),
+        ("query_seq_lengths", lambda: pf.attention(
+            kv, kv, kv, query_seq_lengths=lengths, implementation="xla")),
+        ("key_value_seq_lengths", lambda: pf.decode_attention(
+            q, kv, kv, key_value_seq_lengths=lengths, implementation="xla")),
+        ("cache_lengths", lambda: pf.paged_attention(
+            q, pages, pages, table, lengths, implementation="xla")),
+    ]
+    for name, call in calls:
+        with pytest.raises(ValueError, match=rf"{name} must lie in \[0, 8\]"):
+            call()
+
+
+def test_scalar_lengths_are_range_checked_before_the_int32_cast():
+    """A Python int for one sequence (attention's unbatched query, decode's scalar)."""
+    with pytest.raises(ValueError, match=r"key_value_seq_lengths must lie in \[0, 8\]"):
+        pf.attention(Q[0], Q[0], Q[0], key_value_seq_lengths=2**32 + 3, implementation="xla")
+    with pytest.raises(ValueError, match=r"key_value_seq_lengths must lie in \[0, 8\]"):
+        pf.decode_attention(Q[:, :1], Q, Q, key_value_seq_lengths=2**32 + 3,
+                            implementation="xla")
+
+
 def test_attention_takes_lengths_at_the_ends_and_traced():
     for lengths in (jnp.array([0]), jnp.array([8])):
         out = pf.attention(Q, Q, Q, key_value_seq_lengths=lengths, implementation="xla")

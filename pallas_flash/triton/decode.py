@@ -5,13 +5,14 @@ asks the caller's ``part_interval`` which keys ``[lo, hi)`` its part covers, and
 the key tiles of that interval, from the cache or through the row's page table. Where the
 query tokens of a row see different keys (several tokens, causal or windowed: the caller's
 ``band``), the tiles that the per-token band cuts are masked with it too; the others run
-unmasked but for the interval's two edge tiles, masked by key position. The packed query
-rows of the row are read in place by every part (no repeated copy), and no per-key id or
-mask array, span table, split bound or page window is built outside the kernel:
-each of those was a small XLA kernel of 2–4 µs that a decode step paid on every call
-(seven of them, 16 µs of GPU time, before a ragged step at 8 × 32768 on the H200; ncu,
-benchmarks/results/decode-split-kernel-2026-12-03.md). The parts' ``(out, lse)`` are
-merged by the caller (:func:`pallas_flash.decode.merge_splits`).
+unmasked but for the interval's two edge tiles, masked by key position (their logits, and
+their rows of V, so that whatever a hidden slot holds, NaN included, never reaches the
+output). The packed query rows of the row are read in place by every part (no repeated
+copy), and no per-key id or mask array, span table, split bound or page window is built
+outside the kernel: each of those was a small XLA kernel of 2–4 µs that a decode step
+paid on every call (seven of them, 16 µs of GPU time, before a ragged step at 8 × 32768 on
+the H200; ncu, benchmarks/results/decode-split-kernel-2026-12-03.md). The parts' ``(out,
+lse)`` are merged by the caller (:func:`pallas_flash.decode.merge_splits`).
 """
 
 from __future__ import annotations
@@ -94,6 +95,12 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, page_ref, o_ref, lse_ref, *,
         alpha = jnp.exp2(m_i - m_sub)  # FA2: rescale the running statistics only
         l_i = alpha * l_i + jnp.sum(p, axis=1)
         v = _kv_tile(v_ref, page_ref, k_start, block_kv)
+        if masked:
+            # A hidden key's logit is replaced above, but P·V is a matmul, where 0 · NaN is
+            # NaN: the rows of V outside the part (past the row's length a stale cache may
+            # hold anything) are zeroed too. Only edge tiles hold such rows.
+            key_rows = k_start + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
+            v = jnp.where((key_rows >= lo) & (key_rows < hi), v, jnp.zeros((), v.dtype))
         acc = alpha[:, None] * acc + plgpu.dot(p.astype(v.dtype), v, precision=precision)
         return acc, m_new, l_i
 

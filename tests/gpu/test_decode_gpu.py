@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from support import assert_matches, rel_err
 from test_decode import Case, _oracle, _scattered_pool
+from test_hidden_slots import _poisoned
 
 import pallas_flash as pf
 from pallas_flash.mosaic import DecodeConfig
@@ -171,3 +172,41 @@ def test_mosaic_decode_kernel_gradients():
     assert rel_err(out, ref_out) < 1e-2
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
         assert rel_err(got, want) < 2e-2, name
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("implementation", [None, "mosaic"])  # split kernel, main forward
+def test_decode_hidden_slots_leave_no_trace(implementation, poison):
+    """NaN / inf in the cache past each row's length (tests/test_hidden_slots.py, compiled):
+    out and lse called and differentiated, gradients, the hidden slots' dk, dv exactly 0."""
+    case = Case(batch=4, seq_q=4, seq_kv=4096, heads=32, kv_heads=8, head_dim=128)
+    q, k, v, d_out, lengths = _inputs(case, seed=13)
+    lengths[1:] = (1001, 2050, 4)  # inside tiles of every size; a row of seq_q tokens
+    (k_bad, hidden), (v_bad, _) = (_poisoned(x, lengths, poison) for x in (k, v))
+    decode = jax.jit(lambda q, k, v: pf.decode_attention(
+        q, k, v, key_value_seq_lengths=jnp.asarray(lengths), return_lse=True,
+        implementation=implementation))
+    ref_out, ref_lse, ref_grads = _oracle(case, *_f32(q, k, v), lengths, None,
+                                          d_out.astype(jnp.float32))
+    out, lse = decode(q, k_bad, v_bad)
+    assert_matches(out, lse, (), ref_out, ref_lse, (), BF16, names=())
+    (out, lse), vjp = jax.vjp(decode, q, k_bad, v_bad)
+    grads = vjp((d_out, jnp.zeros_like(lse)))
+    assert_matches(out, lse, grads, ref_out, ref_lse, ref_grads, BF16)
+    for name, g in zip(("dk", "dv"), grads[1:], strict=True):
+        assert np.all(np.asarray(g)[hidden] == 0), name
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("page_size", [16, 128])
+def test_paged_hidden_slots_leave_no_trace(page_size, poison):
+    """The same poison in the pages, read in place by the compiled split kernel."""
+    case = Case(batch=4, seq_q=1, seq_kv=8192, heads=32, kv_heads=8, head_dim=128)
+    q, k, v, _, lengths = _inputs(case, seed=17 + page_size)
+    lengths[1:] = (1001, 4100, 5)
+    k_bad, v_bad = (_poisoned(x, lengths, poison)[0] for x in (k, v))
+    key_pages, value_pages, table = _scattered_pool(k_bad, v_bad, page_size)
+    paged = jax.jit(lambda *args: pf.paged_attention(*args, return_lse=True))
+    out, lse = paged(q, key_pages, value_pages, table, jnp.asarray(lengths))
+    ref_out, ref_lse = _oracle(case, *_f32(q, k, v), lengths, None)
+    assert_matches(out, lse, (), ref_out, ref_lse, (), BF16, names=())
