@@ -1,0 +1,1 @@
+"""Adapters that plug pallas_flash into model libraries (each an optional dependency)."""
