@@ -141,16 +141,19 @@ def test_prefill_and_decode_tokens(config, spy):
     np.testing.assert_allclose(got_logits, want_logits, rtol=1e-4, atol=1e-5)
 
 
-def test_unsupported_call_falls_back_with_warning(config):
+@pytest.mark.parametrize("option", ["record_max_logits", "bidirectional_mask"])
+def test_unsupported_call_falls_back_with_warning(config, option):
     model = _build(config, "train", True)
     op = next(op for _, op in nnx.iter_graph(model)
               if isinstance(op, pf_maxtext.FlashAttentionOp))
     q, k, v = jax.random.normal(jax.random.key(4), (3, 2, 16, 4, 16))
     k, v = k[:, :, :2], v[:, :, :2]
     call = dict(query=q, key=k, value=v, decoder_segment_ids=None, segment_positions=None,
-                lengths=None, model_mode="train", record_max_logits=True,
-                qk_product_einsum=jnp.einsum, wv_product_einsum=jnp.einsum)
-    with pytest.warns(UserWarning, match="record_max_logits"):
+                lengths=None, model_mode="train", qk_product_einsum=jnp.einsum,
+                wv_product_einsum=jnp.einsum)
+    call[option] = (True if option == "record_max_logits"
+                    else jnp.broadcast_to(jnp.arange(16) % 5 == 1, (2, 16)))
+    with pytest.warns(UserWarning, match="record_max_logits|bidirectional"):
         got = op.apply_attention(**call)
     want = attention_op.AttentionOp.apply_attention(op, **call)
     for g, w in zip(got, want, strict=True):

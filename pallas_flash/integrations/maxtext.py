@@ -82,12 +82,15 @@ require(common_types, ["AttentionType", "DECODING_ACTIVE_SEQUENCE_INDICATOR",
 
 _AttentionType = common_types.AttentionType
 _SUPPORTED_TYPES = (_AttentionType.GLOBAL, _AttentionType.LOCAL_SLIDING, _AttentionType.FULL)
-# apply_attention arguments that select a mask or result this op does not produce.
-_UNSUPPORTED_OPTIONS = {
+# apply_attention arguments that select a mask or result this op does not produce: arrays
+# (unsupported when given) and flags (when true or nonzero).
+_UNSUPPORTED_ARRAYS = {
     "previous_chunk": "chunked prefill (previous_chunk)",
     "bidirectional_mask": "a bidirectional (multimodal) mask",
     "indexer_mask": "a sparse-indexer mask",
     "compressed_mask": "compressed attention",
+}
+_UNSUPPORTED_FLAGS = {
     "compress_ratio": "compressed attention",
     "record_max_logits": "record_max_logits",
 }
@@ -174,8 +177,11 @@ class FlashAttentionOp(attention_op.AttentionOp):
             return "ragged decoding (use_ragged_attention)"
         if decoding and query.shape[1] != 1:
             return "an autoregressive step of several tokens"
-        for name, what in _UNSUPPORTED_OPTIONS.items():
-            if options.get(name) not in (None, False, 0):
+        for name, what in _UNSUPPORTED_ARRAYS.items():
+            if options.get(name) is not None:
+                return what
+        for name, what in _UNSUPPORTED_FLAGS.items():
+            if options.get(name):
                 return what
         if getattr(self.config, "moba", False):
             return "MoBA attention"
