@@ -141,6 +141,38 @@ def test_prefill_and_decode_tokens(config, spy):
     np.testing.assert_allclose(got_logits, want_logits, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("mode", ["train", "autoregressive"])
+def test_attention_op_contract(config, mode, with_sinks):
+    """Each layer's op against MaxText's own on the same call: the normalized output and
+    lse in the place of MaxText's (unnormalized output, max, sum)."""
+    model = _build(config, "train", True)
+    ops = [op for _, op in nnx.iter_graph(model) if isinstance(op, pf_maxtext.FlashAttentionOp)]
+    assert {op.attention_type.value for op in ops} == {"global", "local_sliding"}
+    keys = jax.random.split(jax.random.key(5), 4)
+    seq_q = 1 if mode == "autoregressive" else 16
+    q = jax.random.normal(keys[0], (2, seq_q, 4, 16))
+    k, v = jax.random.normal(keys[1], (2, 2, 16, 2, 16))
+    if mode == "autoregressive":
+        segments = (jax.random.uniform(keys[2], (2, 16)) < 0.6).astype(jnp.int32).at[:, -1].set(1)
+        seen = np.ones((2, 1), bool)
+    else:
+        # Two documents and keys MaxText hides (negative ids); rows of those see no key.
+        segments = jnp.array([[1] * 6 + [-1] * 2 + [2] * 8, [3] * 16])
+        seen = np.asarray(segments >= 0)
+    sinks = jax.random.normal(keys[3], (4,)) if with_sinks else None
+    for op in ops:
+        call = dict(query=q, key=k, value=v, decoder_segment_ids=segments,
+                    segment_positions=None, lengths=None, model_mode=mode, sinks=sinks,
+                    qk_product_einsum=jnp.einsum, wv_product_einsum=jnp.einsum)
+        out, lse, ones = op.apply_attention(**call)
+        unnormalized, maximum, total = attention_op.AttentionOp.apply_attention(op, **call)
+        np.testing.assert_array_equal(ones, 1)
+        np.testing.assert_allclose(out[seen], (unnormalized / total)[seen], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(lse[seen], (maximum + jnp.log(total))[seen], rtol=1e-5,
+                                   atol=1e-5)
+
+
 @pytest.mark.parametrize("option", ["record_max_logits", "bidirectional_mask"])
 def test_unsupported_call_falls_back_with_warning(config, option):
     model = _build(config, "train", True)
