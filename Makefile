@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 PY := $(VENV)/bin/python
 JOBS ?= 2
 
-.PHONY: venv test demo lint bench clean docs
+.PHONY: venv test demo lint bench clean docs test-integrations
 
 venv: $(STAMP)
 
@@ -33,6 +33,24 @@ demo: venv
 # The documentation site, offline, into site/ (mkdocs.yml; pages in docs/).
 docs: venv
 	$(PY) -m mkdocs build --strict
+
+# The adapters for the heavy libraries (Gemma, MaxText) in a venv of their own, with the
+# versions they were tested with; not part of `make test`.
+INTEG_VENV := .venv-integrations
+INTEG_PY := $(INTEG_VENV)/bin/python
+MAXTEXT_DEPS := aqtp drjax huggingface_hub omegaconf pathwaysutils qwix sympy tiktoken tokamax \
+  transformers
+
+$(INTEG_VENV)/.installed: pyproject.toml constraints.txt constraints-integrations.txt
+	test -x $(INTEG_PY) || $(PYTHON) -m venv $(INTEG_VENV)
+	$(INTEG_PY) -m pip install -q --upgrade pip
+	$(INTEG_PY) -m pip install -q -c constraints.txt -c constraints-integrations.txt \
+	  -e ".[flax]" pytest optax gemma maxtext sentencepiece $(MAXTEXT_DEPS)
+	touch $@
+
+test-integrations: $(INTEG_VENV)/.installed
+	XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0" \
+	  $(INTEG_PY) -m pytest -q --durations=10 tests_integrations
 
 lint: venv
 	$(PY) -m ruff check .
