@@ -29,10 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_flash.bias import canonical, sum_to_shape
+from pallas_flash.contract import EMPTY_ROW_LSE
 from pallas_flash.masking import MaskSpec, segments_visible
 
-#: lse reported for a row that sees no key: finite, and exp(lse) == 0 in float32.
-EMPTY_ROW_LSE = -1e30
 # Logit given to hidden pairs inside the loops: exp(MASKED - m) underflows to 0 for any
 # real row maximum m, and it is finite, so (MASKED - MASKED) is 0, not NaN.
 _MASKED = -1e30

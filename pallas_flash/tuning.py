@@ -6,6 +6,7 @@ another card, or another shape, a different tiling can be faster
 :func:`autotune` times a small list of candidate configs on fresh inputs of the call's
 shapes, keeps only those whose output agrees with the default config's, and caches the
 fastest in a JSON file keyed by device kind, jax version and shape class.
+:func:`resolve_config` turns the entry points' ``config`` argument into a backend's config.
 
 :func:`time_fn` is the one timer of the project: the benchmark scripts use it too (through
 ``benchmarks/timing.py``). Each sample enqueues several back-to-back calls (JAX dispatches
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 
 from pallas_flash import dispatch
 from pallas_flash.autodiff import attention_with_lse
-from pallas_flash.kernel_args import StaticArgs
+from pallas_flash.contract import StaticArgs
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import next_power_of_2
 
@@ -386,6 +387,26 @@ def config_for_attention(query, key, value, *, implementation: str, is_causal: b
     if cached is not None:
         return cached.config
     return autotune(query, key, value, **fields)
+
+
+def resolve_config(config, implementation: str, query, key, value, spec: MaskSpec,
+                    interpret: bool):
+    """The backend config for ``attention``'s ``config`` argument (see its docstring)."""
+    default = dispatch.backend(implementation).default_config(query.shape, key.shape,
+                                                              query.dtype, spec)
+    if config is None:
+        return default
+    if isinstance(config, str) and config == "autotune":
+        return config_for_attention(query, key, value, implementation=implementation,
+                                    is_causal=spec.is_causal, interpret=interpret)
+    # A backend may take configs of several types (Mosaic: forward, backward or both).
+    accepted = getattr(dispatch.backend(implementation), "CONFIG_TYPES", (type(default),))
+    if not isinstance(config, accepted):
+        names = " or ".join(t.__name__ for t in accepted)
+        raise ValueError(
+            f"config must be None, 'autotune' or a {names} for "
+            f"implementation={implementation!r}, got {config!r}")
+    return config
 
 
 class _Runner:

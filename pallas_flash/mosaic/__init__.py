@@ -6,7 +6,7 @@ Exposes the backend interface of :mod:`pallas_flash.api`: ``KERNELS``,
 :func:`decode_kernels`, which :mod:`pallas_flash.decode` asks for a packed split-KV call.
 """
 
-from pallas_flash.kernel_args import Kernels
+from pallas_flash.contract import Kernels
 from pallas_flash.mosaic import decode
 from pallas_flash.mosaic.backward import backward, unsupported_backward
 from pallas_flash.mosaic.config import (
