@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_flash as pf
-from pallas_flash import demo, io_model
+from pallas_flash import demo, dispatch, io_model
 from pallas_flash.masking import MaskSpec
 from pallas_flash.reference import standard_attention
 from pallas_flash.tuning import time_fn
@@ -490,14 +490,9 @@ def kernel_blocks(impl: str, q_shape: tuple[int, ...], dtype: Any,
     """``(B_r, B_c, description)`` of the forward kernel's default tiles: the query rows
     one program keeps on chip (a Mosaic CTA holds ``num_consumers`` warpgroups of
     ``block_q`` rows) and the keys per K/V block."""
+    config = dispatch.backend(impl).default_config(q_shape, q_shape, dtype, mask)
     if impl == "triton":
-        from pallas_flash.triton import default_config
-
-        config = default_config(q_shape, q_shape, dtype, mask)
         return config.block_q, config.block_kv, repr(config)
-    from pallas_flash.mosaic.config import default_config
-
-    config = default_config(q_shape, q_shape, dtype, mask)
     return config.rows_per_cta, config.block_kv, repr(config)
 
 

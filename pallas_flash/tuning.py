@@ -434,10 +434,12 @@ class _Runner:
     def compiled(self, config) -> Callable[..., tuple[jax.Array, ...]]:
         def forward(q, k, v):
             # A plain call straight to the custom VJP: what attention(q, k, v, is_causal=...,
-            # implementation=..., config=config) runs, without going back through the API.
+            # implementation=..., config=config) runs, without going back through the API
+            # (whose backward is reproducible when XLA_FLAGS asks for deterministic ops).
             static = StaticArgs(kernels=dispatch.backend(self.implementation).KERNELS,
                                 mask=self.mask, scale=1.0 / math.sqrt(q.shape[3]),
-                                config=config, interpret=self.interpret)
+                                config=config, interpret=self.interpret,
+                                deterministic=dispatch.deterministic_backward())
             return attention_with_lse(q, k, v, None, None, None, None, static)[0]
 
         def forward_backward(q, k, v, d_out):
