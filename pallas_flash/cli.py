@@ -499,9 +499,9 @@ def kernel_blocks(impl: str, q_shape: tuple[int, ...], dtype: Any,
 def shared_memory_bytes(device_kind: str) -> int | None:
     """Shared memory one thread block may use: 227 KiB on Hopper (H100/H200/H800/H20),
     None for devices this package has no number for."""
-    from pallas_flash.mosaic.config import SMEM_BUDGET
-
-    return SMEM_BUDGET if re.search(r"\bH(100|200|800|20)\b", device_kind) else None
+    if not re.search(r"\bH(100|200|800|20)\b", device_kind):
+        return None
+    return dispatch.backend("mosaic").SMEM_BUDGET
 
 
 def _io(args: argparse.Namespace, parser: argparse.ArgumentParser, _) -> int:

@@ -38,6 +38,10 @@ include = [{include}]
 # A fake repository that keeps every rule: each test below breaks one.
 CLEAN = {
     "pallas_flash/__init__.py": "from pallas_flash.api import attention\n",
+    "pallas_flash/__main__.py": "from pallas_flash.tutorial.cli import main\n",
+    "pallas_flash/tutorial/__init__.py": "",
+    "pallas_flash/tutorial/cli.py": "import pallas_flash as pf\n"
+                                    "from pallas_flash import dispatch\n",
     "pallas_flash/api.py": "from pallas_flash import dispatch\n\n\ndef attention():\n"
                            "    return dispatch.backend()\n",
     "pallas_flash/decode.py": "from pallas_flash.contract import EMPTY_ROW_LSE\n",
@@ -103,6 +107,13 @@ def test_the_fake_repository_is_clean(tmp_path):
     ({"pallas_flash/sharding.py": "from pallas_flash import dispatch\n"},
      "pallas_flash.sharding -> pallas_flash.dispatch: sharding imports only the core, "
      "the contract and nothing else"),
+    ({"pallas_flash/decode.py": "from pallas_flash.tutorial import cli\n"},
+     "pallas_flash.decode -> pallas_flash.tutorial.cli: only the tutorial and __main__ "
+     "import the tutorial"),
+    ({"pallas_flash/tutorial/cli.py": "from pallas_flash.mosaic.config import SMEM_BUDGET\n",
+      "pallas_flash/mosaic/__init__.py": "", "pallas_flash/mosaic/config.py": ""},
+     "pallas_flash.tutorial.cli -> pallas_flash.mosaic.config: the tutorial imports no "
+     "backend"),
     ({"pallas_flash/helpers.py": ""},
      "pallas_flash.helpers has no place in the layers"),
     ({"pallas_flash/api.py": "from models import train\n"},
@@ -117,7 +128,8 @@ def test_the_fake_repository_is_clean(tmp_path):
      "pyproject.toml: packages.find include 'pallas_flash*' also ships pallas_flash_extras/"),
 ], ids=["cycle-through-importlib", "computed-import", "private-import", "private-attribute",
         "backend-imports-call-layer", "backend-imports-backend", "entry-imports-backend",
-        "core-imports-contract", "call-layer-table", "unplaced-module", "imports-models",
+        "core-imports-contract", "call-layer-table", "imports-tutorial",
+        "tutorial-imports-backend", "unplaced-module", "imports-models",
         "imports-benchmarks", "wheel-pattern", "wheel-discovery", "wheel-sibling"])
 def test_each_rule_catches_its_violation(tmp_path, changes, expected):
     violations = _violations(tmp_path, changes)
@@ -137,12 +149,13 @@ def test_known_violations_can_only_shrink(tmp_path):
 
 def test_architecture_lists_every_module_and_what_it_may_import():
     """The page's table names every module the check places (the core, the contract, the
-    call layer, the entry points) and every backend."""
+    call layer, the entry points), every backend and the tutorial."""
     text = (ROOT / "docs" / "architecture.md").read_text()
     section = text.split("## Modules and what they may import", 1)[1].split("\n## ", 1)[0]
     named = set(re.findall(r"`([\w/]+?)(?:\.py|/)?`", section))
     places = (structure.CORE | {structure.CONTRACT} | set(structure.CALL_LAYER)
-              | (structure.ENTRY_POINTS - {""}) | structure.BACKENDS | {"__init__"})
+              | (structure.ENTRY_POINTS - {""}) | structure.BACKENDS | {"__init__"}
+              | {structure.TUTORIAL})
     assert places <= named, sorted(places - named)
 
 
