@@ -445,7 +445,7 @@ def _ring_forward(ring: _Ring, q, k, v, q_ids, kv_ids):
     accumulator = jnp.promote_types(q.dtype, jnp.float32)
     acc = (varying_like(jnp.zeros(q.shape, accumulator), q),
            varying_like(jnp.full((q.shape[0], q.shape[2], q.shape[1]),
-                                          EMPTY_ROW_LSE, accumulator), q))
+                                 EMPTY_ROW_LSE, accumulator), q))
     return _round_the_ring(ring, functools.partial(_forward_calls, ring), acc,
                            (k, v, kv_ids), (q_ids, q))[0]
 

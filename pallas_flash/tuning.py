@@ -389,9 +389,19 @@ def config_for_attention(query, key, value, *, implementation: str, is_causal: b
     return autotune(query, key, value, **fields)
 
 
-def resolve_config(config, implementation: str, query, key, value, spec: MaskSpec,
-                    interpret: bool):
-    """The backend config for ``attention``'s ``config`` argument (see its docstring)."""
+def resolve_config(config, implementation: str, query: jax.Array, key: jax.Array,
+                   value: jax.Array, spec: MaskSpec, interpret: bool) -> Any:
+    """The config of backend ``implementation`` for an entry point's ``config`` argument
+    (see :func:`pallas_flash.attention`): None -> the backend's default, ``"autotune"`` ->
+    :func:`config_for_attention`, else a config of a type the backend accepts, as given.
+
+    ``query: [batch, seq_q, heads, head_dim]``, ``key, value: [batch, seq_kv, kv_heads,
+    head_dim]``; ``spec``: the call's mask.
+
+    Raises:
+      ValueError: ``implementation`` is no backend's name, or ``config`` is of a type the
+        backend does not take.
+    """
     default = dispatch.backend(implementation).default_config(query.shape, key.shape,
                                                               query.dtype, spec)
     if config is None:
