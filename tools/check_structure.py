@@ -139,7 +139,7 @@ def _read(name: str, path: Path, modules: dict[str, Path], edges: set[str],
                 found = imports(full, node.lineno)
                 if full in modules:
                     aliases[alias.asname or alias.name] = full
-                elif (found is not None and found != name and _private(alias.name)):
+                if found is not None and found != name and _private(alias.name):
                     violations.append(f"{name} imports the private name {source}."
                                       f"{alias.name} (line {node.lineno})")
         elif isinstance(node, ast.Call) and _is_import_module(node):
