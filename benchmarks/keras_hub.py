@@ -55,13 +55,11 @@ def attention(impl: str):
         return
     # No decoder marked causal: every call gets only KerasHub's dense mask.
     causal = () if impl == "pallas_flash_dense_mask" else pf_keras.CAUSAL_DECODERS
-    saved, pf_keras.CAUSAL_DECODERS = pf_keras.CAUSAL_DECODERS, causal
-    pf_keras.install()
+    pf_keras.install(causal_decoders=causal)
     try:
         yield
     finally:
         pf_keras.uninstall()
-        pf_keras.CAUSAL_DECODERS = saved
 
 
 def build_model(args) -> keras.Model:

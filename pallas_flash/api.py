@@ -24,13 +24,12 @@ from pallas_flash.arguments import (
     check_lengths,
     check_sinks,
     check_soft_cap,
-    resolve_config,
 )
 from pallas_flash.autodiff import attention_with_lse
+from pallas_flash.contract import EMPTY_ROW_LSE, StaticArgs
 from pallas_flash.dispatch import available_implementations, default_implementation
-from pallas_flash.kernel_args import StaticArgs
 from pallas_flash.masking import CausalAlignment, MaskSpec, zero_unseen_rows
-from pallas_flash.reference import EMPTY_ROW_LSE
+from pallas_flash.tuning import resolve_config
 
 # The public names of the package's entry point, some defined by the dispatcher.
 __all__ = ["PADDED_KEY_ID", "PADDED_QUERY_ID", "Implementation", "attention",

@@ -11,31 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_flash import dispatch
-from pallas_flash.masking import MaskSpec
-from pallas_flash.tuning import config_for_attention
-
 Implementation = Literal["mosaic", "triton", "xla", "cudnn"]
-
-
-def resolve_config(config, implementation: str, query, key, value, spec: MaskSpec,
-                    interpret: bool):
-    """The backend config for ``attention``'s ``config`` argument (see its docstring)."""
-    default = dispatch.backend(implementation).default_config(query.shape, key.shape,
-                                                              query.dtype, spec)
-    if config is None:
-        return default
-    if isinstance(config, str) and config == "autotune":
-        return config_for_attention(query, key, value, implementation=implementation,
-                                    is_causal=spec.is_causal, interpret=interpret)
-    # A backend may take configs of several types (Mosaic: forward, backward or both).
-    accepted = getattr(dispatch.backend(implementation), "CONFIG_TYPES", (type(default),))
-    if not isinstance(config, accepted):
-        names = " or ".join(t.__name__ for t in accepted)
-        raise ValueError(
-            f"config must be None, 'autotune' or a {names} for "
-            f"implementation={implementation!r}, got {config!r}")
-    return config
 
 
 # The segment ids that lengths fold into (reserved: user ids must differ): queries past

@@ -49,7 +49,7 @@ from jax._src.interpreters import partial_eval as pe
 from jax.custom_derivatives import SymbolicZero
 
 from pallas_flash import dispatch, sharding
-from pallas_flash.kernel_args import StaticArgs
+from pallas_flash.contract import StaticArgs
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(7,))

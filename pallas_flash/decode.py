@@ -52,15 +52,14 @@ from pallas_flash.arguments import (
     check_lengths,
     check_sinks,
     check_soft_cap,
-    resolve_config,
 )
 from pallas_flash.autodiff import add_sinks, attention_with_lse
-from pallas_flash.kernel_args import StaticArgs
+from pallas_flash.contract import EMPTY_ROW_LSE, StaticArgs
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import pad_axis
-from pallas_flash.reference import EMPTY_ROW_LSE
 from pallas_flash.triton.config import PAGED_DECODE_STAGES, default_config
 from pallas_flash.triton.decode import split_forward
+from pallas_flash.tuning import resolve_config
 
 #: Longest query (new tokens per sequence) :func:`decode_attention` takes.
 MAX_DECODE_SEQ_Q = 16

@@ -1,15 +1,9 @@
 """Which backend runs a call: the registry, availability, and one choice per pass.
 
-Every backend module (``BACKEND_MODULES``) exposes
-
-* ``KERNELS`` (:class:`pallas_flash.autodiff.Kernels`, whose ``name`` is its key here);
-* ``default_config(q_shape, kv_shape, dtype, mask)`` -> its frozen config dataclass;
-* ``unsupported(q_shape, kv_shape, dtype, mask, has_segments, softcap=None,
-  has_bias=False, has_mask=False)`` -> None, or a sentence saying why its forward cannot
-  run this call;
-* optionally ``unsupported_backward(q_shape, kv_shape, dtype, mask, has_segments,
-  softcap=None, has_bias=False, has_mask=False, bias_grad=False)``, the same for its
-  backward. A module without it runs every backward its forward can.
+Every backend module (``BACKENDS``) is a :class:`pallas_flash.contract.Backend`: its
+``KERNELS`` (whose ``name`` is its key here), ``default_config``, ``unsupported`` and
+optionally ``unsupported_backward`` (a module without it runs every backward its forward
+can).
 
 The forward and the backward are chosen separately: every backward reads the same
 residuals (q, k, v, out, lse ``[B, N, T]`` float32, delta), so a backward of one backend
@@ -20,23 +14,39 @@ it can run the backward, and otherwise takes the first other candidate, fastest 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
-from types import ModuleType
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_flash.contract import DTYPES, Backend
 from pallas_flash.masking import MaskSpec
 
-BACKEND_MODULES = {
-    "xla": "pallas_flash.xla",
-    "triton": "pallas_flash.triton",
-    "mosaic": "pallas_flash.mosaic",
-}
-#: Input dtypes every backend accepts (some through another backend's kernels).
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+# Each backend is imported on first use, by a plain import that static checks see: Mosaic
+# needs a jaxlib with Mosaic GPU, and a CPU-only program need not load the GPU kernels.
+def _xla() -> Backend:
+    from pallas_flash import xla
+
+    return xla
+
+
+def _triton() -> Backend:
+    from pallas_flash import triton
+
+    return triton
+
+
+def _mosaic() -> Backend:
+    from pallas_flash import mosaic
+
+    return mosaic
+
+
+#: The registry: each backend's name and the function that imports its module.
+BACKENDS: dict[str, Callable[[], Backend]] = {"xla": _xla, "triton": _triton, "mosaic": _mosaic}
 #: float64 inputs (under jax_enable_x64) run only on the XLA path, computed in float64.
 FLOAT64 = np.dtype(np.float64)
 FLOAT64_IMPLEMENTATIONS = ("xla",)
@@ -57,17 +67,15 @@ class Features:
 PLAIN_CALL = Features()
 
 
-def backend(name: str) -> ModuleType:
+def backend(name: str) -> Backend:
     """The backend module registered as ``name`` (imported on first use).
 
     Raises:
-      ValueError: ``name`` is not a key of ``BACKEND_MODULES``.
+      ValueError: ``name`` is not a key of ``BACKENDS``.
       ImportError: the module cannot be imported here.
     """
     _check_name(name)
-    # Imported lazily: the backends import pallas_flash.autodiff, and Mosaic needs a jaxlib
-    # with Mosaic GPU.
-    return importlib.import_module(BACKEND_MODULES[name])
+    return BACKENDS[name]()
 
 
 def available_implementations() -> tuple[str, ...]:
@@ -98,8 +106,8 @@ def check_implementation(name: str | None, interpret: bool,
 
 
 def _check_name(name, also: tuple[str, ...] = ()) -> None:
-    if not isinstance(name, str) or name not in BACKEND_MODULES:
-        raise ValueError(f"implementation must be one of {[*sorted(BACKEND_MODULES), *also]} "
+    if not isinstance(name, str) or name not in BACKENDS:
+        raise ValueError(f"implementation must be one of {[*sorted(BACKENDS), *also]} "
                          f"or None, got {name!r}")
 
 

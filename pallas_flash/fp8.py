@@ -39,12 +39,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_flash import dispatch, sharding
+from pallas_flash import dispatch
 from pallas_flash.api import available_implementations
 from pallas_flash.arguments import canonical_bool, canonical_scale, check_deterministic
 from pallas_flash.autodiff import attention_backward
+from pallas_flash.contract import DTYPES, StaticArgs, varying_like
 from pallas_flash.fp8_format import E4M3, E4M3_MAX
-from pallas_flash.kernel_args import StaticArgs
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import MosaicConfig, forward_fp8
 from pallas_flash.mosaic.config import MAX_HEAD_DIM, padded_head_dim
@@ -610,7 +610,7 @@ def _run_kernel(operands: Fp8Operands, *, is_causal: bool, scale: float,
                                    interpret=interpret)
     # Inside shard_map(check_vma=True): plgpu.kernel (jax 0.11.2) returns its results
     # invariant; they vary as the operands do (as pallas_flash.attention's kernels).
-    return (sharding.varying_like(out, operands.q), sharding.varying_like(lse, operands.q))
+    return (varying_like(out, operands.q), varying_like(lse, operands.q))
 
 
 def _results(out, lse, out_scale, return_residual: bool):
@@ -753,7 +753,7 @@ def _check_inputs(q, k, v, is_causal: bool) -> None:
         if not hasattr(x, "ndim") or x.ndim != 4:
             raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got "
                              f"{_describe(x)}")
-        if x.dtype != q.dtype or jnp.dtype(x.dtype) not in dispatch.DTYPES:
+        if x.dtype != q.dtype or jnp.dtype(x.dtype) not in DTYPES:
             raise ValueError(f"q, k, v must share one dtype of bfloat16, float16, float32; "
                              f"{name} is {x.dtype}")
         _check_not_empty(x, name)

@@ -24,10 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_flash.bias import canonical, sum_to_shape
+from pallas_flash.contract import EMPTY_ROW_LSE
 from pallas_flash.masking import MaskSpec, segments_visible
-
-#: lse reported for a row that sees no key: finite, and exp(lse) == 0 in float32.
-EMPTY_ROW_LSE = -1e30
 
 
 def _expand_kv(x: jax.Array, heads: int) -> jax.Array:

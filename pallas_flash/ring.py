@@ -61,13 +61,12 @@ from pallas_flash.arguments import (
     check_positive_int,
     check_sinks,
     check_soft_cap,
-    resolve_config,
 )
 from pallas_flash.autodiff import add_sinks, row_delta, sinks_grad
+from pallas_flash.contract import EMPTY_ROW_LSE, StaticArgs, varying_like
 from pallas_flash.decode import merge_splits
-from pallas_flash.kernel_args import StaticArgs
 from pallas_flash.masking import MaskSpec, zero_unseen_rows
-from pallas_flash.reference import EMPTY_ROW_LSE
+from pallas_flash.tuning import resolve_config
 
 Layout = Literal["zigzag", "contiguous"]
 LAYOUTS = ("zigzag", "contiguous")
@@ -313,7 +312,7 @@ def _backward_calls(ring: _Ring, part_dtype, plan, first: bool, dq, k, v, kv_ids
     block's travelling accumulators after this step's kernels."""
     q_written, kv_written = _Written(), _Written()
     # Dead where one call covers every key.
-    dk = dv = sharding.varying_like(jnp.zeros(k.shape, part_dtype), k)
+    dk = dv = varying_like(jnp.zeros(k.shape, part_dtype), k)
     for call in plan:
         rows, cols = ring.slices(call)
         segment_ids = None if q_ids is None else (q_ids[:, rows], kv_ids[:, cols])
@@ -444,9 +443,9 @@ def _round_the_ring(ring: _Ring, run, carry, block, operands):
 
 def _ring_forward(ring: _Ring, q, k, v, q_ids, kv_ids):
     accumulator = jnp.promote_types(q.dtype, jnp.float32)
-    acc = (sharding.varying_like(jnp.zeros(q.shape, accumulator), q),
-           sharding.varying_like(jnp.full((q.shape[0], q.shape[2], q.shape[1]),
-                                          EMPTY_ROW_LSE, accumulator), q))
+    acc = (varying_like(jnp.zeros(q.shape, accumulator), q),
+           varying_like(jnp.full((q.shape[0], q.shape[2], q.shape[1]),
+                                 EMPTY_ROW_LSE, accumulator), q))
     return _round_the_ring(ring, functools.partial(_forward_calls, ring), acc,
                            (k, v, kv_ids), (q_ids, q))[0]
 
@@ -457,7 +456,7 @@ def _ring_backward(ring: _Ring, q, k, v, q_ids, kv_ids, out, lse, d_out, delta):
     same keys (the add then converts it for free, and step 0's hop, the part alone,
     carries it as the kernel gave it), else in float32."""
     grad_dtype = jnp.promote_types(q.dtype, jnp.float32)
-    dq = sharding.varying_like(jnp.zeros(q.shape, grad_dtype), q)
+    dq = varying_like(jnp.zeros(q.shape, grad_dtype), q)
     once = all(_writes_keys_once(ring, plan) for row in ring.plans for plan in row)
     part_dtype = k.dtype if once else grad_dtype
     dq, (dk, dv) = _round_the_ring(

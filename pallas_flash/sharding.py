@@ -45,7 +45,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_flash.kernel_args import StaticArgs
+from pallas_flash.contract import StaticArgs, varying_like
 
 # Dimension roles of the kernels' operands and results. A role's mesh axes: batch -> the
 # query's batch axes, heads / kv_heads -> its head axes, the others none. ``_UNIT``: a
@@ -168,26 +168,6 @@ def _sharded(call: _Call, operands):
     if mesh.explicit_axes:
         return _explicit(call, operands, mesh)
     return _auto(call, operands)
-
-
-def kernel_output(shape: tuple[int, ...], dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
-    """A Pallas kernel's output type: ``shape`` and ``dtype``, varying over the manual mesh
-    axes that ``like`` (an operand) varies over, as ``shard_map(check_vma=True)`` requires
-    of every ``out_shape``; outside ``shard_map``, the plain struct."""
-    manual = jax.typeof(like).manual_axis_type
-    if not manual.varying:
-        return jax.ShapeDtypeStruct(shape, dtype)
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)
-
-
-def varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
-    """``x`` cast to vary over the manual mesh axes ``like`` varies over (a loop carry's
-    initial value must have the type of the carry the body returns)."""
-    missing = jax.typeof(like).manual_axis_type.varying - jax.typeof(x).manual_axis_type.varying
-    if not missing:
-        return x
-    mesh_order = jax.sharding.get_abstract_mesh().axis_names
-    return jax.lax.pcast(x, tuple(a for a in mesh_order if a in missing), to="varying")
 
 
 def _vary_together(operands):

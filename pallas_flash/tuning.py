@@ -6,6 +6,7 @@ another card, or another shape, a different tiling can be faster
 :func:`autotune` times a small list of candidate configs on fresh inputs of the call's
 shapes, keeps only those whose output agrees with the default config's, and caches the
 fastest in a JSON file keyed by device kind, jax version and shape class.
+:func:`resolve_config` turns the entry points' ``config`` argument into a backend's config.
 
 :func:`time_fn` is the one timer of the project: the benchmark scripts use it too (through
 ``benchmarks/timing.py``). Each sample enqueues several back-to-back calls (JAX dispatches
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 
 from pallas_flash import dispatch
 from pallas_flash.autodiff import attention_with_lse
-from pallas_flash.kernel_args import StaticArgs
+from pallas_flash.contract import StaticArgs
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import next_power_of_2
 
@@ -388,6 +389,36 @@ def config_for_attention(query, key, value, *, implementation: str, is_causal: b
     return autotune(query, key, value, **fields)
 
 
+def resolve_config(config, implementation: str, query: jax.Array, key: jax.Array,
+                   value: jax.Array, spec: MaskSpec, interpret: bool) -> Any:
+    """The config of backend ``implementation`` for an entry point's ``config`` argument
+    (see :func:`pallas_flash.attention`): None -> the backend's default, ``"autotune"`` ->
+    :func:`config_for_attention`, else a config of a type the backend accepts, as given.
+
+    ``query: [batch, seq_q, heads, head_dim]``, ``key, value: [batch, seq_kv, kv_heads,
+    head_dim]``; ``spec``: the call's mask.
+
+    Raises:
+      ValueError: ``implementation`` is no backend's name, or ``config`` is of a type the
+        backend does not take.
+    """
+    default = dispatch.backend(implementation).default_config(query.shape, key.shape,
+                                                              query.dtype, spec)
+    if config is None:
+        return default
+    if isinstance(config, str) and config == "autotune":
+        return config_for_attention(query, key, value, implementation=implementation,
+                                    is_causal=spec.is_causal, interpret=interpret)
+    # A backend may take configs of several types (Mosaic: forward, backward or both).
+    accepted = getattr(dispatch.backend(implementation), "CONFIG_TYPES", (type(default),))
+    if not isinstance(config, accepted):
+        names = " or ".join(t.__name__ for t in accepted)
+        raise ValueError(
+            f"config must be None, 'autotune' or a {names} for "
+            f"implementation={implementation!r}, got {config!r}")
+    return config
+
+
 class _Runner:
     """Runs candidates on one set of fresh inputs and checks them against the outputs of the
     default config (a failure of the default is the heuristic's, so it raises)."""
@@ -413,10 +444,12 @@ class _Runner:
     def compiled(self, config) -> Callable[..., tuple[jax.Array, ...]]:
         def forward(q, k, v):
             # A plain call straight to the custom VJP: what attention(q, k, v, is_causal=...,
-            # implementation=..., config=config) runs, without going back through the API.
+            # implementation=..., config=config) runs, without going back through the API
+            # (whose backward is reproducible when XLA_FLAGS asks for deterministic ops).
             static = StaticArgs(kernels=dispatch.backend(self.implementation).KERNELS,
                                 mask=self.mask, scale=1.0 / math.sqrt(q.shape[3]),
-                                config=config, interpret=self.interpret)
+                                config=config, interpret=self.interpret,
+                                deterministic=dispatch.deterministic_backward())
             return attention_with_lse(q, k, v, None, None, None, None, static)[0]
 
         def forward_backward(q, k, v, d_out):

@@ -18,11 +18,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_flash.bias import grouped, sum_to_shape
-from pallas_flash.kernel_args import Kernels
+from pallas_flash.contract import EMPTY_ROW_LSE, Kernels, varying_like
 from pallas_flash.masking import MaskSpec, segments_visible
 from pallas_flash.padding import pad_axis
-from pallas_flash.reference import EMPTY_ROW_LSE
-from pallas_flash.sharding import varying_like
 
 
 @dataclasses.dataclass(frozen=True)

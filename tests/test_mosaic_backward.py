@@ -35,7 +35,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from support import random_qkv, rel_err
 
 import pallas_flash
-from pallas_flash import mosaic
+from pallas_flash import dispatch, mosaic
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import MosaicBackwardConfig, MosaicConfig, default_backward_config
 from pallas_flash.mosaic import config as mosaic_config
@@ -465,11 +465,12 @@ def test_config_is_frozen_and_hashable():
 @pytest.mark.parametrize("causal", [False, True])
 def test_default_backward_config_fits(head_dim, xla_flags, causal, monkeypatch):
     """The fused dQ (faster there) up to head_dim 128, unless XLA_FLAGS asks XLA for
-    deterministic ops; at head_dim 256 there is only the separate dQ kernel."""
+    deterministic ops (decided by the dispatcher, passed on to the config); at head_dim
+    256 there is only the separate dQ kernel."""
     monkeypatch.setenv("XLA_FLAGS", xla_flags)
     mask = MaskSpec(seq_q=4096, seq_kv=4096, is_causal=causal)
     config = default_backward_config((1, 4096, 8, head_dim), (1, 4096, 8, head_dim), BF16,
-                                     mask)
+                                     mask, deterministic=dispatch.deterministic_backward())
     config.check_fits(mosaic_config.padded_head_dim(head_dim))
     assert config.deterministic == (head_dim > 128 or "deterministic" in xla_flags)
 

@@ -14,7 +14,7 @@ import pytest
 import pallas_flash as pf
 import pallas_flash.triton as triton_backend
 from pallas_flash import tuning as tuning_module
-from pallas_flash.kernel_args import Kernels
+from pallas_flash.contract import Kernels
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic.config import SMEM_BUDGET, padded_head_dim
 from pallas_flash.triton import TritonConfig

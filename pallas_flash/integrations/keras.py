@@ -213,14 +213,17 @@ def _causal_decoder_call(call: Callable, window_attribute: str | None) -> Callab
     return wrapped
 
 
-def _causal_decoder_classes() -> list[tuple[type, str | None]]:
-    """The :data:`CAUSAL_DECODERS` classes and window attributes; none without KerasHub."""
+def _causal_decoder_classes(
+        decoders: tuple[tuple[str, str, str | None], ...]) -> list[tuple[type, str | None]]:
+    """The classes and window attributes of ``decoders``; none without KerasHub."""
+    if not decoders:
+        return []
     try:
         importlib.import_module("keras_hub")
     except ImportError:
         return []
     classes = []
-    for module_name, class_name, window_attribute in CAUSAL_DECODERS:
+    for module_name, class_name, window_attribute in decoders:
         try:
             classes.append((getattr(importlib.import_module(module_name), class_name),
                             window_attribute))
@@ -232,26 +235,40 @@ def _causal_decoder_classes() -> list[tuple[type, str | None]]:
     return classes
 
 
-def install() -> None:
+def install(*, causal_decoders: tuple[tuple[str, str, str | None], ...] = CAUSAL_DECODERS,
+            ) -> None:
     """Route Keras's attention (``keras.ops.dot_product_attention``) through
-    :func:`dot_product_attention`, and mark KerasHub's causal decoders (:data:`CAUSAL_DECODERS`).
+    :func:`dot_product_attention`, and mark KerasHub's causal decoders.
 
     Takes effect for functions traced afterwards: install before the model's first
     ``fit`` / ``predict`` / ``generate`` (Keras keeps their compiled functions). Calling it
     again changes nothing.
 
+    Args:
+      causal_decoders: ``(module, class, window attribute or None)`` of the KerasHub
+        decoder layers whose square self-attention calls also pass ``is_causal=True``
+        (and their window), so hidden tiles are skipped; default :data:`CAUSAL_DECODERS`.
+        ``()`` passes KerasHub's dense masks alone.
+
     Raises:
-      ValueError: Keras's backend is not ``"jax"``.
+      ValueError: Keras's backend is not ``"jax"``, or ``causal_decoders`` is not a tuple
+        of ``(str, str, str or None)`` triples.
       ImportError: this Keras or KerasHub has moved a name the adapter relies on.
     """
     if keras.config.backend() != "jax":
         raise ValueError(f"pallas_flash.integrations.keras needs the JAX backend "
                          f"(KERAS_BACKEND=jax), got backend {keras.config.backend()!r}")
+    if not isinstance(causal_decoders, tuple) or not all(
+            isinstance(d, tuple) and len(d) == 3 and isinstance(d[0], str)
+            and isinstance(d[1], str) and (d[2] is None or isinstance(d[2], str))
+            for d in causal_decoders):
+        raise ValueError("causal_decoders must be a tuple of (module, class, window attribute "
+                         f"or None) string triples, got {causal_decoders!r}")
     module = _backend_module()
     with _lock:
         if _installed:
             return
-        classes = _causal_decoder_classes()
+        classes = _causal_decoder_classes(causal_decoders)
         for cls, window_attribute in classes:
             _installed[cls] = cls.call
             cls.call = _causal_decoder_call(cls.call, window_attribute)

@@ -1,16 +1,18 @@
 """The Mosaic GPU (Hopper, sm90) backend: a FlashAttention-3 forward kernel.
 
-Exposes the backend interface of :mod:`pallas_flash.api`: ``KERNELS``,
-``default_config``, ``unsupported`` and ``unsupported_backward``; and
+Exposes the backend interface of :class:`pallas_flash.contract.Backend`: ``KERNELS``,
+``default_config``, ``unsupported`` and ``unsupported_backward``; ``SMEM_BUDGET`` (the
+shared memory of a Hopper CTA, which the command line reports); and
 ``DECODE_KERNELS`` (the decode kernel's forward, the same backward) with
 :func:`decode_kernels`, which :mod:`pallas_flash.decode` asks for a packed split-KV call.
 """
 
-from pallas_flash.kernel_args import Kernels
+from pallas_flash.contract import Kernels
 from pallas_flash.mosaic import decode
 from pallas_flash.mosaic.backward import backward, unsupported_backward
 from pallas_flash.mosaic.config import (
     CONFIG_TYPES,
+    SMEM_BUDGET,
     DecodeConfig,
     MosaicBackwardConfig,
     MosaicCallConfig,
@@ -49,6 +51,7 @@ def decode_kernels(q_shape, kv_shape, dtype, mask, *, has_segments: bool, has_ma
     return None
 
 
-__all__ = ["CONFIG_TYPES", "DECODE_KERNELS", "KERNELS", "DecodeConfig", "MosaicBackwardConfig",
-           "MosaicCallConfig", "MosaicConfig", "decode_kernels", "default_backward_config",
-           "default_config", "forward", "unsupported", "unsupported_backward"]
+__all__ = ["CONFIG_TYPES", "DECODE_KERNELS", "KERNELS", "SMEM_BUDGET", "DecodeConfig",
+           "MosaicBackwardConfig", "MosaicCallConfig", "MosaicConfig", "decode_kernels",
+           "default_backward_config", "default_config", "forward", "unsupported",
+           "unsupported_backward"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from pallas_flash.dispatch import deterministic_backward
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import round_up
 
@@ -486,7 +485,7 @@ def backward_config(config, q_shape, kv_shape, dtype, mask: MaskSpec, *,
                     deterministic: bool = False) -> MosaicBackwardConfig:
     """The backward's part of any of :data:`CONFIG_TYPES` (its heuristic where absent).
 
-    ``deterministic``: whether the backward must be reproducible
+    ``deterministic``: whether the backward must be reproducible, as the caller decided it
     (:func:`pallas_flash.dispatch.deterministic_backward`: ``attention(...,
     deterministic=True)`` or ``XLA_FLAGS``' deterministic ops). A backward config the
     caller chose with the fused dQ (``deterministic=False``) then raises rather than being
@@ -546,7 +545,8 @@ def default_backward_config(q_shape, kv_shape, dtype, mask: MaskSpec, *,
     Above head_dim 128: ``dq_block_kv=32`` (Q and dO of two 64-row consumers fill 128 KiB,
     and 32-key blocks keep a 2-stage ring) with the separate, deterministic dQ kernel.
     Up to head_dim 128 the fused dQ (FA3; ``deterministic=False``) unless the call asks
-    for a reproducible backward (``deterministic``, or ``XLA_FLAGS``' deterministic ops:
+    for a reproducible backward (``deterministic``, as the caller decided it from the
+    call's argument and ``XLA_FLAGS``' deterministic ops:
     :func:`pallas_flash.dispatch.deterministic_backward`), since its additions into dQ
     come in a varying order; and one exception, causal attention at head_dim 65-128 over
     at most ``SHORT_CAUSAL_SEQ`` (2048) tokens, which takes the separate dQ kernel.
@@ -560,5 +560,4 @@ def default_backward_config(q_shape, kv_shape, dtype, mask: MaskSpec, *,
     short_causal = (mask.is_causal and head_dim > 64
                     and max(q_shape[1], kv_shape[1]) <= SHORT_CAUSAL_SEQ)
     return MosaicBackwardConfig(block_q=64, dq_block_kv=128, num_stages=2,
-                                deterministic=(deterministic_backward(deterministic)
-                                               or short_causal))
+                                deterministic=bool(deterministic) or short_causal)

@@ -8,8 +8,8 @@ import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
+from pallas_flash.contract import EMPTY_ROW_LSE
 from pallas_flash.mosaic.tiles import LN2, LOG2E, row
-from pallas_flash.reference import EMPTY_ROW_LSE
 
 
 def normalized(o: jax.Array, m_i: jax.Array, l_i: jax.Array, *, fp8_scales=None

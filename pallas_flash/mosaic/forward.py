@@ -85,6 +85,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_flash.contract import kernel_output
 from pallas_flash.logits import log2_logits
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic.block_walk import hull, walk, walk_overlapped
@@ -125,7 +126,6 @@ from pallas_flash.mosaic.tiles import (
 )
 from pallas_flash.padding import pad_axis, round_up
 from pallas_flash.segments import cut_to_span, pad_segment_ids, tile_spans
-from pallas_flash.sharding import kernel_output
 
 # With a bias or mask array up to head_dim 192: at 256 the Q/O tiles and a 64-key K/V ring
 # already take 192 KiB, and a float32 bias tile ring (64 KiB) no longer fits in 227 KiB.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pallas_flash.kernel_args import Kernels
+from pallas_flash.contract import Kernels
 from pallas_flash.masking import MaskSpec
 from pallas_flash.triton.backward import backward
 from pallas_flash.triton.config import TritonConfig, default_config

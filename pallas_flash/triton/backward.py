@@ -38,10 +38,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash.bias import sum_to_shape
+from pallas_flash.contract import kernel_output
 from pallas_flash.logits import LOG2_E, log2_logits, raw_score_gradient
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import pad_axis, round_up
-from pallas_flash.sharding import kernel_output
 from pallas_flash.triton.config import TritonConfig, padded_head_dim
 from pallas_flash.triton.forward import dot_precision
 from pallas_flash.triton.tiles import (

@@ -17,11 +17,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_flash.contract import EMPTY_ROW_LSE, kernel_output
 from pallas_flash.logits import LOG2_E, log2_logits
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import pad_axis, round_up
-from pallas_flash.reference import EMPTY_ROW_LSE
-from pallas_flash.sharding import kernel_output
 from pallas_flash.triton.config import TritonConfig, fit_row_operands, padded_head_dim
 from pallas_flash.triton.tiles import (
     read_tile,

@@ -27,10 +27,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_flash.dispatch import DTYPES
+from pallas_flash.contract import DTYPES, kernel_output
 from pallas_flash.fp8_format import E4M3, E4M3_MAX
 from pallas_flash.padding import next_power_of_2
-from pallas_flash.sharding import kernel_output
 
 #: Elements of one tile at most: a program holds its tile in registers (float32, up to 16
 #: warps of 32 threads: 128 values per thread at this size).

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_flash as pf
+from pallas_flash import dispatch
 from pallas_flash.masking import MaskSpec
 from pallas_flash.reference import standard_attention
 from pallas_flash.tuning import time_fn
@@ -512,23 +513,18 @@ def kernel_blocks(impl: str, q_shape: tuple[int, ...], dtype: Any,
     """``(B_r, B_c, description)`` of the forward kernel's default tiles: the query rows
     one program keeps on chip (a Mosaic CTA holds ``num_consumers`` warpgroups of
     ``block_q`` rows) and the keys per K/V block."""
+    config = dispatch.backend(impl).default_config(q_shape, q_shape, dtype, mask)
     if impl == "triton":
-        from pallas_flash.triton import default_config
-
-        config = default_config(q_shape, q_shape, dtype, mask)
         return config.block_q, config.block_kv, repr(config)
-    from pallas_flash.mosaic.config import default_config
-
-    config = default_config(q_shape, q_shape, dtype, mask)
     return config.rows_per_cta, config.block_kv, repr(config)
 
 
 def shared_memory_bytes(device_kind: str) -> int | None:
     """Shared memory one thread block may use: 227 KiB on Hopper (H100/H200/H800/H20),
     None for devices this package has no number for."""
-    from pallas_flash.mosaic.config import SMEM_BUDGET
-
-    return SMEM_BUDGET if re.search(r"\bH(100|200|800|20)\b", device_kind) else None
+    if not re.search(r"\bH(100|200|800|20)\b", device_kind):
+        return None
+    return dispatch.backend("mosaic").SMEM_BUDGET
 
 
 def _io(args: argparse.Namespace, parser: argparse.ArgumentParser, _) -> int:

@@ -11,7 +11,7 @@
 Both take the arguments of :func:`pallas_flash.reference.standard_attention` plus the tile
 sizes, and return what it returns: ``out`` shaped like ``q`` and ``lse: [batch, heads,
 seq_q]`` (natural log, float32; rows that see no key get out 0 and lse
-:data:`~pallas_flash.reference.EMPTY_ROW_LSE`). The loops unroll into the jitted program:
+:data:`~pallas_flash.contract.EMPTY_ROW_LSE`). The loops unroll into the jitted program:
 they are for reading and for checking the kernels, not for speed.
 """
 
@@ -24,9 +24,9 @@ import jax.numpy as jnp
 
 from pallas_flash.arguments import canonical_scale, check_positive_int
 from pallas_flash.bias import canonical
+from pallas_flash.contract import EMPTY_ROW_LSE
 from pallas_flash.dispatch import check_arrays
 from pallas_flash.masking import MaskSpec
-from pallas_flash.reference import EMPTY_ROW_LSE
 
 # Logit given to hidden pairs inside the loops: exp(MASKED - m) underflows to 0 for any
 # real row maximum m, and it is finite, so (MASKED - MASKED) is 0, not NaN.

@@ -25,6 +25,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_flash.contract import kernel_output
 from pallas_flash.logits import raw_score_gradient
 from pallas_flash.mosaic.backward.common import (
     BackwardStatic,
@@ -54,7 +55,6 @@ from pallas_flash.mosaic.block_walk import visible_tile
 from pallas_flash.mosaic.config import NUM_CONSUMERS
 from pallas_flash.mosaic.pipeline import ring_slot
 from pallas_flash.mosaic.tiles import a_operand, col
-from pallas_flash.sharding import kernel_output
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,6 +40,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_flash.contract import kernel_output
 from pallas_flash.logits import raw_score_gradient
 from pallas_flash.mosaic.backward.common import (
     BackwardStatic,
@@ -55,7 +56,6 @@ from pallas_flash.mosaic.backward.common import (
 from pallas_flash.mosaic.block_walk import visible_tile
 from pallas_flash.mosaic.config import NUM_CONSUMERS
 from pallas_flash.mosaic.tiles import col
-from pallas_flash.sharding import kernel_output
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: BackwardStatic,
