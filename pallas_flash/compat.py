@@ -77,5 +77,4 @@ convert_constvars_jaxpr = _pe.convert_constvars_jaxpr
 __all__ = ["END_VERSION", "MIN_VERSION", "SUPPORTED_RANGE", "BatchTracer",
            "InternalMutableArrayEffect", "JVPTracer", "LinearizeTracer", "batching",
            "check_version", "convert_constvars_jaxpr", "cudnn_fused_attention",
-           "interpret_pallas_call",
-           "linear_call_p", "release"]
+           "interpret_pallas_call", "linear_call_p", "release"]
