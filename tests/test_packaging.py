@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -53,11 +54,19 @@ def _usage_example() -> str:
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path, str]:
-    """``(sdist, wheel, build output)`` of ``python -m build`` on the checkout (the wheel is
-    built from the sdist, as a release is); without build isolation, so offline."""
-    out = tmp_path_factory.mktemp("dist")
+    """``(sdist, wheel, build output)`` of ``python -m build`` (the wheel is built from the
+    sdist, as a release is); without build isolation, so offline.
+
+    It builds a copy of the files a build reads: setuptools writes into the source tree
+    (``*.egg-info``), which pytest-xdist workers running this fixture at once would share.
+    """
+    source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("dist")
+    for name in ("pyproject.toml", "MANIFEST.in", "README.md", "CHANGELOG.md"):
+        shutil.copy2(ROOT / name, source / name)
+    shutil.copytree(ROOT / "pallas_flash", source / "pallas_flash",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     log = _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out),
-                str(ROOT)], cwd=out)
+                str(source)], cwd=out)
     (sdist,), (wheel,) = sorted(out.glob("*.tar.gz")), sorted(out.glob("*.whl"))
     return sdist, wheel, log
 
