@@ -1,29 +1,45 @@
 # `make test` and `make demo` do all the set-up on a fresh machine (idempotent).
 PYTHON ?= $(shell pyenv which python 2>/dev/null || command -v python3.12)
+# .venv: jax 0.11.2, the GPU machine's (constraints.txt); .venv-jax012: the newest supported
+# release (constraints-jax012.txt). pyproject.toml allows both and everything between.
 VENV := .venv
 STAMP := $(VENV)/.installed
 PY := $(VENV)/bin/python
+VENV_JAX012 := .venv-jax012
+PY_JAX012 := $(VENV_JAX012)/bin/python
 JOBS ?= 2
+# The CPU suite is compile-bound (tiny shapes): LLVM at -O0 takes ~20 % off its time (on 2
+# cores: 1058 s -> about 850 s) and leaves every tolerance met. Not for tests/gpu runs.
+PYTEST = XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0" \
+	$(1) -m pytest -n $(JOBS) -q --durations=25 tests
 
-.PHONY: venv test demo lint bench clean docs test-integrations
+.PHONY: venv venv-jax012 test demo lint bench clean docs test-integrations
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+venv-jax012: $(VENV_JAX012)/.installed
+
+# $(VENV)/.installed from constraints.txt, $(VENV_JAX012)/.installed from
+# constraints-jax012.txt: the same steps, in the stamp's folder.
+%/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), sys.version' \
 	  || (echo "Python >= 3.12 needed (pyenv: see .python-version)"; exit 1)
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e ".[test,train,bench]"
-	$(PY) -m pip install -q -c constraints.txt --no-deps keras-hub
-	touch $(STAMP)
+	test -x $*/bin/python || $(PYTHON) -m venv $*
+	$*/bin/python -m pip install -q --upgrade pip
+	$*/bin/python -m pip install -q -c $(CONSTRAINTS) -e ".[test,train,bench]"
+	$*/bin/python -m pip install -q -c $(CONSTRAINTS) --no-deps keras-hub
+	touch $@
 
-# The CPU suite is compile-bound (tiny shapes): LLVM at -O0 takes ~20 % off its time (on 2
-# cores: 1058 s -> about 850 s) and leaves every tolerance met. Not for tests/gpu runs.
-test: venv
+$(STAMP): CONSTRAINTS := constraints.txt
+$(STAMP): constraints.txt
+$(VENV_JAX012)/.installed: CONSTRAINTS := constraints-jax012.txt
+$(VENV_JAX012)/.installed: constraints-jax012.txt
+
+# The whole suite twice: on jax 0.11.2, then on 0.12.1 (about 2 x 12 minutes on 2 cores).
+test: venv venv-jax012
 	$(PY) -m ruff check .
-	XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0" \
-	  $(PY) -m pytest -n $(JOBS) -q --durations=25 tests
+	$(call PYTEST,$(PY))
+	$(call PYTEST,$(PY_JAX012))
 
 # The seed's equivalence check, then the tiny transformer trained on the stdlib's source.
 demo: venv
@@ -56,4 +72,4 @@ lint: venv
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_JAX012) .pytest_cache .ruff_cache

@@ -56,10 +56,20 @@ def _xla(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
 
 
-def _jax_pallas_triton(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from jax.experimental.pallas.ops.gpu import attention
+def jax_pallas_triton(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
+    """JAX's own Pallas-Triton attention op (``q, k, v: [batch, seq, heads, head_dim]``).
+
+    JAX deleted that module in 0.12.1: on such a JAX this raises RuntimeError, which the
+    suite's probe reports as the reason the implementation is unavailable.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from jax.experimental.pallas.ops.gpu import attention
+    except ImportError as exc:
+        raise RuntimeError(
+            f"jax {jax.__version__} has no jax.experimental.pallas.ops.gpu.attention (deleted "
+            "in jax 0.12.1): jax_pallas_triton needs jax 0.11.2 to 0.12.0") from exc
     return attention.mha(q, k, v, None, sm_scale=1.0 / math.sqrt(q.shape[-1]), causal=causal)
 
 
@@ -116,8 +126,8 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
         Implementation("cudnn", _cudnn,
                        note='jax.nn.dot_product_attention(implementation="cudnn")'),
         Implementation("xla", _xla, note='jax.nn.dot_product_attention(implementation="xla")'),
-        Implementation("jax_pallas_triton", _jax_pallas_triton,
-                       note="jax.experimental.pallas.ops.gpu.attention.mha"),
+        Implementation("jax_pallas_triton", jax_pallas_triton,
+                       note="jax.experimental.pallas.ops.gpu.attention.mha (jax < 0.12.1)"),
         Implementation("jax_mgpu", _jax_mgpu, dtype=jnp.dtype(jnp.float16),
                        note="jax.experimental.pallas.ops.gpu.attention_mgpu.attention, float16 "
                             "only, no causal backward; q pre-scaled"),

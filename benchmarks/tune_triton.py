@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_flash as pf
+from benchmarks.implementations import jax_pallas_triton
 from pallas_flash.triton import default_config
 
 
@@ -78,7 +79,6 @@ def main() -> None:
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=DeprecationWarning)
-    from jax.experimental.pallas.ops.gpu import attention as jax_triton
 
     rows = []
     seq = args.seq_len
@@ -95,8 +95,8 @@ def main() -> None:
             impls = {
                 "cudnn": lambda q, k, v, c=causal: jax.nn.dot_product_attention(
                     q, k, v, is_causal=c, implementation="cudnn"),
-                "jax_pallas_triton": lambda q, k, v, c=causal, d=head_dim: jax_triton.mha(
-                    q, k, v, None, sm_scale=d ** -0.5, causal=c),
+                # Raises on jax >= 0.12.1 (module deleted): the row then records why.
+                "jax_pallas_triton": lambda q, k, v, c=causal: jax_pallas_triton(q, k, v, c),
             }
             for i, config in enumerate(candidates):
                 impls[f"triton#{i}"] = lambda q, k, v, c=causal, cfg=config: pf.attention(

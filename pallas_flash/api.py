@@ -84,7 +84,8 @@ def attention(
       mask: boolean array broadcastable to ``[batch, heads, seq_q, seq_kv]``; ``False``
         hides the pair. Combined (and) with ``is_causal``, the window, segment ids and
         lengths. Unlike ``jax.nn`` (which spreads a fully masked row evenly over every key),
-        a row with no visible key outputs 0.
+        a row with no visible key outputs 0. An integer mask is taken too (``jax.nn``
+        refuses it): nonzero = visible.
       scale: logit scale, a concrete positive number (Python, NumPy or a 0-d JAX array;
         not a traced value); default ``1 / sqrt(head_dim)``.
       is_causal: hide keys after the query position (a Python or NumPy bool).
@@ -213,7 +214,7 @@ def attention(
     sinks = check_sinks(sinks, query.shape[2])
     logits_shape = (batch, query.shape[2], seq_q, seq_kv)
     bias = _check_bias(_as_array(bias), logits_shape)
-    mask = _check_mask(_as_array(mask), logits_shape)
+    mask = bias_lib.canonical_mask(_as_array(mask), logits_shape)
     outputs = dict(return_residual=return_residual, return_lse=return_lse,
                    output_shape=output_shape)
     if min(batch, seq_q, seq_kv) == 0:
@@ -278,6 +279,12 @@ def _outputs(out, lse, *, return_residual: bool, return_lse: bool, output_shape)
     return out, lax.stop_gradient(lse.astype(out.dtype))
 
 
+# jax.nn's function as it was when this module was imported: a program that sets
+# jax.nn.dot_product_attention = pallas_flash.attention would otherwise send "cudnn" calls
+# back here, forever (RecursionError).
+_JAX_NN_ATTENTION = jax.nn.dot_product_attention
+
+
 def _through_cudnn(query, key, value, bias, mask, *, ours: dict[str, bool], **kwargs):
     """``implementation="cudnn"``: the call as ``jax.nn.dot_product_attention`` takes it.
 
@@ -289,8 +296,7 @@ def _through_cudnn(query, key, value, bias, mask, *, ours: dict[str, bool], **kw
             f"implementation='cudnn' runs jax.nn.dot_product_attention, which has no "
             f"{', '.join(given)}: leave them at their defaults or pick another "
             "implementation")
-    return jax.nn.dot_product_attention(query, key, value, bias, mask,
-                                        implementation="cudnn", **kwargs)
+    return _JAX_NN_ATTENTION(query, key, value, bias, mask, implementation="cudnn", **kwargs)
 
 
 def _as_array(x):
@@ -362,13 +368,3 @@ def _check_bias(bias, logits_shape):
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"bias must be an array with a floating dtype, got {dtype}")
     return bias_lib.canonical(bias, "bias", logits_shape)
-
-
-def _check_mask(mask, logits_shape):
-    if mask is None:
-        return None
-    if getattr(mask, "dtype", None) != jnp.bool_:
-        raise ValueError(
-            "mask must be a boolean array (True = visible; pass an additive mask as bias), "
-            f"got dtype {getattr(mask, 'dtype', None)}")
-    return bias_lib.canonical(mask, "mask", logits_shape)

@@ -42,13 +42,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax._src import core as jax_core
-from jax._src import custom_derivatives
-from jax._src.interpreters import ad, batching
-from jax._src.interpreters import partial_eval as pe
 from jax.custom_derivatives import SymbolicZero
 
-from pallas_flash import dispatch, sharding
+from pallas_flash import compat, dispatch, sharding
+from pallas_flash.compat import batching
 from pallas_flash.contract import StaticArgs
 
 
@@ -99,16 +96,16 @@ def _differentiated(tree) -> bool:
     """Whether a forward-mode or linearize transformation (JVP / linearize tracers, also
     under vmap's batch tracers) holds any leaf of ``tree``.
 
-    JAX has no public test for this; it reads the tracer classes of jax._src (pinned to
-    jax 0.11). A tracer it does not see through makes it answer False: the kernel then
-    runs, as without this check.
+    JAX has no public test for this; it reads the tracer classes of jax._src
+    (:mod:`pallas_flash.compat`). A tracer it does not see through makes it answer False:
+    the kernel then runs, as without this check.
     """
     pending = jax.tree.leaves(tree)
     while pending:
         leaf = pending.pop()
-        if isinstance(leaf, (ad.JVPTracer, ad.LinearizeTracer)):
+        if isinstance(leaf, (compat.JVPTracer, compat.LinearizeTracer)):
             return True
-        if isinstance(leaf, batching.BatchTracer):
+        if isinstance(leaf, compat.BatchTracer):
             pending.append(leaf.val)
     return False
 
@@ -248,7 +245,7 @@ def attention_backward(static: StaticArgs, q: jax.Array, k: jax.Array, v: jax.Ar
     return grads["q"], grads["k"], grads["v"]
 
 
-# --- jax.custom_derivatives.linear_call: the two rules jax 0.11 lacks ----------------------
+# --- jax.custom_derivatives.linear_call: the two rules jax 0.11 and 0.12 lack --------------
 # The transpose of the tangent is the backward kernels through ``linear_call``. JAX's
 # ``linear_call_p`` drops its callee's effects from its type and has no batching rule: with
 # both, ``jax.jit`` of the transposed call lowers when the backward has effects (the
@@ -262,14 +259,14 @@ def _linear_call_abstract_eval(*args, callee, **params):
     # the lowering (mlir.lower_fun) discharges it. Declaring it here would make jax.jit
     # discharge the caller's jaxpr, which has no rule for linear_call.
     return callee.out_avals, {e for e in callee.effects
-                              if not isinstance(e, jax_core.InternalMutableArrayEffect)}
+                              if not isinstance(e, compat.InternalMutableArrayEffect)}
 
 
 def _batch_jaxpr(jaxpr, axis_data, in_batched):
     """``jaxpr`` batched along axis 0 of the ``in_batched`` inputs, every output batched;
     as linear_call's (jaxpr, consts): its new consts detached as leading inputs."""
     batched, _ = batching.batch_jaxpr(jaxpr, axis_data, in_batched, instantiate=True)
-    return pe.convert_constvars_jaxpr(batched), list(batched.consts)
+    return compat.convert_constvars_jaxpr(batched), list(batched.consts)
 
 
 def _linear_call_batcher(axis_data, args, dims, *, callee, transpose_thunk,
@@ -296,12 +293,12 @@ def _linear_call_batcher(axis_data, args, dims, *, callee, transpose_thunk,
             [False] * len(t_consts) + res_batched + [True] * len(callee.out_avals))
         return transpose_b, [*t_new_consts, *t_consts]
 
-    outs = custom_derivatives.linear_call_p.bind(
+    outs = compat.linear_call_p.bind(
         *new_consts, *args, callee=callee_b, transpose_thunk=batched_transpose,
         num_callee_consts=len(new_consts) + num_callee_consts, num_res=num_res)
     return outs, [0] * len(outs)
 
 
-custom_derivatives.linear_call_p.def_effectful_abstract_eval(_linear_call_abstract_eval)
-batching.fancy_primitive_batchers.setdefault(custom_derivatives.linear_call_p,
+compat.linear_call_p.def_effectful_abstract_eval(_linear_call_abstract_eval)
+batching.fancy_primitive_batchers.setdefault(compat.linear_call_p,
                                              _linear_call_batcher)

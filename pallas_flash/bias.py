@@ -3,7 +3,8 @@
 Both follow ``jax.nn.dot_product_attention``: arrays broadcastable to the logits'
 ``[batch, heads, seq_q, seq_kv]`` (``heads`` = query heads, also under GQA). ``bias`` is
 added to the logits after scaling (and after soft-capping), ``mask`` is boolean, and
-``False`` hides a pair; both combine with the causal / window / segment masks.
+``False`` hides a pair; both combine with the causal / window / segment masks. Unlike
+``jax.nn``, an integer mask is taken too, nonzero meaning visible (Keras passes 0/1 masks).
 
 Every path keeps them in their *canonical* form: rank 4, each dimension either the full
 size or 1 (a broadcast dimension). Kernels read the size-1 dimensions with a constant
@@ -14,6 +15,7 @@ index, so a ``[seq_q, seq_kv]`` bias shared by the whole batch is never expanded
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 
 def canonical(x, name: str, logits_shape: tuple[int, int, int, int]):
@@ -33,6 +35,26 @@ def canonical(x, name: str, logits_shape: tuple[int, int, int, int]):
             f"{name} shape {x.shape} does not broadcast to [batch, heads, seq_q, seq_kv] = "
             f"{logits_shape}")
     return x.reshape(shape)  # NumPy stays NumPy (the float64 oracle)
+
+
+def canonical_mask(mask: jax.Array | None, logits_shape: tuple[int, int, int, int]
+                   ) -> jax.Array | None:
+    """``mask`` (None, or boolean or integer, broadcastable to ``logits_shape`` =
+    ``[batch, heads, seq_q, seq_kv]``) as a canonical boolean array (:func:`canonical`).
+
+    An integer mask's nonzero entries are visible, as ``jnp.where`` reads it and as
+    ``mask.astype(bool)`` converts it. A floating mask is refused with ``ValueError``: 0 /
+    1 or 0 / -inf are both common there, so it is ambiguous.
+    """
+    if mask is None:
+        return None
+    dtype = getattr(mask, "dtype", None)
+    if dtype is None or not (dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer)):
+        raise ValueError(
+            "mask must be a boolean or integer array (True or nonzero = visible), got dtype "
+            f"{dtype}: pass an additive mask as bias, or cast it (mask.astype(bool))")
+    mask = canonical(mask, "mask", logits_shape)
+    return mask if mask.dtype == jnp.bool_ else mask != 0
 
 
 def grouped(x: jax.Array, kv_heads: int) -> jax.Array:

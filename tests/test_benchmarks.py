@@ -475,7 +475,7 @@ def test_lowered_modules_fingerprints_tell_kernels_apart(tmp_path):
 def test_fp8_cudnn_passes_our_scales_as_cudnns_descales(monkeypatch):
     """cuDNN multiplies by every scale/descale: descale_x = our x ≈ x8 · scale, P rounded as
     P · 448 then · 1/448, scale_o = 1 / out_scale; every key of fp8_params set."""
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+    from pallas_flash.compat import cudnn_fused_attention as cudnn
     seen = {}
     monkeypatch.setattr(cudnn, "dot_product_attention",
                         lambda *a, **kw: seen.update(args=a, **kw) or "out")

@@ -135,6 +135,35 @@ def test_bfloat16(backend):
 
 
 @pytest.mark.parametrize("backend", backends(bias=True))
+def test_integer_mask_is_read_as_nonzero_visible(backend):
+    """A 0/1 integer mask (Keras passes one) gives the results of the boolean mask it
+    encodes; jax.nn refuses it."""
+    q, k, v, d_out = random_qkv(2, 48, 56, 2, 1, 32, backend.dtype)
+    visible = random_mask("B1TS", 2, 2, 48, 56)
+    out, lse, grads = run_attention(backend, q, k, v, d_out, mask=visible.astype(jnp.int32),
+                                    is_causal=True)
+    ref_out, ref_lse, ref_grads = attention_float64(
+        q, k, v, mask=MaskSpec(48, 56, True), attn_mask=visible, d_out=d_out)
+    assert_matches(out, lse, grads, ref_out, ref_lse, ref_grads, q.dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8, jnp.int16])
+def test_integer_mask_any_nonzero_value_is_visible(dtype):
+    """Every integer dtype; every nonzero value (not only 1) shows the key, as
+    ``mask.astype(bool)`` and ``jnp.where`` read it."""
+    q, k, v, _ = random_qkv(1, 32, 32, 2, 2, 16)
+    visible = random_mask("1NTS", 1, 2, 32, 32).at[..., 0].set(True)  # no empty rows
+    values = jnp.asarray(fresh_rng().integers(1, 100, visible.shape))
+    if jnp.issubdtype(dtype, jnp.signedinteger):
+        values = values * jnp.where(fresh_rng().random(visible.shape) < 0.5, -1, 1)
+    mask = jnp.where(visible, values, 0).astype(dtype)
+    assert mask.dtype == dtype and bool(jnp.all((mask != 0) == visible))
+    out = pf.attention(q, k, v, mask=mask, implementation="xla")
+    ref_out, _ = attention_float64(q, k, v, attn_mask=visible)
+    assert rel_err(out, ref_out) < tolerance(q.dtype)
+
+
+@pytest.mark.parametrize("backend", backends(bias=True))
 def test_bias_constant_along_keys_has_zero_gradient(backend):
     # Softmax is shift invariant: a bias that is constant over the keys of a row changes
     # nothing, and its gradient (the row sum of dS) is zero up to rounding.
@@ -284,7 +313,11 @@ BAD = [
     (dict(bias=jnp.zeros((8, 7))), "bias shape"),
     (dict(bias=jnp.zeros((8, 8), jnp.int32)), "bias must be an array with a floating dtype"),
     (dict(bias=[[1]]), "bias must be an array with a floating dtype"),
-    (dict(mask=jnp.ones((8, 8), jnp.float32)), "mask must be a boolean array"),
+    (dict(mask=jnp.ones((8, 8), jnp.float32)),
+     r"mask must be a boolean or integer array .*, got dtype float32: pass an additive mask "
+     r"as bias, or cast it \(mask.astype\(bool\)\)"),
+    (dict(mask=jnp.ones((8, 8), jnp.complex64)), "mask must be a boolean or integer array"),
+    (dict(mask=jnp.ones((2, 1, 8, 9), jnp.int32)), "mask shape"),
     (dict(mask=jnp.ones((2, 1, 8, 9), bool)), "mask shape"),
     (dict(mask=jnp.ones((1, 1, 1, 1, 1), bool)), "mask must be an array of rank <= 4"),
 ]

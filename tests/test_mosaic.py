@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import pallas_flash
 from pallas_flash import mosaic
+from pallas_flash.compat import interpret_pallas_call
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import MosaicConfig
 from pallas_flash.mosaic import config as mosaic_config

@@ -30,12 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from support import random_qkv, rel_err
 
 import pallas_flash
 from pallas_flash import dispatch, mosaic
+from pallas_flash.compat import interpret_pallas_call
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import MosaicBackwardConfig, MosaicConfig, default_backward_config
 from pallas_flash.mosaic import config as mosaic_config

@@ -67,7 +67,7 @@ def _lower_gemm(semantics, a_shape, b_shape, *, a_swizzle=128, b_swizzle=128, a_
 
 def _register_a(transpose: bool):
     def a_op(a_smem):
-        a = plgpu.load(a_smem, (), layout=plgpu.Layout.WGMMA, optimized=True)
+        a = plgpu.load(a_smem, layout=plgpu.Layout.WGMMA, optimized=True)
         return a.T if transpose else a
     return a_op
 

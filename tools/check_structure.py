@@ -30,7 +30,7 @@ from pathlib import Path
 PACKAGE = "pallas_flash"
 # Names below are relative to the package ("dispatch" is pallas_flash.dispatch).
 #: Pure math and data shared by every layer: they import only each other.
-CORE = frozenset({"bias", "fp8_format", "logits", "masking", "padding", "segments"})
+CORE = frozenset({"bias", "compat", "fp8_format", "logits", "masking", "padding", "segments"})
 #: What the backends need from the package: it imports only the core.
 CONTRACT = "contract"
 #: The backends, each a module or a package with its submodules: they import the contract,

@@ -171,7 +171,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: Bac
         plgpu.barrier_wait(v_ready.at[wg])
         # Interpret mode keeps K and V in SMEM (its wgmma reads no A from registers).
         resident = dq.resident_kv and a_tile is None
-        k_a, v_a = (plgpu.load(t, (), layout=plgpu.Layout.WGMMA, optimized=True)
+        k_a, v_a = (plgpu.load(t, layout=plgpu.Layout.WGMMA, optimized=True)
                     if resident else t for t in (k_tile, v_tile))
         consumer = _Consumer(st, wg, k0, batch, ring, logit_refs, stream, ranges, k_a, v_a,
                              kv_ids, a_tile, dq)
