@@ -167,7 +167,7 @@ def cudnn_fp8(q8: jax.Array, k8: jax.Array, v8: jax.Array, q_scale, k_scale, v_s
       ``out8`` like ``q8`` (e4m3), and float32 ``amax_s = max P``, ``amax_o = max |out|``
       (before ``scale_o``), each of shape ``(1, 1, 1, 1)``.
     """
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # private API (jax 0.11.2)
+    from pallas_flash.compat import cudnn_fused_attention as cudnn  # jax's private cuDNN call
 
     def param(x):
         return jnp.reshape(jnp.asarray(x, jnp.float32), (1, 1, 1, 1))

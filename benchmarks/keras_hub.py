@@ -19,7 +19,7 @@ each compiles and is not timed): ``--steps`` AdamW training steps
 ``batch`` sequences from a ``--prompt-len`` prompt to ``--max-length`` tokens. tokens/s is
 the median over rounds. Each implementation's first training loss and its generated
 tokens are compared with the first implementation's. Writes
-``keras-hub-<date>.{json,md}`` to ``--out`` after every round.
+``keras-hub-<device>-<date>.{json,md}`` to ``--out`` after every round.
 """
 
 from __future__ import annotations
@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                 models.pop(impl, None)
         rows = summarize(args.impl_names, rates, states, errors)
         if args.out:  # after every round: a run cut short keeps what it measured
-            report.write_rows(args.out, f"keras-hub-{datetime.date.today()}", header,
+            report.write_rows(args.out, report.file_stem(
+                "keras-hub", jax.devices()[0].device_kind, str(datetime.date.today())), header,
                               jax.__version__, rows, table(header, rows))
     for row in rows:
         print(json.dumps(row), flush=True)

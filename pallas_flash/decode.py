@@ -67,7 +67,7 @@ MAX_DECODE_SEQ_Q = 16
 TARGET_WORK_UNITS = 2 * 132
 #: Fraction of :data:`TARGET_WORK_UNITS` one wave of CTAs must fill to need no more splits.
 #: Past it, one more split adds a second wave and a merge for little more occupancy. At
-#: 8 kv heads on the H200 (2026-12-02, benchmarks/results/decode-sweep-2026-12-02-splits.json),
+#: 8 kv heads on the H200 (2026-12-02, docs/decode.md),
 #: 1 split against 2, over cuDNN's GB/s: 1.06 against 0.90 at 32 × 8192 (256 units, 97 %),
 #: 1.12 against 1.08 at 24 × 8192 (73 %), 1.08 against 1.07 at 20 × 8192 (61 %).
 FULL_WAVE = 0.6
@@ -87,7 +87,7 @@ def default_num_splits(batch: int, kv_heads: int, seq_kv: int, *, ragged: bool =
     :data:`MIN_SPLIT_KEYS`, then raised to a divisor of ``seq_kv`` (so that the split is a
     reshape, not a padded copy; lowered when no divisor lies above); at least 1.
     E.g. 32 × 8192 with 8 kv heads: 1 (ragged: 2); 8 × 32768: 4 (ragged: 8); 1 × 131072: 32.
-    (measurements: docs/decode.md; benchmarks/results/decode-sweep-2026-12-02-ragged.json,
+    (measurements: docs/decode.md,
     where 8 × 32768 ragged read 2274–2348 GB/s with 8–16 splits against 1684 with 4, and
     32 × 8192 ragged was fastest with 2)
     """

@@ -166,7 +166,7 @@ def choose_decode(q_shape, kv_shape, dtype, mask: MaskSpec, features: Features, 
     least 128 rows (two 64-row wgmma consumers) for each K/V byte, which makes a decode step
     compute-bound; the Triton forward's 16-row tiles keep it bound by HBM. On the H200 the
     Triton decode read K/V 1.0-1.7x as fast as the Mosaic one at every measured point
-    (benchmarks/results/decode-2026-12-02.md). The Mosaic backend's own decode kernel
+    (docs/decode.md). The Mosaic backend's own decode kernel
     (:mod:`pallas_flash.mosaic.decode`, one 64-row warpgroup per chunk, full caches only)
     read at 0.95-1.00x the Triton decode's rate (decode-2026-12-03-mosaic-kernel.md), so
     Triton stays first.

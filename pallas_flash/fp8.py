@@ -350,7 +350,7 @@ def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
         ``benchmarks/fp8_cudnn.py``, head_dim 128, L 4096, dense) the whole
         ``attention_fp8`` ran at 535 TFLOP/s with XLA's quantization, 594 with the
         kernel dividing by ``div.rn`` and 657 with its reciprocal and FMA correction
-        (``benchmarks/results/fp8-cudnn-2026-12-02-markstein.md``).
+        (``docs/fp8.md``).
       interpret: run the Triton kernel in Pallas interpret mode (CPU).
 
     Returns:

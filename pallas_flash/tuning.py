@@ -58,7 +58,7 @@ _MOSAIC_BLOCK_KV = (64, 128, 192, 256)
 _MOSAIC_NUM_STAGES = (2, 3)
 _MOSAIC_OVERLAP = (False, True)
 # Triton forward (block_q, block_kv, num_warps, num_stages): the tilings of
-# benchmarks/tune_triton.py's H200 sweeps (benchmarks/results/triton-sweep-*).
+# benchmarks/tune_triton.py's H200 sweeps (docs/tuning.md).
 _TRITON_FORWARD = (
     (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3),
     (128, 128, 8, 2), (128, 128, 8, 3), (256, 64, 8, 3), (256, 64, 16, 3),

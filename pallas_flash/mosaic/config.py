@@ -437,7 +437,7 @@ class DecodeConfig:
 
     A warp-specialized variant (a producer warpgroup issuing the loads,
     ``plgpu.emit_pipeline_warp_specialized``) ran no faster on the H200 (2026-12-03,
-    ``benchmarks/results/decode-2026-12-03-mosaic-kernel.md``) and is not kept.
+    ``docs/decode.md``) and is not kept.
     """
 
     block_kv: int = 128

@@ -8,7 +8,7 @@ least 128 query rows per K/V tile, where a decode tile has ``group · seq_q`` re
 whose bare reads reached 3.8-3.9 TB/s on the H200 (``benchmarks/read_floor.py``), against
 3.2-3.9 for the Triton loads.
 
-Measured on the H200 (2026-12-03, ``benchmarks/results/decode-2026-12-03-mosaic-kernel.md``)
+Measured on the H200 (2026-12-03, ``docs/decode.md``)
 it reads the cache at 0.95-1.00x the Triton decode's rate, so :func:`pallas_flash.dispatch.
 choose_decode` keeps Triton first; ``decode_attention(..., implementation="mosaic")`` runs
 it on a full cache (no lengths, window or per-token mask) instead of the main forward,

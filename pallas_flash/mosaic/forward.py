@@ -484,7 +484,7 @@ def _consumer_warpgroup(wg, st: _Static, out_ref, lse_ref, q_tile, k_smem, v_sme
             scores, _ = log2_logits(scores, st.scale_log2 / LOG2E, st.softcap, bias)
         if masked:  # boundary block: hide pairs outside the band and keys >= seq_kv
             # As block_walk.visible_tile, but in the op order of the kernel measured on the
-            # H200 (its lowering changes with the order; see benchmarks/lowered_modules.py).
+            # H200 (its lowering changes with the order; see benchmarks/tools/lowered_modules.py).
             rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
             cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
             visible = st.mask.visible(rows + q0, cols + j * bkv)

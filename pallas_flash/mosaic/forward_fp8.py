@@ -18,7 +18,7 @@ What FP8 changes, and why:
   runs over keys, so the B tile must be stored (head_dim × keys). The fused quantization
   (:mod:`pallas_flash.triton.quantize`) writes Vᵀ in the pass that rounds V, so it costs
   no pass of its own; in XLA at most one more pass over V in e4m3 (1 byte per element, ~1 %
-  of the kernel at L 16384; ``benchmarks/fp8_probe.py`` times both). In-kernel it would
+  of the kernel at L 16384; ``docs/fp8.md`` has the times). In-kernel it would
   cost a register round trip through SMEM per tile (FA3 does it in the producer warpgroup
   with LDSM/STSM; here the producer has 40 registers).
 * **P goes through SMEM**: there is no relayout from the f32 accumulator layout to the 8-bit

@@ -16,7 +16,7 @@ DECODE_ROWS = 16
 #: page id is a load the K/V loads wait on, and deeper pipelining hides it: with 5 stages
 #: instead of 3 the paged read was 5-15 % faster on the H200 (2026-12-02, head_dim 128,
 #: 8 × 32768: 3241 / 3346 GB/s against 3098 / 2914 with pages of 64 / 128; 1 × 131072:
-#: 2771 / 2813 against 2494 / 2615; benchmarks/results/decode-sweep-2026-12-02-paged.json).
+#: 2771 / 2813 against 2494 / 2615; docs/decode.md).
 #: fit_row_operands lowers it where the stages do not fit (head_dim 256).
 PAGED_DECODE_STAGES = 5
 

@@ -11,7 +11,7 @@ output). The packed query rows of the row are read in place by every part (no re
 copy), and no per-key id or mask array, span table, split bound or page window is built
 outside the kernel: each of those was a small XLA kernel of 2–4 µs that a decode step
 paid on every call (seven of them, 16 µs of GPU time, before a ragged step at 8 × 32768 on
-the H200; ncu, benchmarks/results/decode-split-kernel-2026-12-03.md). The parts' ``(out,
+the H200; ncu, docs/decode.md). The parts' ``(out,
 lse)`` are merged by the caller (:func:`pallas_flash.decode.merge_splits`).
 """
 
