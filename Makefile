@@ -35,14 +35,12 @@ $(STAMP): constraints.txt
 $(VENV_JAX012)/.installed: CONSTRAINTS := constraints-jax012.txt
 $(VENV_JAX012)/.installed: constraints-jax012.txt
 
-# On jax 0.12.1, XLA:CPU keeps fp8.quantize's scale `amax / 448` a correctly rounded
-# division but compiles the interpreted Triton quantizer's as a multiply by 1/448 (on 0.11.2
-# both are multiplies), so these bit-for-bit comparisons of the two differ in the last bit of
-# some scales, then of an e4m3 value. The GPU kernel divides exactly (div.rn). Left out of
-# the jax 0.12.1 run until the interpreted division is exact too (pallas_flash/triton/quantize.py).
+# On jax 0.12.1 (CPU, Pallas interpret mode) attention_fp8_quantized on operands quantized
+# beforehand and attention_fp8 quantizing inside its own call differ in a few outputs (5 of
+# 46080, tiny values, last bits), where on jax 0.11.2 they agree bit for bit; the quantized
+# scales themselves agree on both (fp8_format.tile_scale). Left out of the 0.12.1 run until
+# the cause is found.
 JAX012_DESELECT := \
-	--deselect tests/test_fp8_quantize.py::test_matches_xla_quantize \
-	--deselect tests/test_fp8_quantize.py::test_quantize_operands_kernel_matches_xla \
 	--deselect tests/test_fp8_inputs.py::test_quantized_operands_give_what_attention_fp8_gives
 
 # The suite twice: on jax 0.11.2, then on 0.12.1 (about 2 x 12 minutes on 2 cores).

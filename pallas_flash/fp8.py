@@ -44,7 +44,7 @@ from pallas_flash.api import available_implementations
 from pallas_flash.arguments import canonical_bool, canonical_scale, check_deterministic
 from pallas_flash.autodiff import attention_backward
 from pallas_flash.contract import DTYPES, StaticArgs, varying_like
-from pallas_flash.fp8_format import E4M3, E4M3_MAX
+from pallas_flash.fp8_format import E4M3, E4M3_MAX, tile_scale
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import MosaicConfig, forward_fp8
 from pallas_flash.mosaic.config import MAX_HEAD_DIM, padded_head_dim
@@ -71,18 +71,14 @@ def quantize(x: jax.Array, block: int | None) -> tuple[jax.Array, jax.Array]:
     block = _check_block(block, "block", allow_none=True)
     x = x.astype(jnp.float32)
     if block is None:
-        scale = _scale_for(jnp.max(jnp.abs(x)))
+        scale = tile_scale(jnp.max(jnp.abs(x)))
         return (x / scale).astype(E4M3), scale
     batch, seq, heads, head_dim = x.shape
     tiles = pad_axis(x, 1, round_up(seq, block)).reshape(batch, -1, block, heads, head_dim)
-    scales = _scale_for(jnp.max(jnp.abs(tiles), axis=(2, 4)))     # [batch, tiles, heads]
+    scales = tile_scale(jnp.max(jnp.abs(tiles), axis=(2, 4)))     # [batch, tiles, heads]
     x_fp8 = (tiles / scales[:, :, None, :, None]).astype(E4M3)
     return x_fp8.reshape(batch, -1, heads, head_dim)[:, :seq], scales
 
-
-def _scale_for(amax: jax.Array) -> jax.Array:
-    # The largest magnitude lands on E4M3_MAX; an all-zero tile keeps scale 1 (no 0/0).
-    return jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
 
 
 def dequantize(x_fp8: jax.Array, scales: jax.Array, block: int | None) -> jax.Array:
@@ -324,7 +320,7 @@ def _round_tiles(x: jax.Array, rows: int | None, cols: int | None) -> jax.Array:
     b, h, seq_q, seq_kv = x.shape
     tiles = pad_axis(pad_axis(x, 2, round_up(seq_q, rows)), 3, round_up(seq_kv, cols))
     tiles = tiles.reshape(b, h, -1, rows, tiles.shape[3] // cols, cols)
-    scales = _scale_for(jnp.max(jnp.abs(tiles), axis=(3, 5), keepdims=True))
+    scales = tile_scale(jnp.max(jnp.abs(tiles), axis=(3, 5), keepdims=True))
     rounded = (tiles / scales).astype(E4M3).astype(jnp.float32) * scales
     return rounded.reshape(b, h, tiles.shape[2] * rows, -1)[:, :, :seq_q, :seq_kv]
 

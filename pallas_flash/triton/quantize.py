@@ -24,6 +24,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -61,7 +62,9 @@ def _divide(a: jax.Array, b: jax.Array, *, interpret: bool) -> jax.Array:
     """``a / b`` correctly rounded. Triton lowers float32 ``/`` to ``div.full.f32``, which
     is off by up to 2 ulp; ``div.rn.f32`` is IEEE division."""
     if interpret:
-        return a / b
+        # Hidden from XLA's rewrite of a division by a constant into a multiply by its
+        # rounded reciprocal (see fp8_format.tile_scale): exact, as div.rn.
+        return a / lax.optimization_barrier(b)
     [quotient] = plgpu.elementwise_inline_asm(
         "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
