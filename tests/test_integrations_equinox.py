@@ -15,6 +15,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+from pallas_flash.integrations import checks  # noqa: E402
 from pallas_flash.integrations import equinox as pf_eqx  # noqa: E402
 
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -131,7 +132,7 @@ def test_empty_rows_output_zero_before_the_output_projection():
 def test_dropout_falls_back_with_one_warning_and_bad_input_raises(recwarn):
     mha = _mha(dropout_p=0.5)
     x = jax.random.normal(jax.random.PRNGKey(6), (8, SIZE))
-    pf_eqx._warned.clear()
+    checks.reset_warnings()
     drop_key = jax.random.PRNGKey(7)
     for _ in range(2):
         np.testing.assert_allclose(pf_eqx.multihead_attention(mha, x, x, x, key=drop_key),

@@ -17,6 +17,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from pallas_flash.integrations import checks  # noqa: E402
 from pallas_flash.integrations import keras as pf_keras  # noqa: E402
 
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -112,7 +113,7 @@ def test_fallbacks_and_bad_input(recwarn):
     """attn_logits_soft_cap runs Keras's own path with one warning for any number of calls;
     flash_attention=False runs it without one; bad arguments raise ValueError."""
     q, k, v = _inputs()
-    pf_keras._warned.clear()
+    checks.reset_warnings()
     for _ in range(2):
         np.testing.assert_allclose(
             pf_keras.dot_product_attention(q, k, v, attn_logits_soft_cap=20.0),
@@ -142,10 +143,15 @@ def test_moved_private_names_raise_naming_tested_versions(monkeypatch):
     with pytest.raises(ImportError, match=r"keras 3\.15"):
         pf_keras.install()
     monkeypatch.undo()
-    monkeypatch.setattr(pf_keras, "CAUSAL_DECODERS",
-                        (("keras_hub.src.models.llama", "Gone", None),))
     with pytest.raises(ImportError, match=r"keras-hub 0\.32"):
-        pf_keras.install()
+        pf_keras.install(causal_decoders=(("keras_hub.src.models.llama", "Gone", None),))
+    assert not pf_keras.installed()
+
+
+@pytest.mark.parametrize("decoders", [[("m", "C", None)], (("m", "C"),), (("m", "C", 3),)])
+def test_install_refuses_malformed_causal_decoders(decoders):
+    with pytest.raises(ValueError, match="causal_decoders"):
+        pf_keras.install(causal_decoders=decoders)
     assert not pf_keras.installed()
 
 

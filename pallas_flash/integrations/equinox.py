@@ -25,8 +25,7 @@ Needs ``equinox`` (tested: 0.13).
 
 from __future__ import annotations
 
-import threading
-import warnings
+import functools
 from collections.abc import Callable
 
 import jax
@@ -38,24 +37,16 @@ except ImportError as error:  # the core package needs only jax
                       "pip install equinox") from error
 
 from pallas_flash.api import attention
+from pallas_flash.integrations.checks import warn_once
 
 #: The library versions this adapter was tested against.
 TESTED_VERSIONS = "equinox 0.13"
+# A call this adapter cannot honour runs the module's own attention, with a warning once per reason.
+_warn_once = functools.partial(warn_once, __name__, fallback="the module's own attention")
 
-_lock = threading.Lock()
-_warned: set[str] = set()
 
 # The public fields of eqx.nn.MultiheadAttention this adapter reads.
 _FIELDS = ("query_proj", "key_proj", "value_proj", "output_proj", "dropout", "num_heads")
-
-
-def _warn_once(reason: str) -> None:
-    with _lock:
-        if reason in _warned:
-            return
-        _warned.add(reason)
-    warnings.warn(f"pallas_flash.integrations.equinox: {reason}; running the module's own "
-                  "attention for these calls", stacklevel=3)
 
 
 def multihead_attention(

@@ -41,7 +41,6 @@ import dataclasses
 import functools
 import importlib
 import threading
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +54,7 @@ except ImportError as error:  # the core package needs only jax
         "pallas_flash.integrations.keras needs keras (>= 3.15): pip install keras") from error
 
 from pallas_flash.api import attention
+from pallas_flash.integrations.checks import warn_once
 
 #: The library versions this adapter was tested against.
 TESTED_VERSIONS = "keras 3.15, keras-hub 0.32"
@@ -91,7 +91,8 @@ _DECODER_MASK: contextvars.ContextVar[_DecoderMask | None] = contextvars.Context
     "pallas_flash_keras_decoder_mask", default=None)
 
 _lock = threading.Lock()
-_warned: set[str] = set()
+# A call this adapter cannot honour runs Keras's own function, warned once per reason.
+_warn_once = functools.partial(warn_once, __name__, fallback="Keras's own dot_product_attention")
 # What install() replaced: class -> its call, backend module -> its function.
 _installed: dict[Any, Callable] = {}
 
@@ -114,15 +115,6 @@ def _backend_module():
 #: Keras's own backend attention, which the fallbacks and :func:`uninstall` restore.
 keras_dot_product_attention: Callable[..., jax.Array] = getattr(
     _backend_module(), _BACKEND_FUNCTION)
-
-
-def _warn_once(reason: str) -> None:
-    with _lock:
-        if reason in _warned:
-            return
-        _warned.add(reason)
-    warnings.warn(f"pallas_flash.integrations.keras: {reason}; running Keras's own "
-                  "dot_product_attention for these calls", stacklevel=3)
 
 
 def dot_product_attention(
