@@ -59,7 +59,7 @@ docs: venv
 	$(PY) -m mkdocs build --strict
 
 # The adapters for the heavy libraries (Gemma, MaxText) in a venv of their own, with the
-# versions they were tested with; not part of `make test`.
+# versions they were tested with; not part of `make test` (CI runs both).
 INTEG_VENV := .venv-integrations
 INTEG_PY := $(INTEG_VENV)/bin/python
 MAXTEXT_DEPS := aqtp drjax huggingface_hub omegaconf pathwaysutils qwix sympy tiktoken tokamax \
