@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -31,24 +31,40 @@ EMPTY_ROW_LSE = -1e30
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 # forward(q, k, v, segment_ids, *, mask, scale, config, interpret, [softcap, bias, attn_mask,
-#         into]) -> (out, lse)
+#         bounds, into]) -> (out, lse)
 #   q: [batch, seq_q, heads, head_dim], k/v: [batch, seq_kv, kv_heads, head_dim]
 #   segment_ids: None or (q_segment_ids [batch, seq_q], kv_segment_ids [batch, seq_kv]) int32;
 #     a pair is visible only if its segment ids are equal (and the MaskSpec allows it).
 #   bias (float) / attn_mask (bool): canonical [B', N', T', S'], each dim 1 or full (see
 #     pallas_flash.bias); only passed when set.
 #   out: like q, lse: [batch, heads, seq_q] float32, natural log.
+#   bounds (only when set): a RowBounds of int32 [batch] arrays: per sequence, queries at
+#     q >= q_end are padding (output 0, lse EMPTY_ROW_LSE, no gradient), and only keys with
+#     kv_start <= k < kv_end are visible (ANDed with the MaskSpec band, segment ids and
+#     arrays). Blocks wholly inside the bounds run unmasked; blocks wholly outside are skipped.
 #   into (only to kernels with ``merges_into``): (out [batch, seq_q, heads, head_dim] float32,
 #     lse [batch, heads, seq_q] float32), a partial attention of the same queries over other
 #     keys; the kernel merges its own partial into it and returns the merged (out float32,
 #     lse), as pallas_flash.decode.merge_splits would (ring attention's running result).
 ForwardFn = Callable[..., tuple[jax.Array, jax.Array]]
 # backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask, scale, config, interpret,
-#          [softcap, bias, attn_mask, bias_grad, deterministic]) -> (dq, dk, dv), and dbias
+#          [softcap, bias, attn_mask, bounds, bias_grad, deterministic]) -> (dq, dk, dv), and dbias
 #   (shaped like bias) appended when bias_grad=True; delta: [batch, heads, seq_q] float32
 #   (already minus the lse cotangent); deterministic=True: gradients bitwise reproducible
 #   from run to run (passed only when set).
 BackwardFn = Callable[..., tuple[jax.Array, ...]]
+
+
+class RowBounds(NamedTuple):
+    """Dynamic per-sequence bounds of the visible region (padding lengths, cache lengths,
+    ring offsets), each an int32 ``[batch]`` array: query ``q`` of sequence ``b`` is real
+    iff ``q < q_end[b]``, and sees key ``k`` only if ``kv_start[b] <= k < kv_end[b]``
+    (ANDed with the static :class:`~pallas_flash.masking.MaskSpec` band). Positions are
+    local to the arrays the kernel receives."""
+
+    q_end: jax.Array
+    kv_start: jax.Array
+    kv_end: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
