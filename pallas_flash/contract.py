@@ -74,12 +74,15 @@ class Kernels:
     ``name``: the backend's key in :data:`pallas_flash.dispatch.BACKENDS`.
     ``merges_into``: the forward takes ``into=(out, lse)`` and merges its result into it
     in its epilogue (the calling convention above), so a ring step costs no merge pass.
+    ``row_bounds``: the forward and backward take ``bounds=RowBounds(...)``; for kernels
+    without it the caller expresses the bounds as segment ids.
     """
 
     name: str
     forward: ForwardFn
     backward: BackwardFn
     merges_into: bool = False
+    row_bounds: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
