@@ -55,7 +55,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.experimental.mosaic.gpu as mgpu
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
