@@ -10,9 +10,10 @@ takes hardware barrier 0 (``gpu.barrier()``: the whole CTA, at kernel start and 
 the profiler) and ``1 + w`` for warpgroup ``w`` (``mosaic.gpu.utils.warpgroup_barrier_idx``:
 ``commit_smem``, ``wait_smem_to_gmem``, the warpgroup-wide ``bar.red`` of mbarrier
 waits). With ``W`` warpgroups it uses ids ``0 .. W``, so ``1 + W`` (:func:`first_free_barrier_id`)
-is the first one free, and a CTA has 16 (ids up to 15). Cost: ``bar.arrive`` does not
-block; ``bar.sync`` blocks until the count is reached (about 20-30 cycles when it already
-is). Both are convergent: every thread of a warp must execute them together.
+is the first one free, and a CTA has 16 (ids up to 15). Cost: one instruction, no SMEM
+word and no phase to track (an mbarrier wait is a polling loop plus a warpgroup
+``bar.red``); ``bar.arrive`` does not block, ``bar.sync`` blocks until the count is
+reached. Both are convergent: every thread of a warp must execute them together.
 
 **Non-tensor bulk reduce-add** (:func:`bulk_reduce_add`). FA3's backward adds each
 consumer's float32 dQ contribution into a dQ accumulator in GMEM with
