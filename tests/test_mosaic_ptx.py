@@ -196,6 +196,7 @@ def test_barrier_ids_start_after_mosaic_s():
 @pytest.mark.parametrize("call, match", [
     (lambda: ptx.bar_sync(0, 256), "barrier_id"),
     (lambda: ptx.bar_arrive(16, 256), "barrier_id"),
+    (lambda: ptx.bar_arrive(np.int32(0), 256), "barrier_id"),
     (lambda: ptx.bar_sync(4, 100), "num_threads"),
     (lambda: ptx.bar_arrive(jnp.zeros((2,), jnp.int32), 256), "barrier_id"),
     (lambda: ptx.to_fragment_order(jnp.zeros((32, 8))), "x must be"),

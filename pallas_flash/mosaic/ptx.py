@@ -133,6 +133,8 @@ def _check_barrier(barrier_id, num_threads: int) -> None:
 
 
 def _named_barrier(operation: str, barrier_id, num_threads: int) -> None:
+    if isinstance(barrier_id, np.integer):  # a static id, checked and emitted as one
+        barrier_id = int(barrier_id)
     _check_barrier(barrier_id, num_threads)
     # The inline function is named bar_op with operation / num_threads (/ barrier_id) in its
     # closure: the shape interpret mode recognises as a named barrier (module docstring).
