@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_flash import fp8
+from pallas_flash import fp8, fp8_format
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import MosaicConfig
 from pallas_flash.reference import attention_float64
@@ -209,3 +209,17 @@ def test_deterministic_reaches_the_backward(monkeypatch):
                                   np.asarray(reproducible, np.float32))
     with pytest.raises(ValueError, match="deterministic"):
         fp8.attention_fp8(q, k, v, deterministic="yes")
+
+
+def test_divide_exactly_is_correctly_rounded_inside_jit():
+    """XLA compiles ``x / 448.0`` inside a jit as a multiply by the rounded 1/448 (one ulp
+    off for most e4m3 values); divide_exactly gives the correctly rounded quotient there."""
+    x = jax.random.uniform(fresh_key(), (4096,), jnp.float32, 0.0, fp8_format.E4M3_MAX)
+    x = x.astype(fp8_format.E4M3).astype(jnp.float32)
+    want = (np.asarray(x, np.float64) / fp8_format.E4M3_MAX).astype(np.float32)
+    got = jax.jit(lambda x: fp8_format.divide_exactly(x, fp8_format.E4M3_MAX))(x)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    with pytest.raises(ValueError, match="divisor"):
+        fp8_format.divide_exactly(x, 0.0)
+    with pytest.raises(ValueError, match="divisor"):
+        fp8_format.divide_exactly(x, jnp.float32(2.0))
