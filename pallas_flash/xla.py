@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_flash.bias import grouped, sum_to_shape
-from pallas_flash.contract import EMPTY_ROW_LSE, Kernels, varying_like
+from pallas_flash.contract import EMPTY_ROW_LSE, Kernels, RowBounds, varying_like
 from pallas_flash.masking import MaskSpec, segments_visible
 from pallas_flash.padding import pad_axis
 
@@ -58,12 +58,43 @@ def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
     return q.reshape(b, t, kv_heads, n // kv_heads, d)
 
 
+def _bounds_visible(bounds: RowBounds, seq_q: int, k_start, block_kv: int) -> jax.Array:
+    """[B, 1, 1, T, block_kv]: the pairs of one chunk inside each sequence's bounds."""
+    rows = jnp.arange(seq_q)[None, :, None] < bounds.q_end[:, None, None]
+    cols = k_start + jnp.arange(block_kv)[None, None, :]
+    cols = (cols >= bounds.kv_start[:, None, None]) & (cols < bounds.kv_end[:, None, None])
+    return (rows & cols)[:, None, None]
+
+
+def _zero_outside_bounds(bounds: RowBounds | None, queries, keys):
+    """Padding query rows (``queries``: [B, T, ...] arrays) and hidden key rows (``keys``:
+    [B, S, ...]) selected to zero: they may hold NaN, and the matmuls multiply them by
+    P's zeros. Returns the two lists (unchanged without bounds)."""
+    if bounds is None:
+        return list(queries), list(keys)
+
+    def select(x, inside):
+        return jnp.where(inside.reshape(*inside.shape, *(1,) * (x.ndim - 2)), x,
+                         jnp.zeros((), x.dtype))
+
+    def q_inside(x):
+        return jnp.arange(x.shape[1])[None, :] < bounds.q_end[:, None]
+
+    def k_inside(x):
+        k = jnp.arange(x.shape[1])[None, :]
+        return (k >= bounds.kv_start[:, None]) & (k < bounds.kv_end[:, None])
+
+    return ([select(x, q_inside(x)) for x in queries],
+            [select(x, k_inside(x)) for x in keys])
+
+
 def _scores(q_g, k_j, scale, softcap, mask: MaskSpec, k_start, block_kv, segments, bias_j,
-            mask_j):
+            mask_j, bounds=None):
     """Logits of all queries against one chunk, masked: [B, K, G, T, block_kv].
 
     segments: None or (q_segment_ids [B, T], kv_segment_ids of the chunk [B, block_kv]).
     bias_j, mask_j: None or the chunk of the bias / mask, [B', K', G', T', block_kv or 1].
+    bounds: None or the call's RowBounds.
     Returns (masked logits, visible, d logits / d raw logits) — the last is
     ``1 - tanh²`` under soft-capping and None without it.
     """
@@ -82,6 +113,8 @@ def _scores(q_g, k_j, scale, softcap, mask: MaskSpec, k_start, block_kv, segment
         visible = visible & segments_visible(*segments)[:, None, None]
     if mask_j is not None:
         visible = visible & mask_j
+    if bounds is not None:
+        visible = visible & _bounds_visible(bounds, q_g.shape[1], k_start, block_kv)
     # Hidden pairs are -inf, below any finite logit: a row whose biased logits are all
     # <= -1e30 still gets its softmax (as jax.nn), and only a row with no visible key is
     # empty (l = 0). A select, not an add: NaN logits of hidden pairs never get through.
@@ -115,10 +148,16 @@ def _segment_chunks(segment_ids, block: int):
 
 
 def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaConfig,
-            interpret: bool, softcap: float | None = None, bias=None, attn_mask=None):
+            interpret: bool, softcap: float | None = None, bias=None, attn_mask=None,
+            bounds: RowBounds | None = None):
     """q: [B, T, N, D], k/v: [B, S, K, D] -> (out [B, T, N, D], lse [B, N, T] float32,
-    float64 for float64 inputs)."""
+    float64 for float64 inputs).
+
+    bounds: None or int32 ``[B]`` arrays (pallas_flash.contract.RowBounds), ANDed with
+    every other mask; padding rows get out 0 and lse EMPTY_ROW_LSE.
+    """
     del interpret
+    (q,), (k, v) = _zero_outside_bounds(bounds, (q,), (k, v))
     acc = _accumulator(q.dtype)
     batch, seq_q, heads, head_dim = q.shape
     kv_heads = k.shape[2]
@@ -136,7 +175,7 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaCo
         segments = None if q_seg is None else (q_seg, kv_seg)
         s, visible, _ = _scores(q_g, k_j, scale, softcap, mask, index * block, block, segments,
                                 _chunk(bias, index, block, kv_heads),
-                                _chunk(attn_mask, index, block, kv_heads))
+                                _chunk(attn_mask, index, block, kv_heads), bounds)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         # A row that has seen only hidden keys keeps m = -inf and subtracts 0 instead, so
         # that its p and alpha are 0, not NaN.
@@ -165,15 +204,20 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaCo
 
 def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, scale: float,
              config: XlaConfig, interpret: bool, softcap: float | None = None, bias=None,
-             attn_mask=None, bias_grad: bool = False, deterministic: bool = False):
+             attn_mask=None, bounds: RowBounds | None = None, bias_grad: bool = False,
+             deterministic: bool = False):
     """Gradients by recomputing P per K/V chunk (FlashAttention-2, Algorithm 2).
 
     Returns (dq, dk, dv), and dbias (float32, shaped like ``bias``) when ``bias_grad``.
+    ``bounds``: as in :func:`forward`; padding rows get dq 0, hidden keys dk / dv 0.
     ``deterministic`` is accepted for the backend interface: these are XLA's einsums,
     scan and sums, with no scatter, so one compiled program gives the same bits on every
     run (across processes, GEMM autotuning may pick other algorithms: ``docs/api.md``).
     """
     del out, interpret, deterministic
+    (q, d_out, delta), (k, v) = _zero_outside_bounds(
+        bounds, (q, d_out, jnp.swapaxes(delta, 1, 2)), (k, v))
+    delta = jnp.swapaxes(delta, 1, 2)
     acc = _accumulator(q.dtype)
     batch, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
@@ -195,7 +239,8 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
         segments = None if q_seg is None else (q_seg, kv_seg)
         bias_j = _chunk(bias, index, block, kv_heads)
         s, visible, slope = _scores(q_g, k_j, scale, softcap, mask, index * block, block,
-                                    segments, bias_j, _chunk(attn_mask, index, block, kv_heads))
+                                    segments, bias_j, _chunk(attn_mask, index, block, kv_heads),
+                                    bounds)
         p = jnp.where(visible, jnp.exp(s - lse_g[..., None]), 0.0)
         # dV_j = Pᵀ dO, dP = dO V_jᵀ, dS = P ∘ (dP - delta), dQ += dS K_j, dK_j = dSᵀ Q.
         dv_j = jnp.einsum("bkgts,btkgd->bskd", p.astype(q.dtype), do_g,
@@ -301,7 +346,7 @@ def tangent(q, k, v, segment_ids, lse, dq, dk, dv, d_bias, *, mask: MaskSpec, sc
     return pv, d_lse.reshape(batch, heads, seq_q)
 
 
-KERNELS = Kernels(name="xla", forward=forward, backward=backward)
+KERNELS = Kernels(name="xla", forward=forward, backward=backward, row_bounds=True)
 
 
 def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,

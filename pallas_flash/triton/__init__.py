@@ -17,6 +17,6 @@ def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
     return None
 
 
-KERNELS = Kernels(name="triton", forward=forward, backward=backward)
+KERNELS = Kernels(name="triton", forward=forward, backward=backward, row_bounds=True)
 
 __all__ = ["KERNELS", "TritonConfig", "default_config", "unsupported"]
