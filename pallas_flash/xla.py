@@ -150,8 +150,8 @@ def _segment_chunks(segment_ids, block: int):
 def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaConfig,
             interpret: bool, softcap: float | None = None, bias=None, attn_mask=None,
             bounds: RowBounds | None = None):
-    """q: [B, T, N, D], k/v: [B, S, K, D] -> (out [B, T, N, D], lse [B, N, T] float32,
-    float64 for float64 inputs).
+    """q: [B, T, N, D], k: [B, S, K, D], v: [B, S, K, Dv] -> (out [B, T, N, Dv],
+    lse [B, N, T] float32, float64 for float64 inputs).
 
     bounds: None or int32 ``[B]`` arrays (pallas_flash.contract.RowBounds), ANDed with
     every other mask; padding rows get out 0 and lse EMPTY_ROW_LSE.
@@ -159,7 +159,7 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaCo
     del interpret
     (q,), (k, v) = _zero_outside_bounds(bounds, (q,), (k, v))
     acc = _accumulator(q.dtype)
-    batch, seq_q, heads, head_dim = q.shape
+    batch, seq_q, heads, _ = q.shape
     kv_heads = k.shape[2]
     block = min(config.block_kv, k.shape[1])
     q_g = _grouped(q, kv_heads)
@@ -188,8 +188,9 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaCo
         return (alpha[..., None] * o + pv, m_new, l), None
 
     # Inside shard_map the carry varies as q does; its initial value must too.
+    value_dim = v.shape[3]
     init = tuple(varying_like(x, q) for x in (
-        jnp.zeros((batch, kv_heads, group, seq_q, head_dim), acc),
+        jnp.zeros((batch, kv_heads, group, seq_q, value_dim), acc),
         jnp.full((batch, kv_heads, group, seq_q), -jnp.inf, acc),
         jnp.zeros((batch, kv_heads, group, seq_q), acc),
     ))
@@ -198,7 +199,7 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaCo
     empty = l == 0
     o = o / jnp.where(empty, 1.0, l)[..., None]
     lse = jnp.where(empty, EMPTY_ROW_LSE, m + jnp.log(jnp.where(empty, 1.0, l)))
-    out = jnp.transpose(o.reshape(batch, heads, seq_q, head_dim), (0, 2, 1, 3))
+    out = jnp.transpose(o.reshape(batch, heads, seq_q, value_dim), (0, 2, 1, 3))
     return out.astype(q.dtype), lse.reshape(batch, heads, seq_q)
 
 
@@ -208,8 +209,10 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
              deterministic: bool = False):
     """Gradients by recomputing P per K/V chunk (FlashAttention-2, Algorithm 2).
 
-    Returns (dq, dk, dv), and dbias (float32, shaped like ``bias``) when ``bias_grad``.
-    ``bounds``: as in :func:`forward`; padding rows get dq 0, hidden keys dk / dv 0.
+    q: [B, T, N, D], k: [B, S, K, D], v: [B, S, K, Dv], d_out: [B, T, N, Dv]. Returns
+    (dq [B, T, N, D], dk [B, S, K, D], dv [B, S, K, Dv]), and dbias (float32, shaped like
+    ``bias``) when ``bias_grad``. ``bounds``: as in :func:`forward`; padding rows get dq 0,
+    hidden keys dk / dv 0.
     ``deterministic`` is accepted for the backend interface: these are XLA's einsums,
     scan and sums, with no scatter, so one compiled program gives the same bits on every
     run (across processes, GEMM autotuning may pick other algorithms: ``docs/api.md``).
@@ -265,7 +268,7 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
 
     def unchunk(x):  # [S/block, B, block, K, D] -> [B, S, K, D]
         x = jnp.moveaxis(x, 0, 1)
-        return x.reshape(batch, -1, kv_heads, head_dim)[:, :seq_kv]
+        return x.reshape(batch, -1, kv_heads, x.shape[-1])[:, :seq_kv]
 
     dq = (dq * scale).reshape(batch, seq_q, heads, head_dim)
     if not bias_grad:
@@ -284,12 +287,12 @@ def tangent(q, k, v, segment_ids, lse, dq, dk, dv, d_bias, *, mask: MaskSpec, sc
 
     With P = exp(S - lse) (recomputed, as the backward does) and dS the tangent of the
     (biased, capped) logits, ``dlse = rowsum(P ∘ dS)`` and ``dO = (P ∘ dS)·V + P·dV -
-    dlse ∘ O``. Returns ``(P∘dS)·V + P·dV`` as ``[B, T, N, D]`` and ``dlse [B, N, T]``, both
+    dlse ∘ O``. Returns ``(P∘dS)·V + P·dV`` as ``[B, T, N, Dv]`` and ``dlse [B, N, T]``, both
     in the accumulator dtype; the caller subtracts ``dlse ∘ O`` (after adding the sinks'
     share of ``dlse``). ``dq``, ``dk``, ``dv``, ``d_bias``: tangents, or None for zero.
     """
     acc = _accumulator(q.dtype)
-    batch, seq_q, heads, head_dim = q.shape
+    batch, seq_q, heads, _ = q.shape
     kv_heads = k.shape[2]
     group = heads // kv_heads
     block = min(config.block_kv, k.shape[1])
@@ -335,14 +338,15 @@ def tangent(q, k, v, segment_ids, lse, dq, dk, dv, d_bias, *, mask: MaskSpec, sc
                              preferred_element_type=acc, precision=prec)
         return (pv, d_lse + jnp.sum(pds, axis=-1)), None
 
+    value_dim = v.shape[3]
     init = tuple(varying_like(x, q) for x in (
-        jnp.zeros((batch, kv_heads, group, seq_q, head_dim), acc),
+        jnp.zeros((batch, kv_heads, group, seq_q, value_dim), acc),
         jnp.zeros((batch, kv_heads, group, seq_q), acc),
     ))
     indices = jnp.arange(num_chunks)
     (pv, d_lse), _ = lax.scan(step, init, (indices, k_chunks, v_chunks, kv_seg_chunks,
                                            dk_chunks, dv_chunks))
-    pv = jnp.transpose(pv.reshape(batch, heads, seq_q, head_dim), (0, 2, 1, 3))
+    pv = jnp.transpose(pv.reshape(batch, heads, seq_q, value_dim), (0, 2, 1, 3))
     return pv, d_lse.reshape(batch, heads, seq_q)
 
 
@@ -351,9 +355,11 @@ KERNELS = Kernels(name="xla", forward=forward, backward=backward, row_bounds=Tru
 
 def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
                 softcap: float | None = None, has_bias: bool = False,
-                has_mask: bool = False) -> str | None:
-    """The XLA path runs every call the API accepts."""
+                has_mask: bool = False, value_head_dim: int | None = None) -> str | None:
+    """The XLA path runs every call the API accepts, with any query/key head dim and any
+    value head dim (``value_head_dim``, None: the queries')."""
     del q_shape, kv_shape, dtype, mask, has_segments, softcap, has_bias, has_mask
+    del value_head_dim
     return None
 
 

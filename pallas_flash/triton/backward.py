@@ -151,8 +151,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_refs, boun
             carry = (*carry[:2], d_bias_zeros)
         return carry
 
-    zeros = jnp.zeros(k.shape, jnp.float32)
-    dk, dv, d_bias_rows = lax.fori_loop(0, group, head_step, (zeros, zeros, d_bias_zeros))
+    dk, dv, d_bias_rows = lax.fori_loop(
+        0, group, head_step,
+        (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32), d_bias_zeros))
     if summed_rows and partial_heads == 1:
         d_bias_ref[0, :, :] = d_bias_rows
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
@@ -226,8 +227,9 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
              config: TritonConfig, interpret: bool, softcap: float | None = None, bias=None,
              attn_mask=None, bounds: RowBounds | None = None, bias_grad: bool = False,
              deterministic: bool = False):
-    """Returns (dq [B, T, N, D], dk [B, S, K, D], dv [B, S, K, D]), and dbias (float32,
-    shaped like ``bias``) when ``bias_grad``.
+    """q: [B, T, N, D], k: [B, S, K, D], v: [B, S, K, Dv], d_out: [B, T, N, Dv]. Returns
+    (dq [B, T, N, D], dk [B, S, K, D], dv [B, S, K, Dv]), and dbias (float32, shaped like
+    ``bias``) when ``bias_grad``.
 
     bounds: None or int32 ``[B]`` arrays (pallas_flash.contract.RowBounds): padding
     queries get dq 0, hidden keys dk / dv 0 (and no dbias).
@@ -244,11 +246,14 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
     group = heads // kv_heads
     block_q, block_kv = config.bwd_block_q, config.bwd_block_kv
     padded_q, padded_kv = round_up(seq_q, block_q), round_up(seq_kv, block_kv)
-    padded_d = padded_head_dim(head_dim)
+    value_dim = v.shape[3]
+    padded_d, padded_dv = padded_head_dim(head_dim), padded_head_dim(value_dim)
     num_q_blocks, num_kv_blocks = padded_q // block_q, padded_kv // block_kv
 
-    q_p, do_p = (pad_axis(pad_axis(x, 1, padded_q), 3, padded_d) for x in (q, d_out))
-    k_p, v_p = (pad_axis(pad_axis(x, 1, padded_kv), 3, padded_d) for x in (k, v))
+    q_p = pad_axis(pad_axis(q, 1, padded_q), 3, padded_d)
+    do_p = pad_axis(pad_axis(d_out, 1, padded_q), 3, padded_dv)
+    k_p = pad_axis(pad_axis(k, 1, padded_kv), 3, padded_d)
+    v_p = pad_axis(pad_axis(v, 1, padded_kv), 3, padded_dv)
     # lse in base 2; padded rows get +inf so that their P = exp2(S - inf) is exactly 0.
     lse2 = pad_axis(lse * LOG2_E, 2, padded_q, jnp.inf)
     delta = pad_axis(delta, 2, padded_q)
@@ -279,7 +284,7 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
     def group_stats(j, b, h):
         return (b, h, 0, 0)
 
-    grouped = lambda x: x.reshape(batch, padded_q, kv_heads, group, padded_d)  # noqa: E731
+    grouped = lambda x: x.reshape(batch, padded_q, kv_heads, group, x.shape[3])  # noqa: E731
     stats = lambda x: x.reshape(batch, kv_heads, group, padded_q)  # noqa: E731
     columns = [(None, None) if x is None else
                column_block_operand(x, kv_heads, padded_q, padded_kv, block_kv)
@@ -289,16 +294,17 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
     in_specs = [
         pl.BlockSpec((None, padded_q, None, group, padded_d), group_rows),
         pl.BlockSpec((None, block_kv, None, padded_d), kv_tile),
-        pl.BlockSpec((None, block_kv, None, padded_d), kv_tile),
-        pl.BlockSpec((None, padded_q, None, group, padded_d), group_rows),
+        pl.BlockSpec((None, block_kv, None, padded_dv), kv_tile),
+        pl.BlockSpec((None, padded_q, None, group, padded_dv), group_rows),
         pl.BlockSpec((None, None, group, padded_q), group_stats),
         pl.BlockSpec((None, None, group, padded_q), group_stats),
         dkdv_segments[1],
         bounds_spec,
         *(spec for _, spec in columns),
     ]
-    out_specs = [pl.BlockSpec((None, block_kv, None, padded_d), kv_tile)] * 2
-    out_shape = [kernel_output(k_p.shape, k.dtype, q)] * 2
+    out_specs = [pl.BlockSpec((None, block_kv, None, padded_d), kv_tile),
+                 pl.BlockSpec((None, block_kv, None, padded_dv), kv_tile)]
+    out_shape = [kernel_output(k_p.shape, k.dtype, q), kernel_output(v_p.shape, v.dtype, q)]
     d_bias_init = d_bias_spec = d_bias_shape = None
     aliases = {}
     if bias_grad:
@@ -340,8 +346,8 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
         in_specs=[
             pl.BlockSpec((None, block_q, None, padded_d), q_tile),
             pl.BlockSpec((None, padded_kv, None, padded_d), kv_rows),
-            pl.BlockSpec((None, padded_kv, None, padded_d), kv_rows),
-            pl.BlockSpec((None, block_q, None, padded_d), q_tile),
+            pl.BlockSpec((None, padded_kv, None, padded_dv), kv_rows),
+            pl.BlockSpec((None, block_q, None, padded_dv), q_tile),
             pl.BlockSpec((None, None, block_q), row_stats),
             pl.BlockSpec((None, None, block_q), row_stats),
             dq_segments[1],
@@ -355,7 +361,7 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
         name="pallas_flash_backward_dq",
     )(q_p, k_p, v_p, do_p, lse2, delta, dq_segments[0], bounds_in, *(x for x, _ in rows))
     grads = (dq[:, :seq_q, :, :head_dim], dk[:, :seq_kv, :, :head_dim],
-             dv[:, :seq_kv, :, :head_dim])
+             dv[:, :seq_kv, :, :value_dim])
     if bias_grad:
         grads += (_reduce_d_bias(d_bias, bias.shape, seq_q, seq_kv),)
     return grads

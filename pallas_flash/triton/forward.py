@@ -93,8 +93,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, bounds_ref, bias_ref, mask_re
         acc = alpha[:, None] * acc + plgpu.dot(p.astype(v.dtype), v, precision=precision)
         return acc, m_new, l_i
 
-    head_dim = q_ref.shape[-1]
-    carry = (jnp.zeros((block_q, head_dim), jnp.float32),
+    carry = (jnp.zeros((block_q, v_ref.shape[-1]), jnp.float32),
              jnp.full((block_q,), -jnp.inf, jnp.float32),
              jnp.zeros((block_q,), jnp.float32))
     ranges = mask.kv_blocks(q_start, block_q, block_kv)
@@ -121,7 +120,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_refs, bounds_ref, bias_ref, mask_re
 def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: TritonConfig,
             interpret: bool, softcap: float | None = None, bias=None, attn_mask=None,
             bounds: RowBounds | None = None):
-    """q: [B, T, N, D], k/v: [B, S, K, D] -> (out [B, T, N, D], lse [B, N, T] float32).
+    """q: [B, T, N, D], k: [B, S, K, D], v: [B, S, K, Dv] -> (out [B, T, N, Dv],
+    lse [B, N, T] float32). D and Dv are each zero-padded to a power of two.
 
     bias, attn_mask: None or canonical ``[B', N', T', S']`` (pallas_flash.bias); the mask
     goes to the kernel as int8 (one byte, like bool, and a type every Triton load takes).
@@ -130,16 +130,18 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: Trito
     batch, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
-    padded_d = padded_head_dim(head_dim)
+    value_dim = v.shape[3]
+    padded_d, padded_dv = padded_head_dim(head_dim), padded_head_dim(value_dim)
     # Bytes per (query row, key) of the bias/mask tiles that vary along queries.
     row_tile_bytes = sum(x.dtype.itemsize for x in (bias, attn_mask)
                          if x is not None and x.shape[2] > 1)
-    config = fit_row_operands(config, padded_d, q.dtype.itemsize, row_tile_bytes)
+    config = fit_row_operands(config, padded_d, q.dtype.itemsize, row_tile_bytes,
+                              value_dim=padded_dv)
     block_q, block_kv = config.block_q, config.block_kv
     padded_q, padded_kv = round_up(seq_q, block_q), round_up(seq_kv, block_kv)
     q_p = pad_axis(pad_axis(q, 1, padded_q), 3, padded_d)
     k_p = pad_axis(pad_axis(k, 1, padded_kv), 3, padded_d)
-    v_p = pad_axis(pad_axis(v, 1, padded_kv), 3, padded_d)
+    v_p = pad_axis(pad_axis(v, 1, padded_kv), 3, padded_dv)
     num_q_blocks = padded_q // block_q
 
     def q_tile(i, b, h):
@@ -151,8 +153,9 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: Trito
     def kv_rows(i, b, h):  # whole K/V of the head's KV head (GQA: shared by `group` heads)
         return (b, 0, h // group, 0)
 
-    kv_spec = pl.BlockSpec((None, padded_kv, None, padded_d), kv_rows)
-    in_specs = [pl.BlockSpec((None, block_q, None, padded_d), q_tile), kv_spec, kv_spec]
+    in_specs = [pl.BlockSpec((None, block_q, None, padded_d), q_tile),
+                pl.BlockSpec((None, padded_kv, None, padded_d), kv_rows),
+                pl.BlockSpec((None, padded_kv, None, padded_dv), kv_rows)]
     inputs = [q_p, k_p, v_p]
     # Optional operands: None, or arrays with their specs (pallas_call takes pytrees).
     segments = seg_specs = None
@@ -178,13 +181,13 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: Trito
         kernel,
         grid=(num_q_blocks, batch, heads),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, block_q, None, padded_d), q_tile),
+        out_specs=[pl.BlockSpec((None, block_q, None, padded_dv), q_tile),
                    pl.BlockSpec((None, None, block_q), lse_tile)],
-        out_shape=[kernel_output((batch, padded_q, heads, padded_d), q.dtype, q),
+        out_shape=[kernel_output((batch, padded_q, heads, padded_dv), q.dtype, q),
                    kernel_output((batch, heads, padded_q), jnp.float32, q)],
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                              num_stages=config.num_stages),
         interpret=interpret,
         name="pallas_flash_forward",
     )(*inputs)
-    return out[:, :seq_q, :, :head_dim], lse[:, :, :seq_q]
+    return out[:, :seq_q, :, :value_dim], lse[:, :, :seq_q]
