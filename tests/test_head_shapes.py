@@ -94,3 +94,32 @@ def test_xla_unsupported_takes_any_head_dims():
     for head_dim, value_dim in (*PAIRS, (1024, 48), (7, 2048)):
         assert unsupported((1, 8, 2, head_dim), (1, 8, 2, head_dim), jnp.float32, mask,
                            False, value_head_dim=value_dim) is None
+
+
+@pytest.mark.parametrize("dims", [(192, 128), (64, 128), (512, 512), (320, 320)],
+                         ids=lambda d: f"{d[0]}x{d[1]}")
+def test_triton_head_dims_lower_for_hopper(dims):
+    """Forward, dK/dV and dQ with these head dims and their default tiles lower to Triton
+    for an H200 on the CPU (only a GPU compiles and runs them: tests/gpu)."""
+    from pallas_flash.triton import KERNELS, default_config
+
+    head_dim, value_dim = dims
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
+                                       platform="gpu")
+    mask = MaskSpec(seq_q=300, seq_kv=300, is_causal=True)
+    q_shape, v_shape = (2, 300, 4, head_dim), (2, 300, 4, value_dim)
+    config = default_config(q_shape, q_shape, jnp.bfloat16, mask)
+
+    def both(q, k, v, d_out):
+        out, lse = KERNELS.forward(q, k, v, None, mask=mask, scale=0.1, config=config,
+                                   interpret=False)
+        return KERNELS.backward(q, k, v, None, out, lse, d_out, lse, mask=mask, scale=0.1,
+                                config=config, interpret=False)
+
+    qk = jax.ShapeDtypeStruct(q_shape, jnp.bfloat16)
+    vo = jax.ShapeDtypeStruct(v_shape, jnp.bfloat16)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                  abstract_device=h200)):
+        text = jax.jit(both).trace(qk, qk, vo, vo).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3
