@@ -164,6 +164,8 @@ def test_cut_to_bounds_keeps_only_edge_tiles_masked():
 
     assert cut(5, 50) == (0, 1, 3, 4)
     assert cut(16, 64) == (1, 1, 4, 4)
+    assert cut(0, 2**31 - 1) == (0, 0, 7, 7)               # no bound: the band's walk
+    assert cut(2**31 - 1, 2**31 - 1)[0] == cut(2**31 - 1, 2**31 - 1)[3]
     assert cut(5, 50, own_whole=False) == (0, 1, 1, 4)     # every tile masked
     first, _, _, last = cut(5, 50, own_seen=False)
     assert first == last                                   # nothing walked

@@ -73,6 +73,9 @@ def bounds_operand(bounds) -> tuple[jax.Array, pl.BlockSpec]:
     return x, _batch_row(x)
 
 
+_FAR = 1 << 30
+
+
 def _div(a, b: int):
     """Floor division of non-negative traced indices (lax.div: Triton lowers it)."""
     return lax.div(a, jnp.asarray(b, a.dtype))
@@ -87,9 +90,11 @@ def cut_to_bounds(ranges, start, end, block: int, *, own_seen, own_whole):
     needs the bounds mask, so none is unmasked).
     """
     first, full_first, full_last, last = (jnp.asarray(x, jnp.int32) for x in ranges)
-    start = jnp.maximum(jnp.asarray(start, jnp.int32), 0)
+    # Clipped below 2**30 (past any tile) so that rounding up cannot overflow int32: a
+    # bound of 2**31 - 1 stands for "none".
+    start = jnp.clip(jnp.asarray(start, jnp.int32), 0, _FAR)
+    end = jnp.clip(jnp.asarray(end, jnp.int32), start, _FAR)
     seen = own_seen & (end > start)
-    end = jnp.maximum(jnp.asarray(end, jnp.int32), start)
     first = jnp.maximum(first, _div(start, block))
     last = jnp.where(seen, jnp.maximum(first, jnp.minimum(last, _div(end + block - 1, block))),
                      first)
