@@ -4,7 +4,9 @@ The default off-GPU. Memory is O(seq_q · block_kv) per head instead of O(seq_q 
 a ``lax.scan`` walks the K/V chunks, carrying the unnormalised output and the running
 row max ``m`` and sum ``l`` (FlashAttention-2's loop, with all query rows processed at
 once). The backward recomputes P chunk by chunk from ``lse``. XLA cannot skip chunks
-(the scan length is static), so the mask is applied everywhere. A ``bias`` / ``attn_mask``
+(the scan length is static), so the mask is applied everywhere; row bounds
+(:class:`~pallas_flash.contract.RowBounds`) are one more mask, and the rows they hide are
+selected to zero first (they may hold NaN). A ``bias`` / ``attn_mask``
 is sliced per chunk with its broadcast dims kept at size 1; the bias gradient is reduced to
 the bias's shape chunk by chunk, so it never takes more memory than the bias itself.
 """
@@ -157,7 +159,8 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaCo
     every other mask; padding rows get out 0 and lse EMPTY_ROW_LSE.
     """
     del interpret
-    (q,), (k, v) = _zero_outside_bounds(bounds, (q,), (k, v))
+    # Only V: hidden logits are selected to -inf, but P·V multiplies V's hidden rows by 0.
+    _, (v,) = _zero_outside_bounds(bounds, (), (v,))
     acc = _accumulator(q.dtype)
     batch, seq_q, heads, _ = q.shape
     kv_heads = k.shape[2]
