@@ -7,12 +7,13 @@
 
 The papers' tiled loops, written the same way, are :mod:`pallas_flash.tutorial.loops`.
 
-Both take ``q: [batch, seq_q, heads, head_dim]`` and ``k, v: [batch, seq_kv, kv_heads,
-head_dim]`` (GQA: ``heads`` a multiple of ``kv_heads``), optionally a ``bias`` added to the
+Both take ``q: [batch, seq_q, heads, head_dim]``, ``k: [batch, seq_kv, kv_heads,
+head_dim]`` and ``v: [batch, seq_kv, kv_heads, value_dim]`` (GQA: ``heads`` a multiple of
+``kv_heads``; ``value_dim`` may differ from ``head_dim``), optionally a ``bias`` added to the
 scaled logits and a boolean ``attn_mask`` (``False`` hides a pair), both broadcastable to
-``[batch, heads, seq_q, seq_kv]`` (see :mod:`pallas_flash.bias`), and return ``out`` shaped
-like ``q`` and ``lse: [batch, heads, seq_q]`` (natural log, float32; rows that see no key
-get out 0 and lse :data:`EMPTY_ROW_LSE`).
+``[batch, heads, seq_q, seq_kv]`` (see :mod:`pallas_flash.bias`), and return ``out:
+[batch, seq_q, heads, value_dim]`` and ``lse: [batch, heads, seq_q]`` (natural log,
+float32; rows that see no key get out 0 and lse :data:`EMPTY_ROW_LSE`).
 """
 
 from __future__ import annotations
@@ -140,9 +141,9 @@ def attention_float64(q, k, v, *, scale: float | None = None, mask: MaskSpec | N
     ds = d_logits * slope
     dq = np.einsum("bnqk,bknd->bqnd", ds, k_rep, optimize=True) * scale
     dk_rep = np.einsum("bnqk,bqnd->bknd", ds, q, optimize=True) * scale
-    b, s_kv, _, d = k.shape
-    dk = dk_rep.reshape(b, s_kv, kv_heads, group, d).sum(axis=3)
-    dv = dv_rep.reshape(b, s_kv, kv_heads, group, d).sum(axis=3)
+    b, s_kv = k.shape[:2]
+    dk = dk_rep.reshape(b, s_kv, kv_heads, group, k.shape[3]).sum(axis=3)
+    dv = dv_rep.reshape(b, s_kv, kv_heads, group, v.shape[3]).sum(axis=3)
     grads = (dq, dk, dv)
     if sinks is not None:
         grads += (np.sum(p_sink * (0.0 - row), axis=(0, 2, 3)),)

@@ -4,7 +4,9 @@ The default off-GPU. Memory is O(seq_q · block_kv) per head instead of O(seq_q 
 a ``lax.scan`` walks the K/V chunks, carrying the unnormalised output and the running
 row max ``m`` and sum ``l`` (FlashAttention-2's loop, with all query rows processed at
 once). The backward recomputes P chunk by chunk from ``lse``. XLA cannot skip chunks
-(the scan length is static), so the mask is applied everywhere. A ``bias`` / ``attn_mask``
+(the scan length is static), so the mask is applied everywhere; row bounds
+(:class:`~pallas_flash.contract.RowBounds`) are one more mask, and the rows they hide are
+selected to zero first (they may hold NaN). A ``bias`` / ``attn_mask``
 is sliced per chunk with its broadcast dims kept at size 1; the bias gradient is reduced to
 the bias's shape chunk by chunk, so it never takes more memory than the bias itself.
 """
@@ -18,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_flash.bias import grouped, sum_to_shape
-from pallas_flash.contract import EMPTY_ROW_LSE, Kernels, varying_like
+from pallas_flash.contract import EMPTY_ROW_LSE, Kernels, RowBounds, varying_like
 from pallas_flash.masking import MaskSpec, segments_visible
 from pallas_flash.padding import pad_axis
 
@@ -58,12 +60,43 @@ def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
     return q.reshape(b, t, kv_heads, n // kv_heads, d)
 
 
+def _bounds_visible(bounds: RowBounds, seq_q: int, k_start, block_kv: int) -> jax.Array:
+    """[B, 1, 1, T, block_kv]: the pairs of one chunk inside each sequence's bounds."""
+    rows = jnp.arange(seq_q)[None, :, None] < bounds.q_end[:, None, None]
+    cols = k_start + jnp.arange(block_kv)[None, None, :]
+    cols = (cols >= bounds.kv_start[:, None, None]) & (cols < bounds.kv_end[:, None, None])
+    return (rows & cols)[:, None, None]
+
+
+def _zero_outside_bounds(bounds: RowBounds | None, queries, keys):
+    """Padding query rows (``queries``: [B, T, ...] arrays) and hidden key rows (``keys``:
+    [B, S, ...]) selected to zero: they may hold NaN, and the matmuls multiply them by
+    P's zeros. Returns the two lists (unchanged without bounds)."""
+    if bounds is None:
+        return list(queries), list(keys)
+
+    def select(x, inside):
+        return jnp.where(inside.reshape(*inside.shape, *(1,) * (x.ndim - 2)), x,
+                         jnp.zeros((), x.dtype))
+
+    def q_inside(x):
+        return jnp.arange(x.shape[1])[None, :] < bounds.q_end[:, None]
+
+    def k_inside(x):
+        k = jnp.arange(x.shape[1])[None, :]
+        return (k >= bounds.kv_start[:, None]) & (k < bounds.kv_end[:, None])
+
+    return ([select(x, q_inside(x)) for x in queries],
+            [select(x, k_inside(x)) for x in keys])
+
+
 def _scores(q_g, k_j, scale, softcap, mask: MaskSpec, k_start, block_kv, segments, bias_j,
-            mask_j):
+            mask_j, bounds=None):
     """Logits of all queries against one chunk, masked: [B, K, G, T, block_kv].
 
     segments: None or (q_segment_ids [B, T], kv_segment_ids of the chunk [B, block_kv]).
     bias_j, mask_j: None or the chunk of the bias / mask, [B', K', G', T', block_kv or 1].
+    bounds: None or the call's RowBounds.
     Returns (masked logits, visible, d logits / d raw logits) — the last is
     ``1 - tanh²`` under soft-capping and None without it.
     """
@@ -82,6 +115,8 @@ def _scores(q_g, k_j, scale, softcap, mask: MaskSpec, k_start, block_kv, segment
         visible = visible & segments_visible(*segments)[:, None, None]
     if mask_j is not None:
         visible = visible & mask_j
+    if bounds is not None:
+        visible = visible & _bounds_visible(bounds, q_g.shape[1], k_start, block_kv)
     # Hidden pairs are -inf, below any finite logit: a row whose biased logits are all
     # <= -1e30 still gets its softmax (as jax.nn), and only a row with no visible key is
     # empty (l = 0). A select, not an add: NaN logits of hidden pairs never get through.
@@ -115,12 +150,19 @@ def _segment_chunks(segment_ids, block: int):
 
 
 def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaConfig,
-            interpret: bool, softcap: float | None = None, bias=None, attn_mask=None):
-    """q: [B, T, N, D], k/v: [B, S, K, D] -> (out [B, T, N, D], lse [B, N, T] float32,
-    float64 for float64 inputs)."""
+            interpret: bool, softcap: float | None = None, bias=None, attn_mask=None,
+            bounds: RowBounds | None = None):
+    """q: [B, T, N, D], k: [B, S, K, D], v: [B, S, K, Dv] -> (out [B, T, N, Dv],
+    lse [B, N, T] float32, float64 for float64 inputs).
+
+    bounds: None or int32 ``[B]`` arrays (pallas_flash.contract.RowBounds), ANDed with
+    every other mask; padding rows get out 0 and lse EMPTY_ROW_LSE.
+    """
     del interpret
+    # Only V: hidden logits are selected to -inf, but P·V multiplies V's hidden rows by 0.
+    _, (v,) = _zero_outside_bounds(bounds, (), (v,))
     acc = _accumulator(q.dtype)
-    batch, seq_q, heads, head_dim = q.shape
+    batch, seq_q, heads, _ = q.shape
     kv_heads = k.shape[2]
     block = min(config.block_kv, k.shape[1])
     q_g = _grouped(q, kv_heads)
@@ -136,7 +178,7 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaCo
         segments = None if q_seg is None else (q_seg, kv_seg)
         s, visible, _ = _scores(q_g, k_j, scale, softcap, mask, index * block, block, segments,
                                 _chunk(bias, index, block, kv_heads),
-                                _chunk(attn_mask, index, block, kv_heads))
+                                _chunk(attn_mask, index, block, kv_heads), bounds)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         # A row that has seen only hidden keys keeps m = -inf and subtracts 0 instead, so
         # that its p and alpha are 0, not NaN.
@@ -149,8 +191,9 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaCo
         return (alpha[..., None] * o + pv, m_new, l), None
 
     # Inside shard_map the carry varies as q does; its initial value must too.
+    value_dim = v.shape[3]
     init = tuple(varying_like(x, q) for x in (
-        jnp.zeros((batch, kv_heads, group, seq_q, head_dim), acc),
+        jnp.zeros((batch, kv_heads, group, seq_q, value_dim), acc),
         jnp.full((batch, kv_heads, group, seq_q), -jnp.inf, acc),
         jnp.zeros((batch, kv_heads, group, seq_q), acc),
     ))
@@ -159,21 +202,28 @@ def forward(q, k, v, segment_ids, *, mask: MaskSpec, scale: float, config: XlaCo
     empty = l == 0
     o = o / jnp.where(empty, 1.0, l)[..., None]
     lse = jnp.where(empty, EMPTY_ROW_LSE, m + jnp.log(jnp.where(empty, 1.0, l)))
-    out = jnp.transpose(o.reshape(batch, heads, seq_q, head_dim), (0, 2, 1, 3))
+    out = jnp.transpose(o.reshape(batch, heads, seq_q, value_dim), (0, 2, 1, 3))
     return out.astype(q.dtype), lse.reshape(batch, heads, seq_q)
 
 
 def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, scale: float,
              config: XlaConfig, interpret: bool, softcap: float | None = None, bias=None,
-             attn_mask=None, bias_grad: bool = False, deterministic: bool = False):
+             attn_mask=None, bounds: RowBounds | None = None, bias_grad: bool = False,
+             deterministic: bool = False):
     """Gradients by recomputing P per K/V chunk (FlashAttention-2, Algorithm 2).
 
-    Returns (dq, dk, dv), and dbias (float32, shaped like ``bias``) when ``bias_grad``.
+    q: [B, T, N, D], k: [B, S, K, D], v: [B, S, K, Dv], d_out: [B, T, N, Dv]. Returns
+    (dq [B, T, N, D], dk [B, S, K, D], dv [B, S, K, Dv]), and dbias (float32, shaped like
+    ``bias``) when ``bias_grad``. ``bounds``: as in :func:`forward`; padding rows get dq 0,
+    hidden keys dk / dv 0.
     ``deterministic`` is accepted for the backend interface: these are XLA's einsums,
     scan and sums, with no scatter, so one compiled program gives the same bits on every
     run (across processes, GEMM autotuning may pick other algorithms: ``docs/api.md``).
     """
     del out, interpret, deterministic
+    (q, d_out, delta), (k, v) = _zero_outside_bounds(
+        bounds, (q, d_out, jnp.swapaxes(delta, 1, 2)), (k, v))
+    delta = jnp.swapaxes(delta, 1, 2)
     acc = _accumulator(q.dtype)
     batch, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
@@ -195,7 +245,8 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
         segments = None if q_seg is None else (q_seg, kv_seg)
         bias_j = _chunk(bias, index, block, kv_heads)
         s, visible, slope = _scores(q_g, k_j, scale, softcap, mask, index * block, block,
-                                    segments, bias_j, _chunk(attn_mask, index, block, kv_heads))
+                                    segments, bias_j, _chunk(attn_mask, index, block, kv_heads),
+                                    bounds)
         p = jnp.where(visible, jnp.exp(s - lse_g[..., None]), 0.0)
         # dV_j = Pᵀ dO, dP = dO V_jᵀ, dS = P ∘ (dP - delta), dQ += dS K_j, dK_j = dSᵀ Q.
         dv_j = jnp.einsum("bkgts,btkgd->bskd", p.astype(q.dtype), do_g,
@@ -220,7 +271,7 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
 
     def unchunk(x):  # [S/block, B, block, K, D] -> [B, S, K, D]
         x = jnp.moveaxis(x, 0, 1)
-        return x.reshape(batch, -1, kv_heads, head_dim)[:, :seq_kv]
+        return x.reshape(batch, -1, kv_heads, x.shape[-1])[:, :seq_kv]
 
     dq = (dq * scale).reshape(batch, seq_q, heads, head_dim)
     if not bias_grad:
@@ -239,12 +290,12 @@ def tangent(q, k, v, segment_ids, lse, dq, dk, dv, d_bias, *, mask: MaskSpec, sc
 
     With P = exp(S - lse) (recomputed, as the backward does) and dS the tangent of the
     (biased, capped) logits, ``dlse = rowsum(P ∘ dS)`` and ``dO = (P ∘ dS)·V + P·dV -
-    dlse ∘ O``. Returns ``(P∘dS)·V + P·dV`` as ``[B, T, N, D]`` and ``dlse [B, N, T]``, both
+    dlse ∘ O``. Returns ``(P∘dS)·V + P·dV`` as ``[B, T, N, Dv]`` and ``dlse [B, N, T]``, both
     in the accumulator dtype; the caller subtracts ``dlse ∘ O`` (after adding the sinks'
     share of ``dlse``). ``dq``, ``dk``, ``dv``, ``d_bias``: tangents, or None for zero.
     """
     acc = _accumulator(q.dtype)
-    batch, seq_q, heads, head_dim = q.shape
+    batch, seq_q, heads, _ = q.shape
     kv_heads = k.shape[2]
     group = heads // kv_heads
     block = min(config.block_kv, k.shape[1])
@@ -290,25 +341,28 @@ def tangent(q, k, v, segment_ids, lse, dq, dk, dv, d_bias, *, mask: MaskSpec, sc
                              preferred_element_type=acc, precision=prec)
         return (pv, d_lse + jnp.sum(pds, axis=-1)), None
 
+    value_dim = v.shape[3]
     init = tuple(varying_like(x, q) for x in (
-        jnp.zeros((batch, kv_heads, group, seq_q, head_dim), acc),
+        jnp.zeros((batch, kv_heads, group, seq_q, value_dim), acc),
         jnp.zeros((batch, kv_heads, group, seq_q), acc),
     ))
     indices = jnp.arange(num_chunks)
     (pv, d_lse), _ = lax.scan(step, init, (indices, k_chunks, v_chunks, kv_seg_chunks,
                                            dk_chunks, dv_chunks))
-    pv = jnp.transpose(pv.reshape(batch, heads, seq_q, head_dim), (0, 2, 1, 3))
+    pv = jnp.transpose(pv.reshape(batch, heads, seq_q, value_dim), (0, 2, 1, 3))
     return pv, d_lse.reshape(batch, heads, seq_q)
 
 
-KERNELS = Kernels(name="xla", forward=forward, backward=backward)
+KERNELS = Kernels(name="xla", forward=forward, backward=backward, row_bounds=True)
 
 
 def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
                 softcap: float | None = None, has_bias: bool = False,
-                has_mask: bool = False) -> str | None:
-    """The XLA path runs every call the API accepts."""
+                has_mask: bool = False, value_head_dim: int | None = None) -> str | None:
+    """The XLA path runs every call the API accepts, with any query/key head dim and any
+    value head dim (``value_head_dim``, None: the queries')."""
     del q_shape, kv_shape, dtype, mask, has_segments, softcap, has_bias, has_mask
+    del value_head_dim
     return None
 
 

@@ -51,3 +51,32 @@ def test_decode_rows_take_the_sixteen_row_tile(head_dim):
     longer = default_config((8, 17, 8, head_dim), (8, 4096, 8, head_dim), jnp.bfloat16,
                             MaskSpec(17, 4096))
     assert longer.block_q > 16 and longer.num_warps > 4
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_head_dim_512_default_fits_shared_memory(dtype):
+    """The default tiles for rows of 512 already fit: fitting them changes nothing."""
+    from pallas_flash.triton.config import fit_row_operands
+
+    shape = (1, 4096, 8, 512)
+    config = default_config(shape, shape, dtype, MaskSpec(4096, 4096))
+    itemsize = jnp.dtype(dtype).itemsize
+    assert fit_row_operands(config, 512, itemsize, 0, value_dim=512) == config
+    assert config.block_q <= 64 and config.bwd_block_q <= 32
+
+
+def test_a_wide_value_head_lowers_the_forward_tiles():
+    """Q/K rows of 64 with V rows of 512: the V tiles, not the query head dim, decide."""
+    from pallas_flash.triton.config import SHARED_MEMORY, fit_row_operands
+
+    def need(c, head_dim, value_dim):  # float32: pipelined K and V tiles, and Q
+        return c.num_stages * c.block_kv * (head_dim + value_dim) * 4 + c.block_q * head_dim * 4
+
+    base = TritonConfig(block_q=128, block_kv=64, num_warps=8, num_stages=3)
+    assert fit_row_operands(base, 64, 4, 0) == base
+    fitted = fit_row_operands(base, 64, 4, 0, value_dim=512)
+    assert (fitted.num_stages, fitted.block_q, fitted.block_kv) == (2, 64, 32)
+    assert need(fitted, 64, 512) <= SHARED_MEMORY < need(base, 64, 512)
+    wider = fit_row_operands(base, 512, 4, 0, value_dim=512)
+    assert (wider.block_q, wider.block_kv) == (32, 16)
+    assert need(wider, 512, 512) <= SHARED_MEMORY

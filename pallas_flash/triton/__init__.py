@@ -5,18 +5,30 @@ from __future__ import annotations
 from pallas_flash.contract import Kernels
 from pallas_flash.masking import MaskSpec
 from pallas_flash.triton.backward import backward
-from pallas_flash.triton.config import TritonConfig, default_config
+from pallas_flash.triton.config import MAX_HEAD_DIM, TritonConfig, default_config
 from pallas_flash.triton.forward import forward
 
 
 def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
                 softcap: float | None = None, has_bias: bool = False,
-                has_mask: bool = False) -> str | None:
-    """Every call the API accepts runs here (head dims are padded to powers of two)."""
-    del q_shape, kv_shape, dtype, mask, has_segments, softcap, has_bias, has_mask
+                has_mask: bool = False, value_head_dim: int | None = None) -> str | None:
+    """None when these kernels run the call, else why not.
+
+    ``q_shape``: ``[batch, seq_q, heads, head_dim]``, ``kv_shape``: the keys' ``[batch,
+    seq_kv, kv_heads, head_dim]``; ``value_head_dim``: the values' head dim (None: the
+    same as the queries'). Every call runs whose query/key and value head dims are each at
+    most :data:`~pallas_flash.triton.config.MAX_HEAD_DIM` (each is zero-padded to its own
+    power of two), whatever the mask, segment ids, soft cap or bias / mask arrays.
+    """
+    del kv_shape, dtype, mask, has_segments, softcap, has_bias, has_mask
+    head_dim = q_shape[-1]
+    value_dim = head_dim if value_head_dim is None else value_head_dim
+    if max(head_dim, value_dim) > MAX_HEAD_DIM:
+        return (f"the Triton kernels take head dims up to {MAX_HEAD_DIM}; got query/key "
+                f"head_dim {head_dim} and value head_dim {value_dim}")
     return None
 
 
-KERNELS = Kernels(name="triton", forward=forward, backward=backward)
+KERNELS = Kernels(name="triton", forward=forward, backward=backward, row_bounds=True)
 
 __all__ = ["KERNELS", "TritonConfig", "default_config", "unsupported"]

@@ -38,19 +38,22 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash.bias import sum_to_shape
-from pallas_flash.contract import kernel_output
+from pallas_flash.contract import RowBounds, kernel_output
 from pallas_flash.logits import LOG2_E, log2_logits, raw_score_gradient
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import pad_axis, round_up
 from pallas_flash.triton.config import TritonConfig, padded_head_dim
 from pallas_flash.triton.forward import dot_precision
 from pallas_flash.triton.tiles import (
+    bounds_operand,
     column_block_operand,
+    cut_to_bounds,
     read_tile,
     row_block_operand,
     segment_operands,
     tile_visible,
     walk_tiles,
+    zero_rows_outside,
 )
 
 
@@ -70,11 +73,12 @@ def _score_gradient(p, dp, delta):
     return p * (dp - delta[:, None])
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_refs, bias_ref,
-                 mask_ref, d_bias_init_ref, dk_ref, dv_ref, d_bias_ref, *, mask: MaskSpec,
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_refs, bounds_ref,
+                 bias_ref, mask_ref, d_bias_init_ref, dk_ref, dv_ref, d_bias_ref, *, mask: MaskSpec,
                  scale: float, softcap: float | None, block_q: int, block_kv: int,
                  num_q_blocks: int, group: int):
-    """One key tile of one (batch, KV head). bias_ref, mask_ref: None or
+    """One key tile of one (batch, KV head). bounds_ref: None or the sequence's
+    ``(q_end, kv_start, kv_end)`` (tiles.bounds_operand); bias_ref, mask_ref: None or
     ``[G or 1, padded_q or 1, block_kv or 1]`` (tiles.column_block_operand); d_bias_ref: None
     or this program's block of the partial (module docstring), ``d_bias_init_ref`` its
     aliased zeros."""
@@ -85,6 +89,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_refs, bias
     k_start = kv_block * block_kv
     precision = dot_precision(k_ref.dtype)
     k, v = k_ref[...], v_ref[...]
+    bounds = None if bounds_ref is None else tuple(bounds_ref[i] for i in range(3))
+    if bounds is not None:  # hidden keys may hold NaN, which P's zeros would not stop
+        k, v = (zero_rows_outside(x, k_start, bounds[1], bounds[2]) for x in (k, v))
     kv_seg = kv_seg_ref[pl.ds(k_start, block_kv)] if has_segments else None
     # Which of the bias's dims the partial keeps (static): see the module docstring.
     if d_bias_ref is not None:
@@ -105,7 +112,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_refs, bias
         if masked:
             q_seg = q_seg_ref[rows] if has_segments else None
             visible = tile_visible(mask, q_start, block_q, k_start, block_kv, q_seg, kv_seg,
-                                   read_tile(mask_ref, head=head, rows=rows))
+                                   read_tile(mask_ref, head=head, rows=rows), bounds)
+            if bounds is not None:  # padding queries may hold NaN
+                q, do = (zero_rows_outside(x, q_start, 0, bounds[0]) for x in (q, do))
         p, slope = _probabilities(q, k, lse2, scale, softcap, precision, visible,
                                   read_tile(bias_ref, head=head, rows=rows))
         dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
@@ -121,6 +130,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_refs, bias
         return dk, dv, d_bias_rows
 
     ranges = mask.q_blocks(k_start, block_kv, block_q, num_q_blocks)
+    if bounds is not None:
+        # A key tile partly outside the bounds masks every query tile: its hidden columns
+        # must give exactly 0 (dK, dV and dbias).
+        k_end = k_start + block_kv
+        ranges = cut_to_bounds(ranges, 0, bounds[0], block_q,
+                               own_seen=(k_start < bounds[2]) & (k_end > bounds[1]),
+                               own_whole=(k_start >= bounds[1]) & (k_end <= bounds[2]))
     # Query-summed dbias row of the current head (or of the whole group when the partial
     # has one head); None when no such sum is kept.
     summed_rows = d_bias_ref is not None and partial_rows == 1
@@ -135,19 +151,20 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_refs, bias
             carry = (*carry[:2], d_bias_zeros)
         return carry
 
-    zeros = jnp.zeros(k.shape, jnp.float32)
-    dk, dv, d_bias_rows = lax.fori_loop(0, group, head_step, (zeros, zeros, d_bias_zeros))
+    dk, dv, d_bias_rows = lax.fori_loop(
+        0, group, head_step,
+        (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32), d_bias_zeros))
     if summed_rows and partial_heads == 1:
         d_bias_ref[0, :, :] = d_bias_rows
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_refs, bias_ref, mask_ref,
-               dq_ref, *, mask: MaskSpec, scale: float, softcap: float | None, block_q: int,
-               block_kv: int):
-    """One query tile of one (batch, head). bias_ref, mask_ref: None or
-    ``[block_q or 1, padded_kv or 1]`` (tiles.row_block_operand)."""
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_refs, bounds_ref, bias_ref,
+               mask_ref, dq_ref, *, mask: MaskSpec, scale: float, softcap: float | None,
+               block_q: int, block_kv: int):
+    """One query tile of one (batch, head). bounds_ref as in the dK/dV kernel; bias_ref,
+    mask_ref: None or ``[block_q or 1, padded_kv or 1]`` (tiles.row_block_operand)."""
     has_segments = seg_refs is not None
     q_seg_ref, kv_seg_ref, span_ref = seg_refs if has_segments else (None,) * 3
     q_block = pl.program_id(0)
@@ -156,6 +173,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_refs, bias_r
     q, do = q_ref[...], do_ref[...]
     lse2, delta = lse_ref[...], delta_ref[...]
     q_seg = q_seg_ref[pl.ds(q_start, block_q)] if has_segments else None
+    bounds = None if bounds_ref is None else tuple(bounds_ref[i] for i in range(3))
 
     def kv_step(j, dq, *, masked: bool):
         k_start = j * block_kv
@@ -165,16 +183,23 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_refs, bias_r
         if masked:
             kv_seg = kv_seg_ref[cols] if has_segments else None
             visible = tile_visible(mask, q_start, block_q, k_start, block_kv, q_seg, kv_seg,
-                                   read_tile(mask_ref, cols=cols))
+                                   read_tile(mask_ref, cols=cols), bounds)
+            if bounds is not None:  # hidden keys may hold NaN
+                k, v = (zero_rows_outside(x, k_start, bounds[1], bounds[2]) for x in (k, v))
         p, slope = _probabilities(q, k, lse2, scale, softcap, precision, visible,
                                   read_tile(bias_ref, cols=cols))
         dp = plgpu.dot(do, v, trans_b=True, precision=precision)
         ds = raw_score_gradient(_score_gradient(p, dp, delta), slope)
         return dq + plgpu.dot(ds.astype(k.dtype), k, precision=precision)
 
-    dq = walk_tiles(kv_step, mask.kv_blocks(q_start, block_q, block_kv),
-                    jnp.zeros(q.shape, jnp.float32), span_ref=span_ref, own_tile=q_block,
-                    mask_every_tile=mask_ref is not None)
+    ranges = mask.kv_blocks(q_start, block_q, block_kv)
+    if bounds is not None:  # padding rows' dq is replaced below (each row's is its own)
+        ranges = cut_to_bounds(ranges, bounds[1], bounds[2], block_kv,
+                               own_seen=q_start < bounds[0], own_whole=True)
+    dq = walk_tiles(kv_step, ranges, jnp.zeros(q.shape, jnp.float32), span_ref=span_ref,
+                    own_tile=q_block, mask_every_tile=mask_ref is not None)
+    if bounds is not None:
+        dq = zero_rows_outside(dq, q_start, 0, bounds[0])
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
@@ -200,10 +225,14 @@ def _reduce_d_bias(partial, bias_shape, seq_q: int, seq_kv: int):
 
 def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, scale: float,
              config: TritonConfig, interpret: bool, softcap: float | None = None, bias=None,
-             attn_mask=None, bias_grad: bool = False, deterministic: bool = False):
-    """Returns (dq [B, T, N, D], dk [B, S, K, D], dv [B, S, K, D]), and dbias (float32,
-    shaped like ``bias``) when ``bias_grad``.
+             attn_mask=None, bounds: RowBounds | None = None, bias_grad: bool = False,
+             deterministic: bool = False):
+    """q: [B, T, N, D], k: [B, S, K, D], v: [B, S, K, Dv], d_out: [B, T, N, Dv]. Returns
+    (dq [B, T, N, D], dk [B, S, K, D], dv [B, S, K, Dv]), and dbias (float32, shaped like
+    ``bias``) when ``bias_grad``.
 
+    bounds: None or int32 ``[B]`` arrays (pallas_flash.contract.RowBounds): padding
+    queries get dq 0, hidden keys dk / dv 0 (and no dbias).
     bias, attn_mask: None or canonical ``[B', N', T', S']`` (pallas_flash.bias); the mask
     is passed to the kernels as int8.
     deterministic: accepted for the backend interface; this backward always is (no
@@ -217,14 +246,19 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
     group = heads // kv_heads
     block_q, block_kv = config.bwd_block_q, config.bwd_block_kv
     padded_q, padded_kv = round_up(seq_q, block_q), round_up(seq_kv, block_kv)
-    padded_d = padded_head_dim(head_dim)
+    value_dim = v.shape[3]
+    padded_d, padded_dv = padded_head_dim(head_dim), padded_head_dim(value_dim)
     num_q_blocks, num_kv_blocks = padded_q // block_q, padded_kv // block_kv
 
-    q_p, do_p = (pad_axis(pad_axis(x, 1, padded_q), 3, padded_d) for x in (q, d_out))
-    k_p, v_p = (pad_axis(pad_axis(x, 1, padded_kv), 3, padded_d) for x in (k, v))
+    q_p = pad_axis(pad_axis(q, 1, padded_q), 3, padded_d)
+    do_p = pad_axis(pad_axis(d_out, 1, padded_q), 3, padded_dv)
+    k_p = pad_axis(pad_axis(k, 1, padded_kv), 3, padded_d)
+    v_p = pad_axis(pad_axis(v, 1, padded_kv), 3, padded_dv)
     # lse in base 2; padded rows get +inf so that their P = exp2(S - inf) is exactly 0.
     lse2 = pad_axis(lse * LOG2_E, 2, padded_q, jnp.inf)
     delta = pad_axis(delta, 2, padded_q)
+    if bounds is not None:  # a padding row's delta may be NaN (from its dO), P's 0 won't stop it
+        delta = jnp.where(jnp.arange(padded_q) < bounds.q_end[:, None, None], delta, 0.0)
     # Optional operands: None, or arrays with their specs (pallas_call takes pytrees). Per
     # kernel: the segment ids and the spans of the tiles it walks.
     dkdv_segments = dq_segments = (None, None)
@@ -233,6 +267,7 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
             tuple(tuple(x) for x in segment_operands(segment_ids, padded_q, padded_kv, block_q,
                                                      block_kv, walk_kv=walk_kv))
             for walk_kv in (False, True))
+    bounds_in, bounds_spec = (None, None) if bounds is None else bounds_operand(bounds)
     logit_arrays = (bias, None if attn_mask is None else attn_mask.astype(jnp.int8))
     params = plgpu.CompilerParams(num_warps=config.bwd_num_warps,
                                   num_stages=config.bwd_num_stages)
@@ -249,25 +284,27 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
     def group_stats(j, b, h):
         return (b, h, 0, 0)
 
-    grouped = lambda x: x.reshape(batch, padded_q, kv_heads, group, padded_d)  # noqa: E731
+    grouped = lambda x: x.reshape(batch, padded_q, kv_heads, group, x.shape[3])  # noqa: E731
     stats = lambda x: x.reshape(batch, kv_heads, group, padded_q)  # noqa: E731
     columns = [(None, None) if x is None else
                column_block_operand(x, kv_heads, padded_q, padded_kv, block_kv)
                for x in logit_arrays]
     inputs = [grouped(q_p), k_p, v_p, grouped(do_p), stats(lse2), stats(delta),
-              dkdv_segments[0], *(x for x, _ in columns)]
+              dkdv_segments[0], bounds_in, *(x for x, _ in columns)]
     in_specs = [
         pl.BlockSpec((None, padded_q, None, group, padded_d), group_rows),
         pl.BlockSpec((None, block_kv, None, padded_d), kv_tile),
-        pl.BlockSpec((None, block_kv, None, padded_d), kv_tile),
-        pl.BlockSpec((None, padded_q, None, group, padded_d), group_rows),
+        pl.BlockSpec((None, block_kv, None, padded_dv), kv_tile),
+        pl.BlockSpec((None, padded_q, None, group, padded_dv), group_rows),
         pl.BlockSpec((None, None, group, padded_q), group_stats),
         pl.BlockSpec((None, None, group, padded_q), group_stats),
         dkdv_segments[1],
+        bounds_spec,
         *(spec for _, spec in columns),
     ]
-    out_specs = [pl.BlockSpec((None, block_kv, None, padded_d), kv_tile)] * 2
-    out_shape = [kernel_output(k_p.shape, k.dtype, q)] * 2
+    out_specs = [pl.BlockSpec((None, block_kv, None, padded_d), kv_tile),
+                 pl.BlockSpec((None, block_kv, None, padded_dv), kv_tile)]
+    out_shape = [kernel_output(k_p.shape, k.dtype, q), kernel_output(v_p.shape, v.dtype, q)]
     d_bias_init = d_bias_spec = d_bias_shape = None
     aliases = {}
     if bias_grad:
@@ -309,11 +346,12 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
         in_specs=[
             pl.BlockSpec((None, block_q, None, padded_d), q_tile),
             pl.BlockSpec((None, padded_kv, None, padded_d), kv_rows),
-            pl.BlockSpec((None, padded_kv, None, padded_d), kv_rows),
-            pl.BlockSpec((None, block_q, None, padded_d), q_tile),
+            pl.BlockSpec((None, padded_kv, None, padded_dv), kv_rows),
+            pl.BlockSpec((None, block_q, None, padded_dv), q_tile),
             pl.BlockSpec((None, None, block_q), row_stats),
             pl.BlockSpec((None, None, block_q), row_stats),
             dq_segments[1],
+            bounds_spec,
             *(spec for _, spec in rows),
         ],
         out_specs=pl.BlockSpec((None, block_q, None, padded_d), q_tile),
@@ -321,9 +359,9 @@ def backward(q, k, v, segment_ids, out, lse, d_out, delta, *, mask: MaskSpec, sc
         compiler_params=params,
         interpret=interpret,
         name="pallas_flash_backward_dq",
-    )(q_p, k_p, v_p, do_p, lse2, delta, dq_segments[0], *(x for x, _ in rows))
+    )(q_p, k_p, v_p, do_p, lse2, delta, dq_segments[0], bounds_in, *(x for x, _ in rows))
     grads = (dq[:, :seq_q, :, :head_dim], dk[:, :seq_kv, :, :head_dim],
-             dv[:, :seq_kv, :, :head_dim])
+             dv[:, :seq_kv, :, :value_dim])
     if bias_grad:
         grads += (_reduce_d_bias(d_bias, bias.shape, seq_q, seq_kv),)
     return grads

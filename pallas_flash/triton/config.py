@@ -21,6 +21,11 @@ DECODE_ROWS = 16
 PAGED_DECODE_STAGES = 5
 
 
+#: The largest head dim (of Q and K, or of V) the kernels take: a row of 512 already needs
+#: the smallest tiles (default_config) to keep its accumulator in registers.
+MAX_HEAD_DIM = 512
+
+
 def padded_head_dim(head_dim: int) -> int:
     """The head dim the Triton kernels compute with: a power of two (Triton's block shapes),
     at least 16 (``tl.dot``'s smallest K); inputs are zero-padded to it."""
@@ -71,14 +76,25 @@ def default_config(q_shape, kv_shape, dtype, mask: MaskSpec) -> TritonConfig:
     float32: 128 x 64 tiles, 2 stages up to head_dim 128, 64 x 32 above. 16-bit with at
     most :data:`DECODE_ROWS` query rows (a decode step): 16 x 64, 4 warps, 3 stages. Other
     16-bit calls: 128 x 64 with 8 warps and 3 stages up to head_dim 64; 256 x 64 with 16
-    warps and 3 stages up to 128; 128 x 64 with 8 warps and 2 stages above (backward 64 x
-    64, 8 warps). Every tile
+    warps and 3 stages up to 128; 128 x 64 with 8 warps and 2 stages up to 256 (backward
+    64 x 64, 8 warps). Head dims above 256 (up to :data:`MAX_HEAD_DIM`): 64 x 32 tiles
+    (backward 32 x 32), 32 x 16 for float32 (backward 16 x 16), sized to fit shared memory
+    at head_dim 512, not measured on a GPU. Every tile
     is then capped at the sequence length rounded up to a power of two.
     (measurements: docs/tuning.md#triton-default_config)
     """
     del mask
     head_dim = q_shape[-1]
-    if jnp.dtype(dtype).itemsize == 4:
+    if head_dim > 256:
+        # Rows of 512: a [64, 512] float32 accumulator alone is 128 KiB of registers, and
+        # 2 stages of K and V tiles of 32 (16 in float32) keys fill most of shared memory.
+        if jnp.dtype(dtype).itemsize == 4:
+            config = TritonConfig(block_q=32, block_kv=16, num_warps=4, num_stages=2,
+                                  bwd_block_q=16, bwd_block_kv=16, bwd_num_warps=4)
+        else:
+            config = TritonConfig(block_q=64, block_kv=32, num_warps=8, num_stages=2,
+                                  bwd_block_q=32, bwd_block_kv=32, bwd_num_warps=8)
+    elif jnp.dtype(dtype).itemsize == 4:
         # float32 tiles take twice the shared memory of 16-bit ones (227 KiB per block).
         if head_dim <= 128:
             config = TritonConfig(block_q=128, block_kv=64, num_warps=8, num_stages=2)
@@ -119,19 +135,23 @@ SHARED_MEMORY = 232448
 
 
 def fit_row_operands(config: TritonConfig, head_dim: int, itemsize: int,
-                     row_tile_bytes: int) -> TritonConfig:
-    """The forward's config with ``num_stages``, then ``block_q``, lowered until its
-    pipelined tiles fit in shared memory next to a bias/mask tile.
+                     row_tile_bytes: int, *, value_dim: int | None = None) -> TritonConfig:
+    """The forward's config with ``num_stages``, then ``block_q`` (to 64), then ``block_kv``
+    (to 16), then ``block_q`` (to 16) lowered until its pipelined tiles fit in shared memory
+    next to a bias/mask tile. ``head_dim`` / ``value_dim``: the (padded) head dims of Q
+    and K / of V (None: ``head_dim``).
 
     ``row_tile_bytes``: bytes per (query row, key) of the bias/mask tiles the forward reads
     with each K/V tile (0 without them; a bias constant along queries counts as one row).
     Triton software-pipelines every load of the K/V loop, so each stage holds a K tile, a V
     tile and the bias/mask tile: a float32 bias tile of 256 × 64 alone is 64 KiB per stage,
     and the bf16 default (256 × 64, 3 stages) then asks for 288 KiB (seen on the H200).
-    Stages and block_q change the speed, never the result.
+    Stages and tiles change the speed, never the result.
     """
+    value_dim = head_dim if value_dim is None else value_dim
+
     def need(c: TritonConfig) -> int:
-        per_stage = (2 * c.block_kv * head_dim * itemsize
+        per_stage = (c.block_kv * (head_dim + value_dim) * itemsize
                      + c.block_q * c.block_kv * row_tile_bytes)
         return c.num_stages * per_stage + c.block_q * head_dim * itemsize
 
@@ -139,6 +159,10 @@ def fit_row_operands(config: TritonConfig, head_dim: int, itemsize: int,
         if config.num_stages > 2:
             config = dataclasses.replace(config, num_stages=config.num_stages - 1)
         elif config.block_q > 64:
+            config = dataclasses.replace(config, block_q=config.block_q // 2)
+        elif config.block_kv > 16:
+            config = dataclasses.replace(config, block_kv=config.block_kv // 2)
+        elif config.block_q > 16:
             config = dataclasses.replace(config, block_q=config.block_q // 2)
         else:
             break

@@ -15,6 +15,13 @@ specs give those dims block size 1 and index 0 (the same element for every progr
 stride-0 view would), and :func:`read_tile` reads a full dim in tiles and a size-1 dim
 whole, so the kernels add a ``[block_q or 1, block_kv or 1]`` tile that broadcasts against
 the logits. Nothing is expanded in HBM.
+
+Row bounds (:class:`~pallas_flash.contract.RowBounds`) cut the walk the same way
+(:func:`cut_to_bounds`): tiles wholly outside a sequence's bounds are never visited, tiles
+wholly inside keep the unmasked range, and only the edge tiles test each row and column.
+Rows outside the bounds may hold anything, NaN included (a stale cache), and a matmul
+multiplies them by the zeros of P: the edge tiles select them to zero before any matmul
+(:func:`zero_rows_outside`).
 """
 
 from __future__ import annotations
@@ -58,6 +65,52 @@ def _batch_row(x: jax.Array) -> pl.BlockSpec:
     return pl.BlockSpec((None, *x.shape[1:]), lambda tile, b, h: (b, *rest))
 
 
+def bounds_operand(bounds) -> tuple[jax.Array, pl.BlockSpec]:
+    """A :class:`~pallas_flash.contract.RowBounds` as one kernel operand, for grids ordered
+    (tile, batch, head): ``[B, 3]`` int32 rows ``(q_end, kv_start, kv_end)`` and its block
+    spec (each program reads its sequence's row)."""
+    x = jnp.stack([jnp.asarray(b, jnp.int32) for b in bounds], axis=1)
+    return x, _batch_row(x)
+
+
+_FAR = 1 << 30
+
+
+def _div(a, b: int):
+    """Floor division of non-negative traced indices (lax.div: Triton lowers it)."""
+    return lax.div(a, jnp.asarray(b, a.dtype))
+
+
+def cut_to_bounds(ranges, start, end, block: int, *, own_seen, own_whole):
+    """``ranges`` (first, full_first, full_last, last) of a walk over tiles of ``block``
+    rows, cut to the walked indices ``[start, end)`` (traced int32 scalars).
+
+    ``own_seen``: the program's own tile holds a row or column inside its bounds (False:
+    nothing to walk). ``own_whole``: every row or column of it is inside (False: every tile
+    needs the bounds mask, so none is unmasked).
+    """
+    first, full_first, full_last, last = (jnp.asarray(x, jnp.int32) for x in ranges)
+    # Clipped below 2**30 (past any tile) so that rounding up cannot overflow int32: a
+    # bound of 2**31 - 1 stands for "none".
+    start = jnp.clip(jnp.asarray(start, jnp.int32), 0, _FAR)
+    end = jnp.clip(jnp.asarray(end, jnp.int32), start, _FAR)
+    seen = own_seen & (end > start)
+    first = jnp.maximum(first, _div(start, block))
+    last = jnp.where(seen, jnp.maximum(first, jnp.minimum(last, _div(end + block - 1, block))),
+                     first)
+    full_first = jnp.clip(jnp.maximum(full_first, _div(start + block - 1, block)), first, last)
+    full_last = jnp.clip(jnp.minimum(full_last, _div(end, block)), full_first, last)
+    full_last = jnp.where(own_whole, full_last, full_first)
+    return first, full_first, full_last, last
+
+
+def zero_rows_outside(x, row_start, lo, hi):
+    """The ``[rows, ...]`` tile ``x`` whose row ``i`` (index ``row_start + i``) is selected
+    to 0 unless ``lo <= row_start + i < hi``: a select, so NaN there leaves no trace."""
+    index = row_start + lax.broadcasted_iota(jnp.int32, (x.shape[0], 1), 0)
+    return jnp.where((index >= lo) & (index < hi), x, jnp.zeros((), x.dtype))
+
+
 def walk_tiles(step, ranges, carry, *, span_ref=None, own_tile=None,
                mask_every_tile: bool = False):
     """Runs ``step(index, carry, masked=...)`` over the tiles ``ranges`` names.
@@ -83,10 +136,16 @@ def walk_tiles(step, ranges, carry, *, span_ref=None, own_tile=None,
 
 
 def tile_visible(mask: MaskSpec, q_start, block_q: int, k_start, block_kv: int, q_seg,
-                 kv_seg, mask_tile):
+                 kv_seg, mask_tile, bounds=None):
     """Visibility of a ``[block_q, block_kv]`` tile: the band, and where given the segment
-    ids of its rows / columns and the tile of the mask array (int8, non-zero = visible)."""
+    ids of its rows / columns, the tile of the mask array (int8, non-zero = visible) and
+    the sequence's ``bounds`` (scalars ``(q_end, kv_start, kv_end)``)."""
     visible = mask.block_visible(q_start, block_q, k_start, block_kv)
+    if bounds is not None:
+        q_end, kv_start, kv_end = bounds
+        rows = q_start + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+        cols = k_start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+        visible = visible & (rows < q_end) & (cols >= kv_start) & (cols < kv_end)
     if q_seg is not None:
         visible = visible & (q_seg[:, None] == kv_seg[None, :])
     if mask_tile is not None:
