@@ -65,6 +65,13 @@ logits in base 2; a mask that broadcasts to the bias's shape is folded into it a
 otherwise it is read as int8 and makes every block take the masked path. Every block
 guards its softmax against rows that have seen only -inf so far.
 
+**Row bounds** (:class:`~pallas_flash.contract.RowBounds`, per sequence, read as scalars
+from GMEM like the segment spans): each consumer's KV blocks are cut to ``[kv_start,
+kv_end)`` (:func:`_cut_to_bounds`; blocks wholly outside never loaded, wholly inside run
+unmasked, the cut ones masked), a block of rows at or past ``q_end`` visits none, and the
+epilogue clears the padding rows of a block that straddles ``q_end`` (out 0, lse
+``EMPTY_ROW_LSE``). V's hidden rows are zeroed before the call (:mod:`.bounds`).
+
 **FP8** (``_Static.fp8``, FA3's ``Is_FP8``; entry and configs in
 :mod:`pallas_flash.mosaic.forward_fp8`, which explains each choice): e4m3 operands with one
 float32 scale per Q tile / K/V block read as scalars from GMEM and folded into the
@@ -94,10 +101,11 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_flash.contract import kernel_output
+from pallas_flash.contract import EMPTY_ROW_LSE, RowBounds, kernel_output
 from pallas_flash.fp8_format import E4M3, E4M3_MAX
 from pallas_flash.logits import log2_logits
 from pallas_flash.masking import MaskSpec
+from pallas_flash.mosaic import bounds as row_bounds
 from pallas_flash.mosaic.block_walk import hull, walk, walk_overlapped
 from pallas_flash.mosaic.config import (
     MAX_HEAD_DIM,
@@ -190,6 +198,7 @@ class _Static:
     # e4m3(P·448) through SMEM tiles, O leaving as bfloat16 (see the module docstring).
     fp8: bool = False
     o_apart: bool = False  # FP8: O tiles beside the P tiles, not in their memory
+    bounded: bool = False  # per-sequence RowBounds (q_end, kv_start, kv_end)
 
     @property
     def tile_grid(self) -> TileGrid:
@@ -230,7 +239,8 @@ class _Static:
     def has_lower_band(self) -> bool:
         # Only a window, segment ids or a mask array hide keys *before* a query; otherwise
         # every row starts at key 0 and the leading skip/masked loops are statically empty.
-        return self.mask.window is not None or self.masks_every_block
+        # Row bounds hide the keys before kv_start.
+        return self.mask.window is not None or self.masks_every_block or self.bounded
 
     @property
     def has_unmasked_blocks(self) -> bool:
@@ -242,7 +252,8 @@ class _Static:
     def has_upper_mask(self) -> bool:
         # Causal/window rows end before the last key, and padded keys must be hidden;
         # otherwise every visited block is full and the trailing masked loop is empty.
-        band = self.mask.is_causal or self.mask.window is not None or self.kv_padded
+        band = (self.mask.is_causal or self.mask.window is not None or self.kv_padded
+                or self.bounded)
         return band and self.has_unmasked_blocks
 
     @property
@@ -250,21 +261,45 @@ class _Static:
         return self.has_lower_band or self.has_upper_mask
 
 
-def _consumer_ranges(st: _Static, spans_ref, batch, q_block):
+def _consumer_ranges(st: _Static, gmem: _Gmem, batch, q_block):
     """KV blocks of query block ``q_block`` (``block_q`` rows), as ``MaskSpec.kv_blocks``.
 
     With segment ids the band is cut to the span of KV blocks whose ids can meet the
-    block's (``spans_ref``: [B, 2, num_q_blocks] from :func:`segments.tile_spans`), and
+    block's (``gmem.spans``: [B, 2, num_q_blocks] from :func:`segments.tile_spans`), and
     every block of it needs the mask: ``(first, last, last, last)``; so does every block of
-    the band with a mask array.
+    the band with a mask array. Row bounds cut it further (:func:`_cut_to_bounds`).
     """
     ranges = st.mask.kv_blocks(q_block * st.block_q, st.block_q, st.block_kv)
     if st.segmented:
-        return cut_to_span(ranges, spans_ref[batch, 0, q_block], spans_ref[batch, 1, q_block])
-    if st.attn_mask is not None:
+        ranges = cut_to_span(ranges, gmem.spans[batch, 0, q_block],
+                             gmem.spans[batch, 1, q_block])
+    elif st.attn_mask is not None:
         first, *_, last = ranges
-        return first, last, last, last
+        ranges = first, last, last, last
+    if st.bounded:
+        ranges = _cut_to_bounds(ranges, _row_bounds(gmem, batch), q_block * st.block_q,
+                                st.block_kv)
     return ranges
+
+
+def _row_bounds(gmem: _Gmem, batch) -> tuple:
+    """``(q_end, kv_start, kv_end)`` of sequence ``batch``: scalars read from GMEM."""
+    return tuple(gmem.bounds[i, batch] for i in range(3))
+
+
+def _cut_to_bounds(ranges, bounds, q0, block_kv: int):
+    """Block ranges ``(first, full_first, full_last, last)`` of the rows from ``q0`` cut
+    to the keys ``[kv_start, kv_end)``: blocks wholly outside are dropped, blocks cut by a
+    bound are masked; no block at all when ``q0 >= q_end`` (every row is padding)."""
+    q_end, kv_start, kv_end = bounds
+    first, full_first, full_last, last = ranges
+    first = jnp.maximum(first, lax.div(kv_start, block_kv))
+    last = jnp.minimum(last, lax.div(kv_end + block_kv - 1, block_kv))
+    last = jnp.where((q0 < q_end) & (kv_start < kv_end), jnp.maximum(last, first), first)
+    full_first = jnp.clip(jnp.maximum(full_first, lax.div(kv_start + block_kv - 1, block_kv)),
+                          first, last)
+    full_last = jnp.clip(jnp.minimum(full_last, lax.div(kv_end, block_kv)), full_first, last)
+    return first, full_first, full_last, last
 
 
 def _release_k(st: _Static, k_free, key_rings: _ScoreInputs, s, wg) -> _ScoreInputs:
@@ -290,7 +325,8 @@ class _Gmem(NamedTuple):
     D, Tk]), lse [B, N, Tq]; FP8: the scales [B, tiles, heads] of q / k / v; with segment
     ids q_ids [B, Tq], kv_ids [B, Tk], spans [B, 2, Tq / block_q]; the bias and mask
     operands (:class:`LogitArray`); the running result to merge into (``into``: out [B, Tq,
-    N, D] float32, lse [B, N, Tq]); None where absent."""
+    N, D] float32, lse [B, N, Tq]); the row bounds [3, B] int32 (q_end, kv_start, kv_end);
+    None where absent."""
 
     q: Any
     k: Any
@@ -307,6 +343,7 @@ class _Gmem(NamedTuple):
     q_scale: Any = None
     k_scale: Any = None
     v_scale: Any = None
+    bounds: Any = None
 
 
 class _Smem(NamedTuple):
@@ -351,7 +388,8 @@ def _kernel(*refs, st: _Static, q_smem, k_smem, v_smem, lse_smem, q_ready, k_rea
             p_done=None, p_smem=None, o_smem=None, p_o_smem=None):
     """One CTA: one work tile, or a persistent CTA's tiles (:class:`TileGrid`). ``refs``
     is ``q_ref, k_ref, v_ref``, then the FP8 scales, or, when present, the segment ids',
-    the bias / mask and the ``into`` operands, then ``out_ref, lse_ref`` (:class:`_Gmem`);
+    the bias / mask and the ``into`` operands; the row bounds when present; then
+    ``out_ref, lse_ref`` (:class:`_Gmem`);
     the scratch is :class:`_Smem`'s (FP8 without ``st.o_apart``: the P and O tiles in one
     union, ``p_o_smem``).
 
@@ -367,7 +405,8 @@ def _kernel(*refs, st: _Static, q_smem, k_smem, v_smem, lse_smem, q_ready, k_rea
                  mask=next(inputs) if st.attn_mask is not None else None,
                  into_out=next(inputs) if st.merges_into else None,
                  into_lse=next(inputs) if st.merges_into else None,
-                 q_scale=scales[0], k_scale=scales[1], v_scale=scales[2])
+                 q_scale=scales[0], k_scale=scales[1], v_scale=scales[2],
+                 bounds=next(inputs) if st.bounded else None)
     if p_o_smem is not None:
         p_smem, o_smem = p_o_smem
     smem = _Smem(q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready, k_free, v_free,
@@ -387,13 +426,13 @@ def _kernel(*refs, st: _Static, q_smem, k_smem, v_smem, lse_smem, q_ready, k_rea
         _producer_tiles(st, gmem, smem, tiles)
 
 
-def _cta_blocks(st: _Static, spans_ref, tile: Tile):
+def _cta_blocks(st: _Static, gmem: _Gmem, tile: Tile):
     """The K/V blocks any row of the tile sees; the producer loads exactly these, once."""
     consumers, bq = st.num_consumers, st.block_q
-    if st.segmented:  # each consumer's span may differ: load their union
+    if st.segmented or st.bounded:  # each consumer's range may differ: load their union
         first_block = tile.q_tile * consumers
         return functools.reduce(hull, (
-            _consumer_ranges(st, spans_ref, tile.batch, first_block + c)[::3]
+            _consumer_ranges(st, gmem, tile.batch, first_block + c)[::3]
             for c in range(consumers)))
     first, _, _, last = st.mask.kv_blocks(tile.q_tile * (consumers * bq), consumers * bq,
                                           st.block_kv)
@@ -415,12 +454,12 @@ def _consumer_tiles(st: _Static, gmem: _Gmem, smem: _Smem, wg, tiles) -> None:
     def tile_work(i, ring_base):
         tile = tile_at(i)
         batch, head = tile.batch, tile.head
-        cta_first, cta_last = _cta_blocks(st, gmem.spans, tile)
+        cta_first, cta_last = _cta_blocks(st, gmem, tile)
         # This warpgroup's block ranges, inside the CTA's (it must step through all of
         # the CTA's blocks to keep the ring and the ping-pong in lockstep with the
         # other consumers).
         ranges = tuple(jnp.clip(x, cta_first, cta_last) for x in _consumer_ranges(
-            st, gmem.spans, batch, tile.q_tile * consumers + wg))
+            st, gmem, batch, tile.q_tile * consumers + wg))
         q0 = (tile.q_tile * consumers + wg) * bq
         # This warpgroup's per-row inputs, laid out as the rows of S, loaded once.
         rows = pl.ds(q0, bq)
@@ -438,14 +477,14 @@ def _consumer_tiles(st: _Static, gmem: _Gmem, smem: _Smem, wg, tiles) -> None:
             scales = (gmem.q_scale[batch, lax.div(q0, bq), head],
                       gmem.k_scale.at[batch, :, kv_head], gmem.v_scale.at[batch, :, kv_head])
 
-
         def load_next_q():
             pl.when(i + 1 < count)(lambda: load_q(tile_at(i + 1)))
 
         _consumer_warpgroup(
             wg, st, gmem, smem, own, load_next_q=load_next_q if st.persistent_ctas else None,
             batch=batch, head=head, q0=q0, row_inputs=_ScoreInputs(q_ids, bias_rows, mask_rows),
-            scales=scales, ranges=ranges, cta_first=cta_first, cta_last=cta_last,
+            scales=scales, bounds=_row_bounds(gmem, batch) if st.bounded else None,
+            ranges=ranges, cta_first=cta_first, cta_last=cta_last,
             slot=block_slots(st.num_stages, ring_base, cta_first))
         return ring_base + cta_last - cta_first
 
@@ -470,7 +509,7 @@ def _producer_tiles(st: _Static, gmem: _Gmem, smem: _Smem, tiles) -> None:
         tile = tile_at(i)
         batch, head = tile.batch, tile.head
         kv_head = lax.div(head, st.group)  # GQA: K/V are indexed, never repeated
-        cta_first, cta_last = _cta_blocks(st, gmem.spans, tile)
+        cta_first, cta_last = _cta_blocks(st, gmem, tile)
         slot = block_slots(st.num_stages, loaded, cta_first)
 
         def load(ref, ring, ready, j):
@@ -512,14 +551,16 @@ def _producer_tiles(st: _Static, gmem: _Gmem, smem: _Smem, tiles) -> None:
 
 
 def _consumer_warpgroup(wg, st: _Static, gmem: _Gmem, smem: _Smem, own: _Own, *, load_next_q,
-                        batch, head, q0, row_inputs, scales, ranges, cta_first, cta_last, slot):
+                        batch, head, q0, row_inputs, scales, bounds, ranges, cta_first,
+                        cta_last, slot):
     """Rows [q0, q0 + block_q) of one head: Algorithm 1 of FA3 for one consumer warpgroup.
 
     The Q tile's copy into ``own.q`` was issued on ``own.q_ready`` by the caller.
     ``ranges``: this warpgroup's (first, full_first, full_last, last) KV blocks, inside
     the CTA's [cta_first, cta_last); ``row_inputs``: its rows' segment ids, bias and mask
     ([block_q] each, None where absent); ``scales`` (FP8, else None): s_Q, and the GMEM
-    refs of s_K and s_V per key block. ``own.o``: where O goes before its TMA store (Q's
+    refs of s_K and s_V per key block; ``bounds`` (None without): the sequence's
+    ``(q_end, kv_start, kv_end)``. ``own.o``: where O goes before its TMA store (Q's
     tile, or a tile of its own for a persistent CTA, which calls ``load_next_q`` as soon
     as the last Q·Kᵀ has read Q). With ``st.merges_into``, O is merged into the running
     result in ``gmem.into_out`` / ``gmem.into_lse`` (float32 out).
@@ -550,6 +591,9 @@ def _consumer_warpgroup(wg, st: _Static, gmem: _Gmem, smem: _Smem, own: _Own, *,
                 visible &= row(row_inputs.ids, shape) == col(block.ids, shape)
             if st.attn_mask is not None:  # ... and pairs the mask array shows
                 visible &= st.attn_mask.tile(row_inputs.mask, block.mask, shape) != 0
+            if st.bounded:  # ... and keys inside the row bounds
+                keys = cols + j * bkv
+                visible &= (keys >= bounds[1]) & (keys < bounds[2])
             scores = jnp.where(visible, scores, -jnp.inf)
         # A soft-cap or a bias took the tile to base 2 already; otherwise the scale is
         # folded into exp2's FMA. Masked blocks and -inf biases can leave a row empty.
@@ -582,7 +626,7 @@ def _consumer_warpgroup(wg, st: _Static, gmem: _Gmem, smem: _Smem, own: _Own, *,
     if st.fp8:
         turns.end(st.num_consumers, wg, smem.turn)
         _fp8_epilogue(st, gmem, smem, own, o, m_i, l_i, v_scale[0], load_next_q=load_next_q,
-                      batch=batch, head=head, q0=q0)
+                      batch=batch, head=head, q0=q0, bounds=bounds)
         return
 
     # Epilogue (Alg. 1 lines 12-14): normalise once, O and LSE leave through SMEM + TMA.
@@ -594,6 +638,8 @@ def _consumer_warpgroup(wg, st: _Static, gmem: _Gmem, smem: _Smem, own: _Own, *,
     o_tile = own.o
     if not st.merges_into:
         o, lse = normalized(o, m_i, l_i)
+        if st.bounded:
+            o, lse = _padding_rows_cleared(o, lse, q0, bounds[0])
         o_tile[...] = o.astype(st.dtype)  # Q's tile unless persistent: Q is dead by now
     else:  # ring attention: merged with the running result of the earlier steps
         prev_out = plgpu.load(gmem.into_out.at[batch, rows, head], layout=plgpu.Layout.WGMMA,
@@ -601,6 +647,8 @@ def _consumer_warpgroup(wg, st: _Static, gmem: _Gmem, smem: _Smem, own: _Own, *,
         prev_lse = plgpu.load(gmem.into_lse.at[batch, head, rows],
                               layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
         o, lse = merged_into(o, m_i, l_i, prev_out, prev_lse)
+        if st.bounded:
+            o, lse = _padding_rows_cleared(o, lse, q0, bounds[0])
         # A float32 tile would not fit in SMEM beside the K/V ring: O is stored from the
         # registers (each thread's pairs of columns: whole 32-byte sectors per row).
         gmem.out.at[batch, rows, head][...] = o
@@ -610,8 +658,17 @@ def _consumer_warpgroup(wg, st: _Static, gmem: _Gmem, smem: _Smem, own: _Own, *,
                gmem.lse.at[batch, head, rows])
 
 
+def _padding_rows_cleared(o, lse, q0, q_end):
+    """``(o, lse)`` of the rows from ``q0`` with the padding rows (``>= q_end``) set to
+    out 0 and lse ``EMPTY_ROW_LSE``: they were computed as real rows (a block of rows
+    walks one range of keys), whatever their queries hold."""
+    real = plgpu.broadcasted_iota(jnp.int32, (o.shape[0],), 0,
+                                  layout=plgpu.Layout.WGMMA.reduce(1)) + q0 < q_end
+    return jnp.where(row(real, o.shape), o, 0.0), jnp.where(real, lse, EMPTY_ROW_LSE)
+
+
 def _fp8_epilogue(st: _Static, gmem: _Gmem, smem: _Smem, own: _Own, o, m_i, l_i, v_scale, *,
-                  load_next_q, batch, head, q0) -> None:
+                  load_next_q, batch, head, q0, bounds) -> None:
     """The FP8 epilogue: undo P's 448 and the last V scale, normalise; O (bfloat16) and
     LSE leave via TMA.
 
@@ -625,6 +682,8 @@ def _fp8_epilogue(st: _Static, gmem: _Gmem, smem: _Smem, own: _Own, o, m_i, l_i,
     if load_next_q is not None:
         load_next_q()  # its TMA runs under this epilogue
     o, lse = normalized(o, m_i, l_i, fp8_scales=(v_scale, P_SCALE))
+    if st.bounded:
+        o, lse = _padding_rows_cleared(o, lse, q0, bounds[0])
     if st.o_apart:  # the previous tile's O and LSE stores must have read their tiles
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     own.lse[...] = lse
@@ -874,7 +933,8 @@ def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
 def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: MaskSpec,
             scale: float, config: MosaicConfig, interpret: bool, softcap: float | None = None,
             bias: jax.Array | None = None, attn_mask: jax.Array | None = None,
-            into: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
+            bounds: RowBounds | None = None, into: tuple[jax.Array, jax.Array] | None = None
+            ) -> tuple[jax.Array, jax.Array]:
     """Attention forward on Hopper.
 
     Args:
@@ -902,6 +962,11 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         running result). Each consumer merges its rows into it in the epilogue
         (:func:`~pallas_flash.mosaic.epilogue.merged_into`), and the merged result is
         returned, ``out`` in float32.
+      bounds: None or :class:`~pallas_flash.contract.RowBounds` (int32 ``[batch]`` each):
+        rows ``>= q_end`` give out 0 and lse ``EMPTY_ROW_LSE``, only keys in ``[kv_start,
+        kv_end)`` are visible. Each consumer's KV blocks are cut to them (blocks wholly
+        outside never loaded, wholly inside unmasked); V's hidden rows are zeroed first
+        (one pass over V), as a hidden row's NaN would leak through P·V in a cut block.
 
     Returns:
       ``out`` like ``q`` (float32 with ``into``) and ``lse: [batch, heads, seq_q]`` float32
@@ -912,6 +977,9 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
     multiple of 64 (zero columns change neither Q·Kᵀ nor the kept columns of P·V).
     """
     config = forward_config(config, q.shape, k.shape, q.dtype, mask)
+    if bounds is not None:
+        bounds = row_bounds.checked(bounds, q.shape[0])
+        v = row_bounds.outside_zeroed(v, bounds, axis=1, keys=True)
     segmented = segment_ids is not None
     reason = unsupported(q.shape, k.shape, q.dtype, mask, segmented, softcap,
                          has_bias=bias is not None, has_mask=attn_mask is not None)
@@ -940,7 +1008,8 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
         num_q_tiles=seq_q_pad // rows_per_cta, kv_padded=seq_kv_pad != seq_kv,
         overlap=config.overlap, interpret=interpret, softcap=softcap,
         segmented=segmented, num_consumers=config.num_consumers, bias=bias_array,
-        attn_mask=mask_array, heads=heads, batch=batch, merges_into=into is not None)
+        attn_mask=mask_array, heads=heads, batch=batch, merges_into=into is not None,
+        bounded=bounds is not None)
     if config.persistent:
         st = dataclasses.replace(
             st, persistent_ctas=persistent_ctas(st.tile_grid, interpret=interpret))
@@ -955,6 +1024,8 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, *, mask: Mask
     operands += [logit_operand(x, array, seq_q_pad, seq_kv_pad) for x, array in logit_arrays]
     if into is not None:
         operands += [pad_operand(into[0], seq_q_pad, dim), pad_axis(into[1], 2, seq_q_pad)]
+    if bounds is not None:  # as the kernel reads them: [3, batch] (q_end, kv_start, kv_end)
+        operands.append(jnp.stack(bounds))
     out, lse = _launch(st, operands, scratch=_scratch(st, config, [a for _, a in logit_arrays]),
                        out_type=(kernel_output((batch, seq_q_pad, heads, dim),
                                                q.dtype if into is None else jnp.float32, q),
@@ -1028,8 +1099,8 @@ def check_fp8_operands(ops: Fp8Operands, config: MosaicConfig) -> None:
 
 
 def forward_fp8_operands(ops: Fp8Operands, *, mask: MaskSpec, scale: float,
-                         config: MosaicConfig, interpret: bool,
-                         o_apart: bool) -> tuple[jax.Array, jax.Array]:
+                         config: MosaicConfig, interpret: bool, o_apart: bool,
+                         bounds: RowBounds | None = None) -> tuple[jax.Array, jax.Array]:
     """The kernel on the FP8 operand format (:mod:`pallas_flash.mosaic.forward_fp8`, which
     picks and checks ``config`` for it: its shared memory must fit).
 
@@ -1042,6 +1113,8 @@ def forward_fp8_operands(ops: Fp8Operands, *, mask: MaskSpec, scale: float,
       interpret: run in Mosaic GPU interpret mode on the CPU.
       o_apart: (persistent CTAs only) O tiles of their own beside the P tiles, else O
         leaves through the P tiles' memory.
+      bounds: None or per-sequence :class:`~pallas_flash.contract.RowBounds`, as
+        :func:`forward` takes them (Vᵀ's hidden keys are zeroed first).
 
     Returns:
       ``out: [batch, seq_q, heads, head_dim]`` bfloat16 and ``lse: [batch, heads, seq_q]``
@@ -1055,6 +1128,9 @@ def forward_fp8_operands(ops: Fp8Operands, *, mask: MaskSpec, scale: float,
     if o_apart and not config.persistent:
         raise ValueError("o_apart=True needs a persistent config (config.persistent)")
     batch, seq_q, heads, head_dim = ops.q.shape
+    if bounds is not None:
+        bounds = row_bounds.checked(bounds, batch)
+        ops = ops._replace(vt=row_bounds.outside_zeroed(ops.vt, bounds, axis=3, keys=True))
     seq_kv, kv_heads = ops.k.shape[1], ops.k.shape[2]
     dim = padded_head_dim(head_dim)
     consumers = config.num_consumers
@@ -1067,7 +1143,7 @@ def forward_fp8_operands(ops: Fp8Operands, *, mask: MaskSpec, scale: float,
         dtype=jnp.dtype(E4M3), group=heads // kv_heads, num_consumers=consumers,
         num_q_tiles=seq_q_pad // rows_per_cta, kv_padded=seq_kv_pad != seq_kv,
         interpret=interpret, batch=batch, heads=heads, overlap=config.overlap, fp8=True,
-        o_apart=o_apart)
+        o_apart=o_apart, bounded=bounds is not None)
     if config.persistent:
         st = dataclasses.replace(
             st, persistent_ctas=persistent_ctas(st.tile_grid, interpret=interpret))
@@ -1077,6 +1153,8 @@ def forward_fp8_operands(ops: Fp8Operands, *, mask: MaskSpec, scale: float,
         pad_axis(pad_axis(ops.k, 1, seq_kv_pad), 3, dim),
         pad_axis(pad_axis(ops.vt, 3, seq_kv_pad), 2, dim),
         ones(ops.q_scale, 1, seq_q_pad // st.block_q), ops.k_scale, ops.v_scale]
+    if bounds is not None:  # as the kernel reads them: [3, batch] (q_end, kv_start, kv_end)
+        operands.append(jnp.stack(bounds))
     out, lse = _launch(st, operands, scratch=_scratch(st, config, []),
                        out_type=(jax.ShapeDtypeStruct((batch, seq_q_pad, heads, dim),
                                                       FP8_OUT_DTYPE),

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import jax
 
+from pallas_flash.contract import RowBounds
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic.config import SMEM_BUDGET, MosaicConfig, padded_head_dim
 from pallas_flash.mosaic.forward import (
@@ -146,7 +147,7 @@ def default_config(head_dim: int, *, is_causal: bool = False,
 
 
 def forward(ops: Fp8Operands, *, mask: MaskSpec, scale: float, config: MosaicConfig,
-            interpret: bool) -> tuple[jax.Array, jax.Array]:
+            interpret: bool, bounds: RowBounds | None = None) -> tuple[jax.Array, jax.Array]:
     """FP8 attention forward on Hopper, from block-quantized operands.
 
     Args:
@@ -156,6 +157,9 @@ def forward(ops: Fp8Operands, *, mask: MaskSpec, scale: float, config: MosaicCon
       scale: logit scale (applied to the dequantized Q·Kᵀ).
       config: tiles and schedule; :func:`check_config` must pass.
       interpret: run in Mosaic GPU interpret mode on the CPU.
+      bounds: None or per-sequence :class:`~pallas_flash.contract.RowBounds` (int32
+        ``[batch]`` each): rows ``>= q_end`` give out 0 and lse ``EMPTY_ROW_LSE``, only
+        keys in ``[kv_start, kv_end)`` are visible (as the bf16 forward takes them).
 
     Returns:
       ``out: [batch, seq_q, heads, head_dim]`` bfloat16 and ``lse: [batch, heads, seq_q]``
@@ -170,4 +174,5 @@ def forward(ops: Fp8Operands, *, mask: MaskSpec, scale: float, config: MosaicCon
     check_config(config, dim)
     return forward_fp8_operands(ops, mask=mask, scale=scale, config=config,
                                 interpret=interpret,
-                                o_apart=config.persistent and separate_o_tiles(config, dim))
+                                o_apart=config.persistent and separate_o_tiles(config, dim),
+                                bounds=bounds)
