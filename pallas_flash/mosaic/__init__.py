@@ -23,7 +23,8 @@ from pallas_flash.mosaic.config import (
 from pallas_flash.mosaic.forward import forward, unsupported
 
 # The forward merges into a running (out, lse) in its epilogue (ring attention's steps).
-KERNELS = Kernels(name="mosaic", forward=forward, backward=backward, merges_into=True)
+KERNELS = Kernels(name="mosaic", forward=forward, backward=backward, merges_into=True,
+                  row_bounds=True)
 # The backward of a decode call is the main one: its config is the backward's default
 # (mosaic.config.backward_config ignores a DecodeConfig).
 DECODE_KERNELS = Kernels(name="mosaic", forward=decode.forward, backward=backward)

@@ -72,6 +72,11 @@ with the walked block's (an int32 ring in SMEM, filled by TMA next to the data o
 (dK/dV) or K's (dQ) ready barrier and read before the slot is freed). A query that sees no
 key has lse = ``EMPTY_ROW_LSE`` and only hidden (−inf) logits, so its P, dS and dQ are 0.
 
+**Row bounds** (:class:`~pallas_flash.contract.RowBounds`) become segment ids
+(:func:`pallas_flash.mosaic.bounds.as_segment_ids`): the blocks outside the bounds are
+skipped as above, but every visited block is masked (the forward cuts its blocks to the
+bounds directly).
+
 **Soft-capping**: the logits are ``c·tanh(scale·s/c)`` (``tanh.approx``, as the forward),
 so dS is multiplied by the cap's derivative ``1 − tanh²`` before the dK and dQ GEMMs
 (:func:`pallas_flash.logits.log2_logits`); hidden pairs are masked after the cap.
@@ -109,7 +114,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_flash.contract import RowBounds
 from pallas_flash.masking import MaskSpec
+from pallas_flash.mosaic import bounds as row_bounds
 from pallas_flash.mosaic.backward.common import BackwardStatic
 from pallas_flash.mosaic.backward.dkdv import call_dkdv
 from pallas_flash.mosaic.backward.dkdv_d256 import call_dkdv_d256
@@ -171,8 +178,8 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
              lse: jax.Array, d_out: jax.Array, delta: jax.Array, *, mask: MaskSpec,
              scale: float, config, interpret: bool, softcap: float | None = None,
              bias: jax.Array | None = None, attn_mask: jax.Array | None = None,
-             bias_grad: bool = False, deterministic: bool = False
-             ) -> tuple[jax.Array, ...]:
+             bounds: RowBounds | None = None, bias_grad: bool = False,
+             deterministic: bool = False) -> tuple[jax.Array, ...]:
     """(dq, dk, dv) of attention on Hopper, and dbias when ``bias_grad``.
 
     Args:
@@ -186,6 +193,11 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
       interpret: run in Mosaic GPU interpret mode on the CPU.
       bias, attn_mask: None or canonical ``[B', N', T', S']`` (:mod:`pallas_flash.bias`),
         read by both kernels (see the module docstring).
+      bounds: None or :class:`~pallas_flash.contract.RowBounds` (int32 ``[batch]`` each):
+        rows ``>= q_end`` get dq 0 and add nothing to dk / dv, keys outside ``[kv_start,
+        kv_end)`` get dk = dv = 0. Taken as segment ids (:func:`.bounds.as_segment_ids`):
+        the blocks outside the bounds are skipped, every visited one is masked. Hidden K /
+        V rows and padding Q / dO rows are zeroed first (one pass over each).
       bias_grad: must be False (dbias is not computed here).
       deterministic: the call's ``attention(..., deterministic=...)``: the separate dQ
         kernel, whatever the heuristic's choice (:func:`~pallas_flash.mosaic.config.
@@ -200,6 +212,12 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
     keys are hidden by ``mask.seq_kv``) and the head dim to a multiple of 64.
     """
     del out
+    if bounds is not None:
+        bounds = row_bounds.checked(bounds, q.shape[0])
+        q, d_out = (row_bounds.outside_zeroed(x, bounds, axis=1, keys=False)
+                    for x in (q, d_out))
+        k, v = (row_bounds.outside_zeroed(x, bounds, axis=1, keys=True) for x in (k, v))
+        segment_ids = row_bounds.as_segment_ids(segment_ids, bounds, q.shape[1], k.shape[1])
     segmented = segment_ids is not None
     dim = padded_head_dim(q.shape[-1])
     reason = unsupported_backward(q.shape, k.shape, q.dtype, mask, segmented, softcap,
