@@ -29,6 +29,14 @@ wheel and head_dim 128) is, at each point:
    the per-round ratio of the two: the spread that a difference between implementations
    must exceed to be a finding.
 
+``--dq-modes fused,bulk`` adds the Mosaic backward with a given dQ mode, as rows
+``pallas_flash_mosaic_dq_<mode>`` timed in the same interleaved rounds (head_dim up to
+128): the default tiling (``default_backward_config``) with the fused dQ forced
+(``deterministic=False``; ``fused``: TMA reduce-adds of swizzled tiles, ``bulk``: FA3's
+path, ``MosaicBackwardConfig.bulk_dq``). The default ``pallas_flash_mosaic`` takes the
+separate dQ kernel for short causal calls at head_dim 65-128, so ``fused`` is the like
+for like of ``bulk`` there.
+
 Writes ``backward-<device>-<date>[-tag].json`` and a markdown table of the same name.
 """
 
@@ -51,6 +59,7 @@ from benchmarks.flops import attention_flops, problem_shape, tflops_per_s
 from benchmarks.implementations import IMPLEMENTATIONS, AttentionFn, error_summary
 from benchmarks.timing import time_fn
 from pallas_flash.masking import MaskSpec
+from pallas_flash.mosaic import MosaicBackwardConfig, default_backward_config
 from pallas_flash.reference import standard_attention
 
 DEFAULT_IMPLS = "pallas_flash_mosaic,pallas_flash_mosaic_deterministic,fa3,cudnn"
@@ -60,6 +69,32 @@ PASSES = ("fwd", "bwd", "fwdbwd")
 CONTROL_SUFFIX = "_again"
 #: Enough calls for ``--sample-ms`` of the shortest forward (about 0.15 ms).
 MAX_CALLS_PER_SAMPLE = 1024
+#: ``--dq-modes``: the Mosaic backward's fused dQ modes, as ``MosaicBackwardConfig.bulk_dq``.
+DQ_MODES = {"fused": False, "bulk": True}
+#: The rows of ``--dq-modes`` are named this prefix plus the mode.
+DQ_MODE_PREFIX = "pallas_flash_mosaic_dq_"
+#: Largest head dim of the fused dQ modes.
+DQ_MODE_MAX_HEAD_DIM = 128
+
+
+def dq_mode_fn(mode: str) -> AttentionFn:
+    """``pallas_flash.attention(implementation="mosaic")`` whose backward runs the fused dQ
+    in ``mode`` (a key of :data:`DQ_MODES`) with the default tiling."""
+    if mode not in DQ_MODES:
+        raise ValueError(f"mode must be one of {sorted(DQ_MODES)}, got {mode!r}")
+
+    def fn(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
+        import pallas_flash
+
+        mask = MaskSpec(seq_q=q.shape[1], seq_kv=k.shape[1], is_causal=causal)
+        tiling = default_backward_config(q.shape, k.shape, q.dtype, mask)
+        config = MosaicBackwardConfig(block_q=tiling.block_q, dq_block_kv=tiling.dq_block_kv,
+                                      num_stages=tiling.num_stages, deterministic=False,
+                                      bulk_dq=DQ_MODES[mode])
+        return pallas_flash.attention(q, k, v, is_causal=causal, implementation="mosaic",
+                                      config=config)
+
+    return fn
 
 
 def _calls(fn: AttentionFn, causal: bool) -> tuple[Callable, Callable]:
@@ -218,6 +253,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokens", type=int, default=16384, help="batch · L per point")
     parser.add_argument("--hidden", type=int, default=2048, help="heads · head_dim")
+    parser.add_argument("--dq-modes", default="",
+                        help=f"comma list from {sorted(DQ_MODES)}: also time the Mosaic "
+                             f"backward with that fused dQ mode ('{DQ_MODE_PREFIX}<mode>')")
     parser.add_argument("--control", action="store_true",
                         help=f"time the first implementation twice (the copy named "
                              f"'<impl>{CONTROL_SUFFIX}') and report the spread between them")
@@ -227,6 +265,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown implementations {unknown}; known: {sorted(IMPLEMENTATIONS)}")
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    unknown = sorted(set(filter(None, args.dq_modes.split(","))) - set(DQ_MODES))
+    if unknown:
+        parser.error(f"unknown --dq-modes {unknown}; known: {sorted(DQ_MODES)}")
     return args
 
 
@@ -266,8 +307,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.control:  # right after the first, so that the two alternate in every round
         copy = {names[0] + CONTROL_SUFFIX: impls[names[0]]}
         impls = {names[0]: impls[names[0]], **copy, **impls}
-    return run(args, impls, lambda name, head_dim: IMPLEMENTATIONS[
-        name.removesuffix(CONTROL_SUFFIX)].supports(head_dim))
+    for mode in filter(None, args.dq_modes.split(",")):
+        impls[DQ_MODE_PREFIX + mode] = dq_mode_fn(mode)
+
+    def supports(name: str, head_dim: int) -> bool:
+        if name.startswith(DQ_MODE_PREFIX):
+            return head_dim <= DQ_MODE_MAX_HEAD_DIM
+        return IMPLEMENTATIONS[name.removesuffix(CONTROL_SUFFIX)].supports(head_dim)
+    return run(args, impls, supports)
 
 
 if __name__ == "__main__":

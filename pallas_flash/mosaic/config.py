@@ -269,6 +269,11 @@ class MosaicBackwardConfig:
         the additions, hence the rounding, varies from run to run. :func:`default_backward_config`
         picks it up to head_dim 128, where it is the faster mode (but for short causal
         sequences).
+      bulk_dq: with the fused dQ (``deterministic=False``; ignored otherwise), FA3's dQ path
+        (:mod:`pallas_flash.mosaic.backward.dq_bulk`): each consumer stages its share of
+        dQ in register order and adds it with one non-tensor bulk reduce-add into a
+        fragment-ordered float32 accumulator, converted to ``[B, T, N, D]`` by XLA
+        afterwards; named barriers instead of the exchange mbarriers. Off by default.
 
     The keys per dK/dV consumer (:attr:`block_kv`) and the query rows per dQ consumer
     (:attr:`dq_block_q`) are fixed at 64, wgmma's M: dK and dV of more keys, or dQ of more
@@ -279,6 +284,7 @@ class MosaicBackwardConfig:
     dq_block_kv: int = 128
     num_stages: int = 2
     deterministic: bool = True
+    bulk_dq: bool = False
 
     #: Keys per consumer warpgroup of the dK/dV kernel (wgmma M).
     block_kv = 64
@@ -292,6 +298,8 @@ class MosaicBackwardConfig:
             raise ValueError(f"dq_block_kv must be 32, 64 or 128, got {self.dq_block_kv}")
         if not 2 <= self.num_stages <= 4:
             raise ValueError(f"num_stages must be in [2, 4], got {self.num_stages}")
+        if not isinstance(self.bulk_dq, bool):
+            raise ValueError(f"bulk_dq must be a bool, got {self.bulk_dq!r}")
 
     def dkdv_smem_bytes(self, head_dim: int, itemsize: int = 2, *,
                         segments: bool = False, logit_rings: tuple[LogitRing, ...] = ()
@@ -314,7 +322,8 @@ class MosaicBackwardConfig:
             fused_dq = (_align(self.num_stages * NUM_CONSUMERS * self.block_kv
                                * self.block_q * itemsize)
                         + _align(NUM_CONSUMERS * self.block_q * dq_columns * 4)
-                        + 8 * (self.num_stages + 1))  # exchanged, dq_done
+                        # exchanged, dq_done (bulk_dq: named barriers instead)
+                        + (0 if self.bulk_dq else 8 * (self.num_stages + 1)))
         # Consumers own block_kv keys, the ring walks block_q queries.
         logits = _rings_bytes(logit_rings, owned=self.block_kv, walked=self.block_q,
                               num_stages=self.num_stages)

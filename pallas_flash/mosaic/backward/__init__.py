@@ -121,6 +121,7 @@ from pallas_flash.mosaic.backward.common import BackwardStatic
 from pallas_flash.mosaic.backward.dkdv import call_dkdv
 from pallas_flash.mosaic.backward.dkdv_d256 import call_dkdv_d256
 from pallas_flash.mosaic.backward.dq import call_dq
+from pallas_flash.mosaic.backward.dq_bulk import accumulator_shape, convert_dq
 from pallas_flash.mosaic.config import (
     MAX_HEAD_DIM,
     MAX_PER_CONSUMER_HEAD_DIM,
@@ -251,7 +252,8 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         head_dim=dim, dtype=jnp.dtype(q.dtype), group=heads // kv_heads,
         needs_mask=(not mask.is_dense or seq_kv_pad != seq_kv or segmented
                     or has_mask_array),
-        fuse_dq=fuse_dq, dq_partials=fuse_dq and interpret, softcap=softcap,
+        fuse_dq=fuse_dq, dq_partials=fuse_dq and interpret and not config.bulk_dq,
+        bulk_dq=fuse_dq and config.bulk_dq, interpret=interpret, softcap=softcap,
         segmented=segmented)
     operands = (q_p, k_p, v_p, do_p, lse2, delta)
     ids = pad_segment_ids(segment_ids, seq_q_pad, seq_kv_pad) if segmented else None
@@ -331,7 +333,10 @@ def _fused_dq(st: BackwardStatic, operands, *, interpret: bool):
     here); dQ is scaled once at the end, as dK is in the kernel."""
     q_p = operands[0]
     partials = (NUM_CONSUMERS * st.num_tiles,) if st.dq_partials else ()
-    dq_acc = jax.new_ref(jnp.zeros((*partials, *q_p.shape), jnp.float32))
+    shape = accumulator_shape(st, q_p.shape) if st.bulk_dq else (*partials, *q_p.shape)
+    dq_acc = jax.new_ref(jnp.zeros(shape, jnp.float32))
     dk, dv = call_dkdv(st, operands, dq_acc, interpret=interpret)
     dq = jax.freeze(dq_acc)
+    if st.bulk_dq:  # fragment-ordered tiles (dq_bulk)
+        return convert_dq(st, dq, q_p.dtype), dk, dv
     return ((dq.sum(0) if partials else dq) * st.scale).astype(q_p.dtype), dk, dv

@@ -56,6 +56,10 @@ class BackwardStatic:
     # Interpret mode has no TMA reduce-add: the fused dQ's partial sums are stored per
     # consumer of each key tile instead ([2·tiles, B, Tq, N, D] float32), summed by XLA.
     dq_partials: bool = False
+    # The fused dQ by FA3's path instead (:mod:`.dq_bulk`); ``interpret``: the kernels run
+    # in interpret mode, where its inline PTX takes its plain-Pallas paths.
+    bulk_dq: bool = False
+    interpret: bool = False
     softcap: float | None = None  # logits become softcap * tanh(scale * s / softcap)
     segmented: bool = False  # segment ids: a pair is visible only if its ids are equal
     # Swizzle (bytes) of every SMEM tile. wgmma steps through K one swizzle width at a

@@ -44,6 +44,7 @@ from pallas_flash.mosaic.backward.common import (
     walk,
     warp_specialized,
 )
+from pallas_flash.mosaic.backward.dq_bulk import BulkDqRefs, kernel_interpret_params
 from pallas_flash.mosaic.backward.dq_modes import (
     DqMode,
     FusedDqRefs,
@@ -131,8 +132,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: Bac
     cta_first, cta_last = cta_range(
         st, st.mask.q_blocks(cta_k0, NUM_CONSUMERS * bkv, bq, st.num_q_blocks), ranges_of)
     stream = QueryStream.between(st.group, kv_head, cta_first, cta_last)
-    dq_refs = FusedDqRefs(dq_ref, k_smem, batch=batch, kv_tile=kv_tile,
-                          **mode_smem) if st.fuse_dq else None
+    dq_refs = (BulkDqRefs if st.bulk_dq else FusedDqRefs)(
+        dq_ref, k_smem, batch=batch, kv_tile=kv_tile, **mode_smem) if st.fuse_dq else None
 
     def load(t):
         head, i = stream.head_and_block(t)
@@ -294,11 +295,14 @@ def call_dkdv(st: BackwardStatic, operands, dq_acc, *, interpret: bool):
     if interpret:
         scratch["a_smem"] = smem_tiles(st, NUM_CONSUMERS, bkv, bq)
     scratch.update(dq_scratch(st))
+    params = kernel_params(interpret)
+    if st.bulk_dq and interpret:  # its named barriers, modelled by the interpreter
+        params["interpret"] = kernel_interpret_params(st)
     return plgpu.kernel(
         functools.partial(_dkdv_kernel, st=st),
         out_type=(kernel_output(k_p.shape, q_p.dtype, q_p),) * 2,
         scratch_types=scratch,
         grid=(kv_heads, st.num_tiles, batch),
         grid_names=("heads", "kv_tiles", "batch"),
-        **kernel_params(interpret),
+        **params,
     )(*operands, *(() if dq_acc is None else (dq_acc,)))

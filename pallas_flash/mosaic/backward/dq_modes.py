@@ -7,6 +7,9 @@
   the step's ring slot adds dS·K over all the CTA's keys into a zeroed float32 dQ in GMEM,
   with one TMA reduce-add per step (half the staging stores and L2 traffic of each
   consumer adding its own). The order of the additions varies between runs.
+* :class:`~.dq_bulk.BulkDq` (``MosaicBackwardConfig.bulk_dq``) — the fused dQ by FA3's
+  path: register-order staging, one non-tensor bulk reduce-add per consumer, named
+  barriers (:mod:`.dq_bulk`).
 * :class:`SplitDq` — the fused dQ where a consumer's column half is whole 128-byte swizzle
   widths of K (:func:`~pallas_flash.mosaic.config.splits_dq`: head_dim 128): consumer c
   adds columns ``[c·D/2, (c+1)·D/2)`` with a [block_q, D/2] accumulator, one step late, so
@@ -38,6 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_flash.mosaic.backward.common import BackwardStatic, QueryStream, smem_tiles
+from pallas_flash.mosaic.backward.dq_bulk import BulkDq, BulkDqRefs
 from pallas_flash.mosaic.config import NUM_CONSUMERS
 from pallas_flash.mosaic.pipeline import ring_slot
 
@@ -250,7 +254,7 @@ class SplitDq(FusedDq):
                        self.rows(i_last, head_last).at[:, self.half])
 
 
-DqMode = DeterministicDq | FusedDq
+DqMode = DeterministicDq | FusedDq | BulkDq
 
 
 def _fused_mode(st: BackwardStatic) -> type[FusedDq]:
@@ -259,14 +263,18 @@ def _fused_mode(st: BackwardStatic) -> type[FusedDq]:
 
 def dq_scratch(st: BackwardStatic) -> dict:
     """The SMEM and barriers of the kernel's dQ mode (none for the deterministic one)."""
+    if st.bulk_dq:
+        return BulkDq.scratch(st)
     return _fused_mode(st).scratch(st) if st.fuse_dq else {}
 
 
-def dq_mode(st: BackwardStatic, wg: int, refs: FusedDqRefs | None,
+def dq_mode(st: BackwardStatic, wg: int, refs: FusedDqRefs | BulkDqRefs | None,
             stream: QueryStream) -> DqMode:
     """Consumer ``wg``'s dQ mode; ``refs``: None in the deterministic one."""
     if not st.fuse_dq:
         return DeterministicDq()
+    if st.bulk_dq:
+        return BulkDq(st, wg, refs, stream)
     return _fused_mode(st)(st, wg, refs, stream)
 
 
