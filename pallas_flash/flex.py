@@ -391,11 +391,10 @@ def _mod_lists(operands, *, mask_fn: ConvertedMod, batch: int, heads: int, seq_q
     """create_block_mask's work: the mask function over strips of query blocks."""
     bq, bk = block_size
     nq, nk = -(-seq_q // bq), -(-seq_kv // bk)
+    # Positions past the lengths (the last blocks' padding) are evaluated too, and their
+    # results ignored: a gather past an array's end is safe in JAX.
     keys = jnp.arange(nk * bk, dtype=jnp.int32)
     key_real = keys < seq_kv
-    # Padding positions are evaluated at the last real one (the function may index arrays
-    # of the real lengths) and then ignored.
-    kv_idx = jnp.minimum(keys, seq_kv - 1).reshape(1, 1, 1, -1)
     b_idx = jnp.arange(batch, dtype=jnp.int32).reshape(-1, 1, 1, 1)
     h_idx = jnp.arange(heads, dtype=jnp.int32).reshape(1, -1, 1, 1)
     blocks_per_strip = max(1, min(nq, _STRIP_PAIRS // (batch * heads * bq * nk * bk)))
@@ -404,8 +403,8 @@ def _mod_lists(operands, *, mask_fn: ConvertedMod, batch: int, heads: int, seq_q
     def strip(first_block):
         rows = first_block * bq + jnp.arange(blocks_per_strip * bq, dtype=jnp.int32)
         row_real = (rows < seq_q)[:, None]
-        q_idx = jnp.minimum(rows, seq_q - 1).reshape(1, 1, -1, 1)
-        visible = mask_fn(b_idx, h_idx, q_idx, kv_idx, *operands)
+        visible = mask_fn(b_idx, h_idx, rows.reshape(1, 1, -1, 1), keys.reshape(1, 1, 1, -1),
+                          *operands)
         visible = jnp.broadcast_to(visible, (batch, heads, rows.shape[0], keys.shape[0]))
         # Padded rows are no one's output: they neither make a tile partial nor keep it
         # from being full. Padded keys are never visible.

@@ -94,6 +94,8 @@ def _case(name):
     _, _, q, kv = grid(B, N, T, S)
     if name == "causal":
         return (lambda b, h, q, kv: q >= kv), {}, np.broadcast_to(q >= kv, (1, 1, T, S))
+    if name == "everything":  # full tiles but for the key block holding padding
+        return (lambda b, h, q, kv: q >= 0), {}, np.ones((1, 1, T, S), bool)
     if name == "sliding_window":
         return ((lambda b, h, q, kv: (kv <= q + 40) & (kv >= q - 40)), {},
                 np.broadcast_to((kv <= q + 40) & (kv >= q - 40), (1, 1, T, S)))
@@ -116,7 +118,7 @@ def _case(name):
     raise AssertionError(name)
 
 
-CASES = ("causal", "sliding_window", "documents", "prefix_lm", "per_head_window")
+CASES = ("causal", "everything", "sliding_window", "documents", "prefix_lm", "per_head_window")
 
 
 @pytest.mark.parametrize("block_size", [(64, 32), (48, 80)], ids=["64x32", "48x80"])
@@ -242,7 +244,7 @@ def test_dense_broadcast_dims():
     keep = fresh_rng().random(90) < 0.7                     # a key-padding style mask [S]
     bm = block_mask_from_dense(jnp.asarray(keep), (16, 32), seq_q=50)
     assert_block_mask(bm, np.broadcast_to(keep, (1, 1, 50, 90)))
-    rows = (np.arange(50) % 3 == 0)[:, None]                 # [T, 1]: per-query rows
+    rows = (np.arange(50) < 37)[:, None]                 # [T, 1]: per-query rows
     bm = block_mask_from_dense(jnp.asarray(rows), (16, 32), seq_kv=90)
     assert_block_mask(bm, np.broadcast_to(rows, (1, 1, 50, 90)))
 
