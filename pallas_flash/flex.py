@@ -39,17 +39,18 @@ How a kernel walks the lists (the plan for the Mosaic GPU and Triton kernels):
 * forward and dQ: one program per (batch, head, query block) reads its two counts from
   SMEM (scalar prefetch / a scalar load) and walks the partial list (tile mask from the
   mask function and every other mask) then the full list (the unmasked fast loop);
-  the producer warp loads ``K, V[kv_indices[j]]`` ahead of the consumers. Past a list's
+  the producer loads ``K, V[kv_indices[j]]`` ahead of the consumers. Past a list's
   count the entries repeat its last block (0 for an empty list), so a pipeline that
   prefetches one block past the end reads a valid block and discards it. Softmax
   statistics do not depend on the order, so the two loops can run in either order;
   the per-row ``m``/``l`` merge is the same as for the band masks.
 * dK/dV: one program per (batch, KV head, key block) walks ``q_indices`` then
   ``full_q_indices`` the same way; dQ reuses the forward's lists. Under GQA a KV head's
-  programs walk the union of its query heads' lists (or one list when heads is 1).
-* counts vary per query block (causal: linear in the block index), so the grid should be
-  scheduled longest-first, as the band masks are; a query block with both counts 0
-  writes zeros and lse ``EMPTY_ROW_LSE`` without loading anything.
+  program walks each of its query heads' lists in turn (the one list when ``N'`` is 1).
+* counts vary per query block (causal: linear in the block index), so work tiles should
+  run heaviest first, as the causal band's do (``mosaic/scheduler.py``), ordered by
+  their counts; a query block with both counts 0 writes zeros and lse
+  ``EMPTY_ROW_LSE`` without loading anything.
 
 What Mosaic GPU can and cannot lower (checked against its lowering rules, not yet on
 a GPU): elementwise integer and float arithmetic, comparisons, ``select_n``, ``min`` /

@@ -204,6 +204,8 @@ def test_converted_functions_hoist_captured_arrays():
              jnp.arange(3).reshape(1, 1, 1, 3), jnp.asarray([1.0, 2.0]))
     q, kv = np.arange(4)[:, None], np.arange(3)[None, :]
     np.testing.assert_allclose(got, np.stack([1.0 * (kv - q), 2.0 * (kv - q)])[:, None])
+    with pytest.raises(ValueError, match="takes 5 arguments and 1 operands, got 5 values"):
+        fn(score, 0, 0, 0, 0)
     mask, operands = convert_mask_mod(lambda b, h, q, kv: q >= kv)
     assert operands == () and (mask.uses_batch, mask.uses_head) == (False, False)
 
