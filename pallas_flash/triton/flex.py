@@ -404,7 +404,7 @@ def unsupported(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], dtype,
     runs ``pallas_flash.flex.flex_reference``)."""
     del kv_shape
     if jnp.dtype(dtype) not in DTYPES:
-        return f"the Triton flex kernels take {[str(d) for d in DTYPES]}, not {dtype}"
+        return f"the Triton flex kernels take {[str(d) for d in DTYPES]}, not {jnp.dtype(dtype)}"
     if q_shape[-1] > MAX_HEAD_DIM:
         return (f"the Triton flex kernels take head_dim up to {MAX_HEAD_DIM}, got "
                 f"{q_shape[-1]}")
