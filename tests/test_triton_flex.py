@@ -257,3 +257,22 @@ def test_unsupported_reasons():
     assert "head_dim up to 256" in unsupported((1, 64, 2, 512), (1, 64, 2, 512), F32, (64, 64))
     assert "powers of two" in unsupported((1, 64, 2, 64), (1, 64, 2, 64), F32, (48, 64))
     assert "not int32" in unsupported((1, 64, 2, 64), (1, 64, 2, 64), jnp.int32, (64, 64))
+
+
+def test_captured_reads_are_refused_compiled_only():
+    """A function that reads a captured array at a traced index has no Triton lowering: the
+    compiled call is refused (ValueError, the planner's fallback reason), interpret runs."""
+    shapes = ((1, 64, 2, 16), (1, 64, 2, 16), F32, (32, 32))
+    ids = jnp.zeros((1, 64), jnp.int32)
+    slopes = jnp.ones((2,), jnp.float32)
+    arithmetic = _bm().mask_fn
+    documents_fn = create_block_mask(lambda b, h, q, kv: ids[b, q] == ids[b, kv], batch=1,
+                                     seq_q=64, seq_kv=64, block_size=32).mask_fn
+    alibi_fn, _ = convert_score_mod(lambda s, b, h, q, kv: s + slopes[h] * (kv - q))
+    assert unsupported(*shapes, (arithmetic,)) is None
+    for fn in (documents_fn, alibi_fn):
+        assert "traced index" in unsupported(*shapes, (arithmetic, fn))
+        assert unsupported(*shapes, (arithmetic, fn), interpret=True) is None
+    q = jnp.zeros((1, 64, 2, 16))
+    with pytest.raises(ValueError, match="score_mod reads an array at a traced index"):
+        flex_attention(q, q, q, _bm(), score_mod=(alibi_fn, (slopes,)))

@@ -396,12 +396,33 @@ _LIST_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_in
                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 
 
+#: Primitives that read an array at a traced index: what ``ids[b, q_idx]``, ``slopes[h]``
+#: or ``table[bucket]`` become. The Triton lowering has no rule for them (reading a captured
+#: array needs ref loads at the tile's index vectors instead; not written yet).
+_INDEXED_READS = frozenset({"gather", "dynamic_slice"})
+
+
+def _indexed_read(jaxpr) -> bool:
+    """Whether ``jaxpr`` (or a sub-program of it) has an equation in :data:`_INDEXED_READS`."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _INDEXED_READS:
+            return True
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)  # a ClosedJaxpr holds its Jaxpr
+            if hasattr(inner, "eqns") and _indexed_read(inner):
+                return True
+    return False
+
+
 def unsupported(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], dtype,
-                block_size: tuple[int, int]) -> str | None:
+                block_size: tuple[int, int], functions: tuple[Any, ...] = (),
+                interpret: bool = False) -> str | None:
     """None if these kernels run a call ``q: [batch, seq_q, heads, head_dim]``, ``k, v:
     [batch, seq_kv, kv_heads, head_dim]`` of ``dtype`` over a block mask of ``block_size``
-    (its tiles are the kernels' tiles), else a sentence saying why not (the caller then
-    runs ``pallas_flash.flex.flex_reference``)."""
+    (its tiles are the kernels' tiles) with the converted mask / score ``functions``, else
+    a sentence saying why not (the caller then runs ``pallas_flash.flex.flex_reference``).
+    Compiled (``interpret`` False), a function that reads a captured array at a traced
+    index is refused: the Triton lowering has no gather."""
     del kv_shape
     if jnp.dtype(dtype) not in DTYPES:
         return f"the Triton flex kernels take {[str(d) for d in DTYPES]}, not {jnp.dtype(dtype)}"
@@ -412,6 +433,11 @@ def unsupported(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], dtype,
         if size < 16 or size & (size - 1):
             return (f"the Triton flex kernels tile by the block mask's block_size, which must "
                     f"be powers of two >= 16 (Triton's tile shapes), got {tuple(block_size)}")
+    if not interpret:
+        for fn in functions:
+            if _indexed_read(fn.jaxpr):
+                return (f"this {fn.kind} reads an array at a traced index (a gather), which "
+                        "the compiled Triton flex kernels cannot lower yet")
     return None
 
 
@@ -480,9 +506,6 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_mask, *,
         raise ValueError(f"block_mask must be a pallas_flash.flex.BlockMask, got "
                          f"{type(block_mask).__name__}")
     block_size = tuple(block_mask.block_size)
-    reason = unsupported(q.shape, k.shape, q.dtype, block_size)
-    if reason is not None:
-        raise ValueError(reason)
     block_mask.check(batch=batch, heads=heads, seq_q=seq_q, seq_kv=k.shape[1])
     score_fn, score_ops = None, ()
     if score_mod is not None:
@@ -492,11 +515,15 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_mask, *,
             raise ValueError("score_mod must be None or the (fn, operands) pair of "
                              f"pallas_flash.flex.convert_score_mod, got {score_mod!r}")
         score_fn, score_ops = score_mod
+    if not isinstance(interpret, bool):
+        raise ValueError(f"interpret must be a bool, got {interpret!r}")
+    functions = (block_mask.mask_fn,) if score_fn is None else (block_mask.mask_fn, score_fn)
+    reason = unsupported(q.shape, k.shape, q.dtype, block_size, functions, interpret)
+    if reason is not None:
+        raise ValueError(reason)
     scale = (1.0 / math.sqrt(head_dim) if scale is None
              else _check_number(scale, "scale", optional=False))
     softcap = _check_number(softcap, "softcap", optional=True)
-    if not isinstance(interpret, bool):
-        raise ValueError(f"interpret must be a bool, got {interpret!r}")
     if config is None:
         config = _default_config(block_size)
     elif not isinstance(config, TritonConfig) or {
