@@ -103,6 +103,20 @@ def test_document_mask_over_captured_ids():
     check(q, k, v, d_out, bm, {"segment_ids": (ids, ids)})
 
 
+def test_captured_reads_in_every_gather_mode():
+    """Reads past the ids' end (the padded rows and keys of the last blocks) in fill mode
+    give the fill value, in clip mode the last id: hidden either way."""
+    q, k, v, d_out = random_qkv(1, 72, 72, 2, 2, 16)
+    ids = documents(1, 72)
+    ids_j = jnp.asarray(ids)
+    bm = create_block_mask(
+        lambda b, h, q, kv: (ids_j.at[b, q].get(mode="fill", fill_value=-1)
+                             == ids_j.at[b, kv].get(mode="clip")) & (kv <= q),
+        batch=1, seq_q=72, seq_kv=72, block_size=32)
+    check(q, k, v, d_out, bm, {"segment_ids": (ids, ids),
+                               "mask": MaskSpec(72, 72, is_causal=True)})
+
+
 def test_prefix_lm():
     q, k, v, d_out = random_qkv(2, 64, 96, 2, 1, 16)
     prefix = jnp.asarray([5, 70], jnp.int32)
@@ -259,20 +273,31 @@ def test_unsupported_reasons():
     assert "not int32" in unsupported((1, 64, 2, 64), (1, 64, 2, 64), jnp.int32, (64, 64))
 
 
-def test_captured_reads_are_refused_compiled_only():
-    """A function that reads a captured array at a traced index has no Triton lowering: the
-    compiled call is refused (ValueError, the planner's fallback reason), interpret runs."""
+def test_compiled_refuses_reads_that_are_not_ref_loads():
+    """Compiled, a captured array read element-wise at traced indices becomes ref loads
+    (supported); reads that cannot are refused (ValueError, the planner's fallback
+    reason), and interpret mode runs them all."""
     shapes = ((1, 64, 2, 16), (1, 64, 2, 16), F32, (32, 32))
     ids = jnp.zeros((1, 64), jnp.int32)
     slopes = jnp.ones((2,), jnp.float32)
-    arithmetic = _bm().mask_fn
-    documents_fn = create_block_mask(lambda b, h, q, kv: ids[b, q] == ids[b, kv], batch=1,
-                                     seq_q=64, seq_kv=64, block_size=32).mask_fn
+    lengths = jnp.asarray([5, 9, 60], jnp.int32)
+
+    def mask_fn(mask_mod):
+        return create_block_mask(mask_mod, batch=1, seq_q=64, seq_kv=64, block_size=32).mask_fn
+
     alibi_fn, _ = convert_score_mod(lambda s, b, h, q, kv: s + slopes[h] * (kv - q))
-    assert unsupported(*shapes, (arithmetic,)) is None
-    for fn in (documents_fn, alibi_fn):
-        assert "traced index" in unsupported(*shapes, (arithmetic, fn))
-        assert unsupported(*shapes, (arithmetic, fn), interpret=True) is None
+    supported = (_bm().mask_fn, alibi_fn,
+                 mask_fn(lambda b, h, q, kv: ids[b, q] == ids[b, kv]))
+    assert unsupported(*shapes, supported) is None
+    for mask_mod, match in [
+        (lambda b, h, q, kv: (ids * 2)[b, q] == ids[b, kv], "reads a computed array"),
+        (lambda b, h, q, kv: jnp.sum(ids[b]) > q + kv, "more than one element"),
+        (lambda b, h, q, kv: kv < jnp.max(lengths), "not a power of two"),
+    ]:
+        assert match in unsupported(*shapes, (mask_fn(mask_mod),))
+        assert unsupported(*shapes, (mask_fn(mask_mod),), interpret=True) is None
     q = jnp.zeros((1, 64, 2, 16))
-    with pytest.raises(ValueError, match="score_mod reads an array at a traced index"):
-        flex_attention(q, q, q, _bm(), score_mod=(alibi_fn, (slopes,)))
+    bm = create_block_mask(lambda b, h, q, kv: kv < jnp.max(lengths), seq_q=64, seq_kv=64,
+                           block_size=32)
+    with pytest.raises(ValueError, match="cannot lower this mask_mod"):
+        flex_attention(q, q, q, bm)

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jax.extend import core as jex_core
 
 from pallas_flash.contract import DTYPES, EMPTY_ROW_LSE, kernel_output
 from pallas_flash.logits import LOG2_E, log2_logits, raw_score_gradient
@@ -99,12 +100,111 @@ def _tile_indices(static: _Static, q_block, kv_block):
     return rows, cols
 
 
+class _Captured:
+    """A captured array's kernel ref, standing in for the array while a converted function
+    is evaluated (:func:`_call_with_refs`)."""
+
+    def __init__(self, ref):
+        self.ref = ref
+
+
+def _gather_default_fill(dtype):
+    """lax.gather's fill for an index out of bounds in ``FILL_OR_DROP`` mode."""
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.nan
+    if dtype == jnp.bool_:
+        return True
+    return jnp.iinfo(dtype).min if jnp.issubdtype(dtype, jnp.signedinteger) \
+        else jnp.iinfo(dtype).max
+
+
+def _gather_from_ref(ref, indices, *, dimension_numbers, slice_sizes, mode, fill_value,
+                     **_):
+    """A pointwise ``gather`` (every slice one element, what ``x[i, j]`` on index arrays
+    becomes) as a load of ``ref`` at integer-array indices: the Triton lowering's pointer
+    gather. Indices are clamped into the array, as ``CLIP`` does (and every mode must, to
+    read no memory outside it); ``FILL_OR_DROP`` then puts its fill value where they were
+    outside."""
+    numbers = dimension_numbers
+    if any(size != 1 for size in slice_sizes) or numbers.operand_batching_dims:
+        raise NotImplementedError("only element-wise reads of a captured array lower")
+    batch_shape = indices.shape[:-1]
+    parts = lax.split(indices, (1,) * indices.shape[-1], axis=indices.ndim - 1)
+    index, inside = [], None
+    for dim, size in enumerate(ref.shape):
+        if dim not in numbers.start_index_map:
+            index.append(jnp.zeros(batch_shape, jnp.int32))
+            continue
+        i = parts[numbers.start_index_map.index(dim)].reshape(batch_shape).astype(jnp.int32)
+        if mode == lax.GatherScatterMode.FILL_OR_DROP:
+            ok = (i >= 0) & (i < size)
+            inside = ok if inside is None else inside & ok
+        index.append(jnp.clip(i, 0, size - 1))
+    value = ref[tuple(index)]
+    if inside is not None:
+        fill = _gather_default_fill(ref.dtype) if fill_value is None else fill_value
+        value = jnp.where(inside, value, jnp.asarray(fill, ref.dtype))
+    batch_dims = iter(batch_shape)
+    rank = len(batch_shape) + len(numbers.offset_dims)
+    return value.reshape(tuple(1 if d in numbers.offset_dims else next(batch_dims)
+                               for d in range(rank)))
+
+
+def _dynamic_slice_from_ref(ref, *starts, slice_sizes):
+    """``dynamic_slice`` (``x[h]`` at a scalar index) as a load of ``ref``; starts are
+    clamped as dynamic_slice clamps them."""
+    return ref[tuple(pl.ds(jnp.clip(start, 0, dim - size), size)
+                     for start, dim, size in zip(starts, ref.shape, slice_sizes, strict=True))]
+
+
+def _eval_with_refs(jaxpr, consts, args):
+    """``jaxpr`` evaluated on ``args``, some of them :class:`_Captured`: a gather or dynamic
+    slice of one reads its ref at the indices, any other use loads it whole."""
+    env = {}
+
+    def read(var):
+        return var.val if isinstance(var, jex_core.Literal) else env[var]
+
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        values = [read(v) for v in eqn.invars]
+        inner = eqn.params.get("jaxpr")
+        captured = any(isinstance(x, _Captured) for x in values)
+        if captured and isinstance(inner, jex_core.ClosedJaxpr):  # a nested jit: look inside
+            out = _eval_with_refs(inner.jaxpr, inner.consts, values)
+        elif captured and eqn.primitive.name == "gather" and isinstance(values[0], _Captured):
+            out = [_gather_from_ref(values[0].ref, values[1], **eqn.params)]
+        elif captured and eqn.primitive.name == "dynamic_slice" and isinstance(values[0],
+                                                                               _Captured):
+            out = [_dynamic_slice_from_ref(values[0].ref, *values[1:], **eqn.params)]
+        else:
+            values = [x.ref[...] if isinstance(x, _Captured) else x for x in values]
+            out = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
+            out = out if eqn.primitive.multiple_results else [out]
+        env.update(zip(eqn.outvars, out, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _call_with_refs(fn, args, refs):
+    """``fn(*args, *operands)`` (a converted function lifted over the tile's index arrays)
+    with each captured operand read from its kernel ref where the function indexes it,
+    rather than loaded whole (the Triton lowering has no gather of a value)."""
+    avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in args]
+    avals += [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in refs]
+    closed = jax.make_jaxpr(fn)(*avals)
+    (out,) = _eval_with_refs(closed.jaxpr, closed.consts,
+                             [*args, *(_Captured(r) for r in refs)])
+    return out
+
+
 def _visible(static: _Static, batch, head, rows, cols, mask_ops, *, partial: bool):
     """Which pairs of the tile count (None: all): the mask function on a partial tile, and
     real positions only where the sequences do not fill their last block."""
     conditions = []
     if partial:
-        conditions.append(static.mask_fn(batch, head, rows, cols, *mask_ops))
+        conditions.append(_call_with_refs(static.mask_fn, (batch, head, rows, cols),
+                                          mask_ops))
     if static.seq_kv % static.block_kv:
         conditions.append(cols < static.seq_kv)
     if static.seq_q % static.block_q:
@@ -129,7 +229,7 @@ def _logits(static: _Static, q, k, batch, head, rows, cols, score_ops, *,
         return s2, slope, None
 
     def modded(s):
-        return static.score_fn(s, batch, head, rows, cols, *score_ops)
+        return _call_with_refs(static.score_fn, (s, batch, head, rows, cols), score_ops)
 
     s = s2 * (1.0 / LOG2_E)
     score_vjp = None
@@ -150,13 +250,11 @@ def _walk(step, carry, lists):
                          functools.partial(step, indices=full_indices, partial=False), carry)
 
 
-def _forward_kernel(list_refs, q_ref, k_ref, v_ref, mask_refs, score_refs, o_ref, lse_ref,
+def _forward_kernel(list_refs, q_ref, k_ref, v_ref, mask_ops, score_ops, o_ref, lse_ref,
                     *, static: _Static):
     batch, head, q_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     counts, indices, full_counts, full_indices = list_refs
     at = (*static.list_index(batch, head), q_block)
-    mask_ops = [r[...] for r in mask_refs]
-    score_ops = [r[...] for r in score_refs]
     q = q_ref[...]
     block_kv = static.block_kv
 
@@ -211,14 +309,12 @@ def _score_gradient(static: _Static, q, k, v, do, lse2, delta, batch, head, rows
     return p, raw_score_gradient(ds, slope)
 
 
-def _dkdv_kernel(list_refs, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs,
-                 score_refs, dk_ref, dv_ref, *, static: _Static):
+def _dkdv_kernel(list_refs, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_ops,
+                 score_ops, dk_ref, dv_ref, *, static: _Static):
     """One key block of one (batch, KV head); q/dO ``[padded_q, group, D]``, lse/delta
     ``[group, padded_q]`` of the KV head's query heads."""
     batch, kv_head, kv_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     counts, indices, full_counts, full_indices = list_refs
-    mask_ops = [r[...] for r in mask_refs]
-    score_ops = [r[...] for r in score_refs]
     k, v = k_ref[...], v_ref[...]
     precision = dot_precision(k.dtype)
 
@@ -247,14 +343,12 @@ def _dkdv_kernel(list_refs, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mas
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(list_refs, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs,
-               score_refs, dq_ref, *, static: _Static):
+def _dq_kernel(list_refs, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_ops,
+               score_ops, dq_ref, *, static: _Static):
     """One query block of one (batch, head), walking the forward's lists."""
     batch, head, q_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     counts, indices, full_counts, full_indices = list_refs
     at = (*static.list_index(batch, head), q_block)
-    mask_ops = [r[...] for r in mask_refs]
-    score_ops = [r[...] for r in score_refs]
     q, do, lse2, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
 
     def kv_step(n, dq, *, indices, partial: bool):
@@ -397,21 +491,36 @@ _LIST_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_in
 
 
 #: Primitives that read an array at a traced index: what ``ids[b, q_idx]``, ``slopes[h]``
-#: or ``table[bucket]`` become. The Triton lowering has no rule for them (reading a captured
-#: array needs ref loads at the tile's index vectors instead; not written yet).
+#: or ``table[bucket]`` become. On a captured array they become ref loads
+#: (:func:`_eval_with_refs`); the Triton lowering has no rule for them on a value.
 _INDEXED_READS = frozenset({"gather", "dynamic_slice"})
 
 
-def _indexed_read(jaxpr) -> bool:
-    """Whether ``jaxpr`` (or a sub-program of it) has an equation in :data:`_INDEXED_READS`."""
+def _lowering_gap(jaxpr, captured) -> str | None:
+    """What in a converted function's ``jaxpr`` the compiled kernels cannot lower (None:
+    nothing): an indexed read of a computed value, a gather of more than one element per
+    index, or a captured array used whole with a size that is not a power of two (Triton's
+    shapes). ``captured``: the vars that hold captured arrays."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _INDEXED_READS:
-            return True
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", param)  # a ClosedJaxpr holds its Jaxpr
-            if hasattr(inner, "eqns") and _indexed_read(inner):
-                return True
-    return False
+        inner = eqn.params.get("jaxpr")
+        flags = [isinstance(v, jex_core.Var) and v in captured for v in eqn.invars]
+        held = [v for v, flag in zip(eqn.invars, flags, strict=True) if flag]
+        if held and isinstance(inner, jex_core.ClosedJaxpr):
+            gap = _lowering_gap(inner.jaxpr, {w for w, flag in zip(inner.jaxpr.invars, flags,
+                                                                 strict=True) if flag})
+            if gap is not None:
+                return gap
+        elif eqn.primitive.name in _INDEXED_READS:
+            if not flags[0]:
+                return "reads a computed array at a traced index (a gather of a value)"
+            numbers = eqn.params.get("dimension_numbers")
+            if any(size != 1 for size in eqn.params["slice_sizes"]) or (
+                    numbers is not None and numbers.operand_batching_dims):
+                return "reads more than one element of a captured array per index"
+        elif any(v.aval.size & (v.aval.size - 1) for v in held):
+            return ("uses a captured array whose size is not a power of two whole (Triton's "
+                    "shapes); index it instead")
+    return None
 
 
 def unsupported(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], dtype,
@@ -421,8 +530,8 @@ def unsupported(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], dtype,
     [batch, seq_kv, kv_heads, head_dim]`` of ``dtype`` over a block mask of ``block_size``
     (its tiles are the kernels' tiles) with the converted mask / score ``functions``, else
     a sentence saying why not (the caller then runs ``pallas_flash.flex.flex_reference``).
-    Compiled (``interpret`` False), a function that reads a captured array at a traced
-    index is refused: the Triton lowering has no gather."""
+    Compiled (``interpret`` False), a function is refused where its reads cannot become
+    ref loads (:func:`_lowering_gap`)."""
     del kv_shape
     if jnp.dtype(dtype) not in DTYPES:
         return f"the Triton flex kernels take {[str(d) for d in DTYPES]}, not {jnp.dtype(dtype)}"
@@ -435,9 +544,9 @@ def unsupported(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], dtype,
                     f"be powers of two >= 16 (Triton's tile shapes), got {tuple(block_size)}")
     if not interpret:
         for fn in functions:
-            if _indexed_read(fn.jaxpr):
-                return (f"this {fn.kind} reads an array at a traced index (a gather), which "
-                        "the compiled Triton flex kernels cannot lower yet")
+            gap = _lowering_gap(fn.jaxpr, set(fn.jaxpr.constvars))
+            if gap is not None:
+                return f"the compiled Triton flex kernels cannot lower this {fn.kind}: it {gap}"
     return None
 
 
