@@ -20,8 +20,13 @@ function with its captured operands (``pallas_flash.flex.convert_score_mod``).
 * dQ — one program per (batch, head, query block) walking the forward's lists:
   dQ += dS·K. Every output tile is written by one program: deterministic, no atomics.
 
-The captured arrays of both functions are whole kernel inputs, indexed with the tile's
-index vectors. They are constants of the attention: no gradient reaches them (use
+The captured arrays of both functions are whole kernel inputs. The converted function is
+traced on the tile's index vectors and evaluated with each captured array left in its ref
+(:func:`_eval_with_refs`): an element-wise read (``ids[b, q_idx]``, ``slopes[h]``,
+``table[bucket(kv - q), h]``: a gather or dynamic slice) becomes a load of the ref at the
+index arrays, the Triton lowering's pointer gather, since it has no rule for a gather of a
+value; :func:`unsupported` refuses what cannot become such a load. The captured arrays are
+constants of the attention: no gradient reaches them (use
 ``pallas_flash.flex.flex_reference`` to differentiate a captured table or slope).
 
 Positions past ``seq_q`` / ``seq_kv`` (the last blocks' padding) are hidden whatever the
