@@ -21,6 +21,7 @@ from support import fresh_rng, rel_err
 
 from pallas_flash import fp8, mosaic
 from pallas_flash.contract import RowBounds
+from pallas_flash.fp8_format import E4M3
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import MosaicConfig, forward_fp8
 from pallas_flash.reference import EMPTY_ROW_LSE, attention_float64
@@ -216,3 +217,26 @@ def test_bounded_forward_lowers_for_cuda(config, causal):
     spec = jax.ShapeDtypeStruct(shape, BF16)
     lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
     jax.jit(f).trace(spec, spec, spec, (lengths,) * 3).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize(("head_dim", "persistent"), [(64, False), (256, True)])
+def test_bounded_fp8_forward_lowers_for_cuda(head_dim, persistent):
+    """The FP8 operand format with bounds, in its default causal config, for the GPU."""
+    batch, seq, heads = 2, 2048, 4
+    config = dataclasses.replace(
+        forward_fp8.default_config(head_dim, is_causal=True, seq_kv=seq), persistent=persistent)
+    mask = MaskSpec(seq_q=seq, seq_kv=seq, is_causal=True)
+
+    def f(ops, bounds):
+        return forward_fp8.forward(forward_fp8.Fp8Operands(*ops), mask=mask, scale=0.1,
+                                   config=config, interpret=False, bounds=RowBounds(*bounds))
+    e4m3, f32 = E4M3, jnp.float32
+    kv_tiles = -(-seq // config.block_kv)
+    ops = (jax.ShapeDtypeStruct((batch, seq, heads, head_dim), e4m3),
+           jax.ShapeDtypeStruct((batch, seq // config.block_q, heads), f32),
+           jax.ShapeDtypeStruct((batch, seq, heads, head_dim), e4m3),
+           jax.ShapeDtypeStruct((batch, kv_tiles, heads), f32),
+           jax.ShapeDtypeStruct((batch, heads, head_dim, seq), e4m3),
+           jax.ShapeDtypeStruct((batch, kv_tiles, heads), f32))
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    jax.jit(f).trace(ops, (lengths,) * 3).lower(lowering_platforms=("cuda",))
