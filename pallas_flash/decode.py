@@ -57,8 +57,6 @@ from pallas_flash.autodiff import add_sinks, attention_with_lse
 from pallas_flash.contract import EMPTY_ROW_LSE, StaticArgs
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import pad_axis
-from pallas_flash.triton.config import PAGED_DECODE_STAGES, default_config
-from pallas_flash.triton.decode import split_forward
 from pallas_flash.tuning import resolve_config
 
 #: Longest query (new tokens per sequence) :func:`decode_attention` takes.
@@ -420,10 +418,11 @@ def _split_kernel_decode(query, key, value, lengths, rows: CacheVisibility, *,
     kv_heads = key.shape[2]
     packed = _pack_queries(query, kv_heads)  # [B, R, K, D]
     seq_kv = key.shape[1] if page_table is None else page_table.shape[1] * key.shape[1]
-    config = default_config(packed.shape, (batch, seq_kv, *key.shape[2:]), packed.dtype,
-                            MaskSpec(packed.shape[1], seq_kv))
+    triton = dispatch.backend("triton")
+    config = triton.default_config(packed.shape, (batch, seq_kv, *key.shape[2:]),
+                                   packed.dtype, MaskSpec(packed.shape[1], seq_kv))
     if page_table is not None:  # each K/V load waits for its page id: a deeper pipeline
-        config = dataclasses.replace(config, num_stages=PAGED_DECODE_STAGES)
+        config = dataclasses.replace(config, num_stages=triton.PAGED_DECODE_STAGES)
 
     def part_interval(all_lengths, length, part):
         first = rows.first_visible(length)
@@ -436,9 +435,9 @@ def _split_kernel_decode(query, key, value, lengths, rows: CacheVisibility, *,
         return (_part_bound(first, visible, count, part),
                 _part_bound(first, visible, count, part + 1))
 
-    out, lse = split_forward(packed, key, value, lengths, part_interval, rows,
-                             num_splits=num_splits, scale=scale, softcap=softcap,
-                             config=config, interpret=interpret, page_table=page_table)
+    out, lse = triton.split_decode_forward(
+        packed, key, value, lengths, part_interval, rows, num_splits=num_splits, scale=scale,
+        softcap=softcap, config=config, interpret=interpret, page_table=page_table)
     out, lse = merge_splits(out, lse)
     return _unpack(out.astype(query.dtype), lse, heads)
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -46,11 +46,7 @@ from pallas_flash.autodiff import attention_backward
 from pallas_flash.contract import DTYPES, StaticArgs, varying_like
 from pallas_flash.fp8_format import E4M3, E4M3_MAX, tile_scale
 from pallas_flash.masking import MaskSpec
-from pallas_flash.mosaic import MosaicConfig, forward_fp8
-from pallas_flash.mosaic.config import MAX_HEAD_DIM, padded_head_dim
-from pallas_flash.mosaic.forward_fp8 import Fp8Operands
 from pallas_flash.padding import pad_axis, round_up
-from pallas_flash.triton import quantize as triton_quantize
 
 Scaling = Literal["tensor", "block"]
 
@@ -107,8 +103,8 @@ def random_hadamard(key: jax.Array, head_dim: int) -> jax.Array:
     ``head_dim`` must be a power of two (Sylvester's construction of H).
     """
     if (isinstance(head_dim, bool) or not isinstance(head_dim, (int, np.integer))
-            or head_dim < 1 or head_dim & (head_dim - 1) or head_dim > MAX_HEAD_DIM):
-        raise ValueError(f"head_dim must be a power of two up to {MAX_HEAD_DIM} (the "
+            or head_dim < 1 or head_dim & (head_dim - 1) or head_dim > dispatch.MAX_HEAD_DIM):
+        raise ValueError(f"head_dim must be a power of two up to {dispatch.MAX_HEAD_DIM} (the "
                          f"kernels' largest) for a Hadamard matrix, got {head_dim!r}")
     _check_key(key, "key", allow_none=False)
     hadamard = np.ones((1, 1), np.float32)
@@ -328,7 +324,7 @@ def _round_tiles(x: jax.Array, rows: int | None, cols: int | None) -> jax.Array:
 def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
                       block_kv: int, hadamard_key: jax.Array | None = None,
                       implementation: Literal["triton", "xla"] | None = None,
-                      interpret: bool = False) -> Fp8Operands:
+                      interpret: bool = False) -> Any:
     """The FP8 kernel's inputs: block quantization as :func:`attention_fp8_reference` does it.
 
     Args:
@@ -360,13 +356,14 @@ def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
     if implementation not in (None, "triton", "xla"):
         raise ValueError(f"implementation must be 'triton', 'xla' or None, got "
                          f"{implementation!r}")
-    if implementation == "triton" and not (interpret or triton_quantize.kernel_available()):
+    triton = dispatch.backend("triton")
+    if implementation == "triton" and not (interpret or triton.fp8_quantizer_available()):
         raise ValueError("implementation='triton' needs a CUDA GPU of compute capability "
                          ">= 8.9 or interpret=True")
     if implementation is None:
         head_dim = q.shape[-1]
-        compiled = not interpret and triton_quantize.kernel_available() and not any(
-            triton_quantize.unsupported(block, head_dim) for block in (block_q, block_kv))
+        compiled = not interpret and triton.fp8_quantizer_available() and not any(
+            triton.fp8_quantizer_unsupported(block, head_dim) for block in (block_q, block_kv))
         implementation = "triton" if compiled else "xla"
     if hadamard_key is not None:
         q, k, _ = _rotate(q, k, hadamard_key)
@@ -375,15 +372,16 @@ def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
         v8, v_scale = quantize(v, block_kv)
         vt = jnp.transpose(v8, (0, 2, 3, 1))
     else:  # bf16 / f16 operands are read as they are: the kernel widens them to float32
-        tiles = functools.partial(triton_quantize.quantize_tiles, interpret=interpret)
+        tiles = functools.partial(triton.fp8_quantize_tiles, interpret=interpret)
         (q8, q_scale), (k8, k_scale) = tiles(q, block_q), tiles(k, block_kv)
         vt, v_scale = tiles(v, block_kv, transpose=True)
-    return Fp8Operands(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, vt=vt, v_scale=v_scale)
+    return dispatch.backend("mosaic").Fp8Operands(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale,
+                                                  vt=vt, v_scale=v_scale)
 
 
 def attention_fp8(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool = False,
                   scale: float | None = None, hadamard_key: jax.Array | None = None,
-                  config: MosaicConfig | None = None, out_scale: float | jax.Array | None = None,
+                  config: Any = None, out_scale: float | jax.Array | None = None,
                   return_residual: bool = False, deterministic: bool = False,
                   implementation: Literal["mosaic", "xla"] | None = None,
                   interpret: bool = False):
@@ -438,9 +436,7 @@ def attention_fp8(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool =
     head_dim = q.shape[3]
     scale = canonical_scale(scale, head_dim)
     _check_key(hadamard_key, "hadamard_key", allow_none=True)
-    if config is None:
-        config = forward_fp8.default_config(head_dim, is_causal=is_causal, seq_kv=k.shape[1])
-    forward_fp8.check_config(config, padded_head_dim(head_dim))
+    config = _kernel_config(config, head_dim, is_causal=is_causal, seq_kv=k.shape[1])
     _check_out_scale(out_scale)
     call = _Fp8Call(is_causal=is_causal, scale=scale, config=config,
                     kernel=_implementation(implementation, interpret) == "mosaic",
@@ -458,7 +454,7 @@ class _Fp8Call:
 
     is_causal: bool
     scale: float
-    config: MosaicConfig
+    config: Any
     kernel: bool
     interpret: bool
     deterministic: bool
@@ -523,7 +519,7 @@ def attention_fp8_quantized(q: jax.Array, k: jax.Array, v: jax.Array, q_scale: j
                             k_scale: jax.Array, v_scale: jax.Array, *,
                             scale_blocks: tuple[int, int] | None = None,
                             v_transposed: bool = False, is_causal: bool = False,
-                            scale: float | None = None, config: MosaicConfig | None = None,
+                            scale: float | None = None, config: Any = None,
                             out_scale: float | jax.Array | None = None,
                             return_residual: bool = False,
                             implementation: Literal["mosaic", "xla"] | None = None,
@@ -569,9 +565,7 @@ def attention_fp8_quantized(q: jax.Array, k: jax.Array, v: jax.Array, q_scale: j
     _check_shapes(q, k, k, is_causal)
     heads, seq_q = q.shape[2], q.shape[1]
     scale = canonical_scale(scale, head_dim)
-    if config is None:
-        config = forward_fp8.default_config(head_dim, is_causal=is_causal, seq_kv=seq_kv)
-    forward_fp8.check_config(config, padded_head_dim(head_dim))
+    config = _kernel_config(config, head_dim, is_causal=is_causal, seq_kv=seq_kv)
     _check_out_scale(out_scale)
     q_block, kv_block = (config.block_q, config.block_kv) if scale_blocks is None \
         else _check_scale_blocks(scale_blocks, config)
@@ -591,19 +585,30 @@ def attention_fp8_quantized(q: jax.Array, k: jax.Array, v: jax.Array, q_scale: j
             is_causal=is_causal, round_p=True)
     else:
         vt = v if v_transposed else jnp.transpose(v, (0, 2, 3, 1))
-        operands = Fp8Operands(q=q, q_scale=q_scale, k=k, k_scale=k_scale, vt=vt,
-                               v_scale=v_scale)
+        operands = dispatch.backend("mosaic").Fp8Operands(q=q, q_scale=q_scale, k=k,
+                                                          k_scale=k_scale, vt=vt,
+                                                          v_scale=v_scale)
         out, lse = _run_kernel(operands, is_causal=is_causal, scale=scale, config=config,
                                interpret=interpret)
     return _results(out, lse, out_scale, return_residual)
 
 
-def _run_kernel(operands: Fp8Operands, *, is_causal: bool, scale: float,
-                config: MosaicConfig, interpret: bool):
+def _kernel_config(config, head_dim: int, *, is_causal: bool, seq_kv: int):
+    """The FP8 kernel's ``MosaicConfig``: ``config``, checked, or its default for this
+    head_dim, mask and key length (which the XLA path's tiles follow too)."""
+    mosaic = dispatch.backend("mosaic")
+    if config is None:
+        config = mosaic.fp8_default_config(head_dim, is_causal=is_causal, seq_kv=seq_kv)
+    mosaic.fp8_check_config(config, mosaic.padded_head_dim(head_dim))
+    return config
+
+
+def _run_kernel(operands, *, is_causal: bool, scale: float, config, interpret: bool):
+    """The Mosaic FP8 forward on ``operands`` (the backend's ``Fp8Operands``)."""
     mask = MaskSpec(seq_q=operands.q.shape[1], seq_kv=operands.k.shape[1],
                     is_causal=is_causal, causal_alignment="bottom_right")
-    out, lse = forward_fp8.forward(operands, mask=mask, scale=scale, config=config,
-                                   interpret=interpret)
+    out, lse = dispatch.backend("mosaic").fp8_forward(operands, mask=mask, scale=scale,
+                                                      config=config, interpret=interpret)
     # Inside shard_map(check_vma=True): plgpu.kernel (jax 0.11.2) returns its results
     # invariant; they vary as the operands do (as pallas_flash.attention's kernels).
     return (varying_like(out, operands.q), varying_like(lse, operands.q))
@@ -652,7 +657,7 @@ def _check_out_scale(out_scale) -> None:
                          f"{float(out_scale)}")
 
 
-def _check_scale_blocks(scale_blocks, config: MosaicConfig) -> tuple[int, int]:
+def _check_scale_blocks(scale_blocks, config) -> tuple[int, int]:
     if not isinstance(scale_blocks, tuple) or len(scale_blocks) != 2:
         raise ValueError("scale_blocks must be (q_block, kv_block), two positive ints, got "
                          f"{scale_blocks!r}")
@@ -762,8 +767,8 @@ def _check_shapes(q, k, v, is_causal: bool) -> None:
                          f"and head_dim, got q {q.shape}, k {k.shape}, v {v.shape}")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"q's heads ({q.shape[2]}) must be a multiple of k's ({k.shape[2]})")
-    if q.shape[3] > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got {q.shape[3]}")
+    if q.shape[3] > dispatch.MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be at most {dispatch.MAX_HEAD_DIM}, got {q.shape[3]}")
     if is_causal and q.shape[1] > k.shape[1]:
         raise ValueError(f"is_causal with seq_q {q.shape[1]} > seq_kv {k.shape[1]}: the first "
                          "rows would see no key under the bottom-right diagonal")

@@ -56,7 +56,6 @@ from pallas_flash.decode import (
     paged_split_forward,
 )
 from pallas_flash.masking import MaskSpec
-from pallas_flash.triton.config import padded_head_dim
 
 #: Page sizes the paged functions take (powers of two: the future kernel's tiles).
 PAGE_SIZES = (8, 16, 32, 64, 128, 256)
@@ -190,7 +189,8 @@ def _reads_pages(query, key_pages, page_table, implementation, interpret: bool) 
                                                     interpret=interpret)
     # A call Triton refuses (float64, say) goes the gathered way, which says why; a head
     # dim the kernel pads would pad the whole page pool, far more than the gather copies.
-    return (name == "triton" and padded_head_dim(query.shape[3]) == query.shape[3]
+    return (name == "triton"
+            and dispatch.backend(name).padded_head_dim(query.shape[3]) == query.shape[3]
             and dispatch.unsupported(name, packed, cache, query.dtype, spec, features) is None)
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash import fp8
+from pallas_flash import dispatch, fp8
 from pallas_flash.compat import interpret_pallas_call
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import MosaicConfig, forward_fp8
@@ -213,7 +213,9 @@ def test_smem_accounting_matches_lowering(head_dim, config, monkeypatch, pretend
         return
     with pytest.raises(ValueError, match="shared memory"):
         _lower_for_cuda(shape, shape, config, causal=False)
+    # The kernel checks its config, and the entry point through the dispatcher's backend.
     monkeypatch.setattr(forward_fp8, "check_config", lambda *_: None)
+    monkeypatch.setattr(dispatch.backend("mosaic"), "fp8_check_config", lambda *_: None)
     with pytest.raises(ValueError, match="exceeds available shared memory") as error:
         _lower_for_cuda(shape, shape, config, causal=False)
     assert int(re.search(r"smem_bytes=(\d+)", str(error.value)).group(1)) == need
@@ -293,9 +295,10 @@ def test_short_causal_rows_take_128_key_blocks():
     assert forward_fp8.default_config(128, is_causal=False, seq_kv=short).block_kv == 256
     q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
     seen = []
-    real = forward_fp8.check_config
+    mosaic = dispatch.backend("mosaic")  # the entry point's way to the kernel's check
+    real = mosaic.fp8_check_config
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(forward_fp8, "check_config",
+        patch.setattr(mosaic, "fp8_check_config",
                       lambda config, head_dim: seen.append(config) or real(config, head_dim))
         fp8.attention_fp8(q, q, q, is_causal=True, implementation="xla")
         fp8.attention_fp8(q, q, q, implementation="xla")
