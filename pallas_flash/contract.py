@@ -106,10 +106,14 @@ class StaticArgs:
     softcap: float | None = None
     deterministic: bool = False
 
-    def kernel_kwargs(self, bias=None, attn_mask=None) -> dict:
-        """The kernels' keyword arguments; the optional ones only when set."""
+    def kernel_kwargs(self, bias=None, attn_mask=None, bounds: RowBounds | None = None
+                      ) -> dict:
+        """The kernels' keyword arguments; the optional ones (``softcap``, ``bias``,
+        ``attn_mask``, ``bounds``) only when set."""
         kwargs = dict(mask=self.mask, scale=self.scale, config=self.config,
                       interpret=self.interpret)
+        if bounds is not None:
+            kwargs["bounds"] = bounds
         if self.softcap is not None:
             kwargs["softcap"] = self.softcap
         if bias is not None:
@@ -118,10 +122,11 @@ class StaticArgs:
             kwargs["attn_mask"] = attn_mask
         return kwargs
 
-    def backward_kwargs(self, bias=None, attn_mask=None, *, bias_grad: bool) -> dict:
+    def backward_kwargs(self, bias=None, attn_mask=None, bounds: RowBounds | None = None, *,
+                        bias_grad: bool) -> dict:
         """The backward kernels' keyword arguments: :meth:`kernel_kwargs`, and
         ``bias_grad`` / ``deterministic`` when set."""
-        kwargs = self.kernel_kwargs(bias, attn_mask)
+        kwargs = self.kernel_kwargs(bias, attn_mask, bounds)
         if bias_grad:
             kwargs["bias_grad"] = True
         if self.deterministic:

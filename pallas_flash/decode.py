@@ -57,10 +57,9 @@ from pallas_flash.autodiff import add_sinks, attention_with_lse
 from pallas_flash.contract import EMPTY_ROW_LSE, StaticArgs
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import pad_axis
+from pallas_flash.plan import MAX_DECODE_SEQ_Q, is_decode_step
 from pallas_flash.tuning import resolve_config
 
-#: Longest query (new tokens per sequence) :func:`decode_attention` takes.
-MAX_DECODE_SEQ_Q = 16
 #: Work units the split heuristic aims at: two per SM of an H200 (132 SMs).
 TARGET_WORK_UNITS = 2 * 132
 #: Fraction of :data:`TARGET_WORK_UNITS` one wave of CTAs must fill to need no more splits.
@@ -179,7 +178,7 @@ def decode_attention(
         raise ValueError(f"decode_attention needs at least one new token (query seq_q) and "
                          f"one cached position (key / value seq_kv), got seq_q {seq_q}, "
                          f"seq_kv {seq_kv}")
-    if seq_q > MAX_DECODE_SEQ_Q:
+    if not is_decode_step(seq_q):
         raise ValueError(
             f"query seq_q must be at most {MAX_DECODE_SEQ_Q} for decode_attention, got "
             f"{seq_q}; use pallas_flash.attention for longer queries")

@@ -48,7 +48,6 @@ from pallas_flash.arguments import (
 )
 from pallas_flash.autodiff import add_sinks
 from pallas_flash.decode import (
-    MAX_DECODE_SEQ_Q,
     CacheVisibility,
     decode_attention,
     default_num_splits,
@@ -56,6 +55,7 @@ from pallas_flash.decode import (
     paged_split_forward,
 )
 from pallas_flash.masking import MaskSpec
+from pallas_flash.plan import is_decode_step
 
 #: Page sizes the paged functions take (powers of two: the future kernel's tiles).
 PAGE_SIZES = (8, 16, 32, 64, 128, 256)
@@ -134,7 +134,7 @@ def paged_attention(
     dispatch.check_implementation(implementation, interpret)
     deterministic = dispatch.deterministic_backward(check_deterministic(deterministic))
     seq_q = query.shape[1]
-    if seq_q <= MAX_DECODE_SEQ_Q and _reads_pages(query, key_pages, page_table,
+    if is_decode_step(seq_q) and _reads_pages(query, key_pages, page_table,
                                                   implementation, interpret):
         head_dim = query.shape[3]
         direct = _DirectOptions(
@@ -152,7 +152,7 @@ def paged_attention(
     options = dict(scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
                    return_lse=return_lse, deterministic=deterministic,
                    implementation=implementation, interpret=interpret)
-    if seq_q <= MAX_DECODE_SEQ_Q:
+    if is_decode_step(seq_q):
         return decode_attention(query, key, value, is_causal=True,
                                 local_window_size=local_window_size,
                                 key_value_seq_lengths=lengths, **options)

@@ -38,8 +38,12 @@ BACKENDS = frozenset({"mosaic", "triton", "xla"})
 #: besides the core and the contract ("backends": any backend module).
 CALL_LAYER = {
     "arguments": frozenset(),
-    "autodiff": frozenset({"dispatch", "sharding"}),
+    "autodiff": frozenset({"call", "dispatch", "sharding"}),
+    # The canonical call: the argument checks, and the dispatcher's array checks.
+    "call": frozenset({"arguments", "dispatch"}),
     "dispatch": frozenset({"backends"}),
+    # The planner: the path and the forward's kernels of a canonical call.
+    "plan": frozenset({"call", "dispatch", "tuning"}),
     "reference": frozenset(),
     "sharding": frozenset(),
     # It builds each backend's candidate configs, whose types live in the backends.
