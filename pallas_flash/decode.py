@@ -57,7 +57,7 @@ from pallas_flash.autodiff import add_sinks, attention_with_lse
 from pallas_flash.contract import EMPTY_ROW_LSE, StaticArgs
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import pad_axis
-from pallas_flash.plan import MAX_DECODE_SEQ_Q, is_decode_step
+from pallas_flash.plan import MAX_DECODE_SEQ_Q, balances_rows, is_decode_step
 from pallas_flash.tuning import resolve_config
 
 #: Work units the split heuristic aims at: two per SM of an H200 (132 SMs).
@@ -207,7 +207,9 @@ def decode_attention(
                             scale=float(scale), softcap=softcap,
                             implementation=implementation, interpret=interpret,
                             config=config, deterministic=deterministic)
-    if _balances_rows(query, key, lengths, options):
+    if balances_rows(query.shape, key.shape, query.dtype, has_lengths=lengths is not None,
+                     window=window, implementation=implementation, interpret=interpret,
+                     config=config):
         full = jnp.full((batch,), seq_kv, jnp.int32)
         out, lse = _balanced_decode(query, key, value, full if lengths is None else lengths,
                                     options)
@@ -336,23 +338,6 @@ def _chunked_decode(query, key, value, lengths, options: _SplitOptions):
         implementation=options.implementation, interpret=options.interpret,
         config=options.config, deterministic=options.deterministic)
     return _unpack(out, lse, query.shape[2])
-
-
-def _balances_rows(query, key, lengths, options: _SplitOptions) -> bool:
-    """Whether this call takes splits balanced per row (see :func:`decode_attention`)."""
-    rows = options.rows
-    if lengths is None and rows.window is None:
-        return False  # a full cache's fixed chunks are balanced and need no key ids
-    if options.config is not None or options.implementation not in (None, "triton"):
-        return False
-    kv_heads = key.shape[2]
-    packed = (query.shape[0], query.shape[1] * query.shape[2] // kv_heads, kv_heads,
-              query.shape[3])
-    spec, features = MaskSpec(packed[1], key.shape[1]), dispatch.Features(has_segments=True)
-    name = options.implementation or dispatch.choose_decode(
-        packed, key.shape, query.dtype, spec, features, interpret=options.interpret)
-    return name == "triton" and dispatch.unsupported(name, packed, key.shape, query.dtype,
-                                                     spec, features) is None
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4,))

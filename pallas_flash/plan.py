@@ -9,6 +9,11 @@ fastest that runs the call (:func:`pallas_flash.dispatch.choose`); the backward'
 per pass in :mod:`pallas_flash.autodiff` (:func:`pallas_flash.dispatch.choose_backward`),
 where it is known whether the bias needs a gradient.
 
+A decode step (:func:`pallas_flash.decode_attention`) takes splits balanced per row on
+the Triton split kernel where :func:`balances_rows` says so, else fixed chunks; a paged one
+(:func:`pallas_flash.paged_attention`) reads the pages in place where :func:`reads_pages`
+says so, else gathers them.
+
 What makes a call a decode step is decided here alone: :data:`MAX_DECODE_SEQ_Q` and
 :func:`is_decode_step` (``decode_attention``, ``paged_attention`` and the Flax layers ask).
 """
@@ -24,10 +29,14 @@ import jax.numpy as jnp
 from pallas_flash import dispatch
 from pallas_flash.call import AttentionCall
 from pallas_flash.contract import StaticArgs
+from pallas_flash.masking import MaskSpec
 from pallas_flash.tuning import resolve_config
 
 #: Longest query (new tokens per sequence) a decode step has.
 MAX_DECODE_SEQ_Q = 16
+#: Smallest page the direct paged read takes: a Triton tile has at least 16 rows and lies
+#: within one page.
+MIN_DIRECT_PAGE_SIZE = 16
 
 
 def is_decode_step(seq_q: int) -> bool:
@@ -87,3 +96,52 @@ def decodes(call: AttentionCall) -> bool:
             and call.bias is None and call.attn_mask is None and not call.returns_lse
             and call.segment_ids is None and call.bounds is None and mask.window is None
             and (not mask.is_causal or mask.causal_alignment == "bottom_right"))
+
+
+def _packed_shape(q_shape, kv_heads: int) -> tuple[int, int, int, int]:
+    """A decode step's packed query shape: the ``heads // kv_heads`` query heads of each kv
+    head, times the new tokens, as the rows of one head (:mod:`pallas_flash.decode`)."""
+    batch, seq_q, heads, head_dim = q_shape
+    return (batch, seq_q * heads // kv_heads, kv_heads, head_dim)
+
+
+def _triton_split_runs(packed, kv_shape, dtype, implementation, interpret: bool) -> bool:
+    """Whether the decode forward of these packed shapes runs on Triton (named, or chosen
+    as the decode default), and Triton takes the call."""
+    spec = MaskSpec(packed[1], kv_shape[1])
+    features = dispatch.Features(has_segments=True)
+    name = implementation or dispatch.choose_decode(packed, kv_shape, dtype, spec, features,
+                                                    interpret=interpret)
+    return name == "triton" and dispatch.unsupported(name, packed, kv_shape, dtype, spec,
+                                                     features) is None
+
+
+def balances_rows(q_shape, kv_shape, dtype, *, has_lengths: bool, window, implementation,
+                  interpret: bool, config) -> bool:
+    """Whether a decode step ``q: [batch, seq_q, heads, head_dim]`` on a cache ``[batch,
+    seq_kv, kv_heads, head_dim]`` takes splits balanced per row on the Triton split kernel
+    (:func:`pallas_flash.decode_attention`): with lengths or a window (a full cache's fixed
+    chunks are balanced already and need no key ids), no ``config``, on Triton."""
+    if not has_lengths and window is None:
+        return False
+    if config is not None or implementation not in (None, "triton"):
+        return False
+    return _triton_split_runs(_packed_shape(q_shape, kv_shape[2]), kv_shape, dtype,
+                              implementation, interpret)
+
+
+def reads_pages(q_shape, pages_shape, table_shape, dtype, implementation,
+                interpret: bool) -> bool:
+    """Whether a paged decode step (``q: [batch, seq_q, heads, head_dim]``, pages
+    ``[num_pages, page_size, kv_heads, head_dim]``, ``page_table [batch, max_pages]``) runs
+    straight from the pages: on Triton, pages of at least :data:`MIN_DIRECT_PAGE_SIZE`
+    tokens, a head dim the kernel does not pad."""
+    page_size = pages_shape[1]
+    if page_size < MIN_DIRECT_PAGE_SIZE or implementation not in (None, "triton"):
+        return False
+    cache = (q_shape[0], table_shape[1] * page_size, *pages_shape[2:])
+    # A call Triton refuses (float64, say) goes the gathered way, which says why; a head
+    # dim the kernel pads would pad the whole page pool, far more than the gather copies.
+    return (_triton_split_runs(_packed_shape(q_shape, pages_shape[2]), cache, dtype,
+                               implementation, interpret)
+            and dispatch.backend("triton").padded_head_dim(q_shape[3]) == q_shape[3])
