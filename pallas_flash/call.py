@@ -45,19 +45,20 @@ class AttentionCall:
     ``query: [batch, seq_q, heads, head_dim]``, ``key, value: [batch, seq_kv, kv_heads,
     head_dim]`` (a rank-3 input gets its batch dim here; ``output_shape`` is the caller's
     query shape, which the results take). ``mask``: the static band (causal, alignment,
-    window). ``bounds``: None or the lengths as :class:`RowBounds` of int32 ``[batch]``
-    (``q_end = query_seq_lengths``, ``kv_start = 0``, ``kv_end = key_value_seq_lengths``,
-    a length not given being the whole sequence). ``segment_ids``: None or int32
-    ``(q_ids [batch, seq_q], kv_ids [batch, seq_kv])``. ``bias`` / ``attn_mask``: None or
-    canonical ``[B', N', T', S']`` arrays (:mod:`pallas_flash.bias`). ``sinks``: None or
-    ``[heads]``. ``deterministic`` is already decided (the argument or ``XLA_FLAGS``);
-    ``returns_lse``: the caller wants the lse or the residual.
+    window); None when a sequence is empty (:attr:`empty`), where no band exists.
+    ``bounds``: None or the lengths as :class:`RowBounds` of int32 ``[batch]`` (``q_end =
+    query_seq_lengths``, ``kv_start = 0``, ``kv_end = key_value_seq_lengths``, a length not
+    given being the whole sequence). ``segment_ids``: None or int32 ``(q_ids [batch, seq_q],
+    kv_ids [batch, seq_kv])``. ``bias`` / ``attn_mask``: None or canonical ``[B', N', T',
+    S']`` arrays (:mod:`pallas_flash.bias`). ``sinks``: None or ``[heads]``.
+    ``deterministic`` is already decided (the argument or ``XLA_FLAGS``); ``returns_lse``:
+    the caller wants the lse or the residual.
     """
 
     query: jax.Array
     key: jax.Array
     value: jax.Array
-    mask: MaskSpec
+    mask: MaskSpec | None
     scale: float
     output_shape: tuple[int, ...]
     bounds: RowBounds | None = None
@@ -75,7 +76,7 @@ class AttentionCall:
     @property
     def empty(self) -> bool:
         """Whether the batch or a sequence is empty (every row then sees no key)."""
-        return min(self.query.shape[0], self.mask.seq_q, self.mask.seq_kv) == 0
+        return min(self.query.shape[0], self.query.shape[1], self.key.shape[1]) == 0
 
     @property
     def features(self) -> dispatch.Features:
@@ -130,8 +131,9 @@ def canonicalize(
     logits_shape = (batch, heads, seq_q, seq_kv)
     bias = _check_bias(as_array(bias), logits_shape)
     mask = bias_lib.canonical_mask(as_array(mask), logits_shape)
-    spec = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, is_causal=is_causal,
-                    causal_alignment=causal_alignment, window=window)
+    spec = None if min(seq_q, seq_kv) == 0 else MaskSpec(
+        seq_q=seq_q, seq_kv=seq_kv, is_causal=is_causal, causal_alignment=causal_alignment,
+        window=window)
     return AttentionCall(query=query, key=key, value=value, mask=spec, scale=scale,
                          output_shape=output_shape, bounds=bounds, segment_ids=segment_ids,
                          bias=bias, attn_mask=mask, sinks=sinks, softcap=softcap,
