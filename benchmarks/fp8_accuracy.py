@@ -3,14 +3,15 @@
     python -m benchmarks.fp8_accuracy --out benchmarks/results      # CPU, about a minute
 
 The FlashAttention-3 paper's test (Sec. 4.3): Q, K, V drawn from N(0, 1) with 0.1 % of the
-entries replaced by 10·N(0, 1) outliers; the output of :func:`pallas_flash.fp8.
-attention_fp8_reference` is compared with the float64 oracle by RMSE. Two columns split the
-error: ``fp8 Q·Kᵀ only`` keeps P and V in float32 (the error the scaling and the rotation
-act on); the full FP8 forward adds the rounding of V and P, which no scale removes: e4m3's
-rounding error is relative (3 mantissa bits), whatever the scale.
+entries replaced by 10·N(0, 1) outliers; the output of :func:`pallas_flash.tutorial.
+fp8_study.attention_fp8_reference` is compared with the float64 oracle by RMSE. Two
+columns split the error: ``fp8 Q·Kᵀ only`` keeps P and V in float32 (the error the
+scaling and the rotation act on); the full FP8 forward adds the rounding of V and P, which
+no scale removes: e4m3's rounding error is relative (3 mantissa bits), whatever the scale.
 
 The backward (``--backward``, same inputs, dO from N(0, 1)): the relative error of dq, dk,
-dv against the float64 oracle of :func:`pallas_flash.fp8.attention_fp8_backward_reference`
+dv against the float64 oracle of
+:func:`pallas_flash.tutorial.fp8_study.attention_fp8_backward_reference`
 with FP8 operands in one GEMM at a time (the others bf16, residuals from the bf16
 forward), and in all five (residuals from the FP8 forward with the same scaling, as an
 FP8 training step would have them), next to the bf16 backward (no GEMM in FP8). The bar for
@@ -30,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.report import file_stem
-from pallas_flash import fp8
 from pallas_flash.masking import MaskSpec
 from pallas_flash.reference import attention_float64
+from pallas_flash.tutorial import fp8_study
 from pallas_flash.tutorial.cli import int_list
 
 #: (name, scaling, incoherent processing)
@@ -63,9 +64,9 @@ def measure(seq_len: int, head_dim: int, heads: int, seed: int) -> dict:
            "bf16": rmse(jax.nn.dot_product_attention(q, k, v))}
     for name, scaling, rotate in METHODS:
         kwargs = dict(scaling=scaling, hadamard_key=keys[3] if rotate else None)
-        row[name] = rmse(fp8.attention_fp8_reference(q, k, v, **kwargs))
+        row[name] = rmse(fp8_study.attention_fp8_reference(q, k, v, **kwargs))
         row[f"{name} (fp8 Q·Kᵀ only)"] = rmse(
-            fp8.attention_fp8_reference(q, k, v, fp8_pv=False, **kwargs))
+            fp8_study.attention_fp8_reference(q, k, v, fp8_pv=False, **kwargs))
     row["gain"] = row["per-tensor"] / row["per-block + Hadamard"]
     row["gain (fp8 Q·Kᵀ only)"] = (row["per-tensor (fp8 Q·Kᵀ only)"]
                                    / row["per-block + Hadamard (fp8 Q·Kᵀ only)"])
@@ -77,9 +78,9 @@ BACKWARD_METHODS = (
     ("bf16", frozenset(), "block", False),
     *((f"fp8 {gemm} only", frozenset({gemm}), "block", False)
       for gemm in ("s", "dp", "dv", "dq", "dk")),
-    ("all fp8, per-tensor", fp8.BACKWARD_GEMMS, "tensor", False),
-    ("all fp8, per-block", fp8.BACKWARD_GEMMS, "block", False),
-    ("all fp8, per-block + Hadamard", fp8.BACKWARD_GEMMS, "block", True),
+    ("all fp8, per-tensor", fp8_study.BACKWARD_GEMMS, "tensor", False),
+    ("all fp8, per-block", fp8_study.BACKWARD_GEMMS, "block", False),
+    ("all fp8, per-block + Hadamard", fp8_study.BACKWARD_GEMMS, "block", True),
 )
 
 
@@ -100,11 +101,11 @@ def measure_backward(seq_len: int, head_dim: int, heads: int, seed: int,
     for name, gemms, scaling, rotate in BACKWARD_METHODS:
         hadamard_key = keys[4] if rotate else None
         residuals = bf16_residuals
-        if gemms == fp8.BACKWARD_GEMMS:  # an FP8 training step: the FP8 forward's out, lse
-            residuals = fp8.attention_fp8_reference(
+        if gemms == fp8_study.BACKWARD_GEMMS:  # an FP8 training step: the FP8 forward's out, lse
+            residuals = fp8_study.attention_fp8_reference(
                 q, k, v, scaling=scaling, hadamard_key=hadamard_key, block_q=block_q,
                 block_kv=block_kv, is_causal=causal, return_residual=True)
-        grads = fp8.attention_fp8_backward_reference(
+        grads = fp8_study.attention_fp8_backward_reference(
             q, k, v, *residuals, d_out, fp8_gemms=gemms, scaling=scaling,
             hadamard_key=hadamard_key, block_q=block_q, block_kv=block_kv, is_causal=causal)
         row[name] = [float(np.linalg.norm(np.asarray(g, np.float64) - e) / np.linalg.norm(e))

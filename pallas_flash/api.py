@@ -1,4 +1,7 @@
-"""``pallas_flash.attention``: argument checks, canonicalisation and dispatch."""
+"""``pallas_flash.attention``: a thin door. The call is checked and put in canonical form
+(:func:`pallas_flash.call.canonicalize`), the planner picks its path and kernels
+(:func:`pallas_flash.plan.plan`), and the kernels run through
+:func:`pallas_flash.autodiff.attention_with_lse`."""
 
 from __future__ import annotations
 
@@ -6,30 +9,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from pallas_flash import bias as bias_lib
-from pallas_flash import decode, dispatch
+from pallas_flash import decode
 from pallas_flash.arguments import (
     PADDED_KEY_ID,
     PADDED_QUERY_ID,
     Implementation,
-    canonical_bool,
-    canonical_scale,
-    canonical_segments,
-    canonical_window,
     check_bools,
-    check_deterministic,
-    check_lengths,
-    check_sinks,
-    check_soft_cap,
 )
 from pallas_flash.autodiff import attention_with_lse
-from pallas_flash.contract import EMPTY_ROW_LSE, StaticArgs
+from pallas_flash.call import canonicalize, segment_ids_with_bounds
+from pallas_flash.contract import EMPTY_ROW_LSE
 from pallas_flash.dispatch import available_implementations, default_implementation
-from pallas_flash.masking import CausalAlignment, MaskSpec, zero_unseen_rows
-from pallas_flash.tuning import resolve_config
+from pallas_flash.masking import CausalAlignment, zero_unseen_rows
+from pallas_flash.plan import plan
 
 # The public names of the package's entry point, some defined by the dispatcher.
 __all__ = ["PADDED_KEY_ID", "PADDED_QUERY_ID", "Implementation", "attention",
@@ -172,98 +166,44 @@ def attention(
                       return_lse=return_lse is not False, interpret=interpret is not False,
                       deterministic=deterministic is not False,
                       config=config is not None))
-    # A bad name raises before anything else.
-    dispatch.check_implementation(implementation, interpret, also=("cudnn",))
-    query, key, value = (_as_array(x) for x in (query, key, value))
-    output_shape = getattr(query, "shape", None)
-    unbatched = getattr(query, "ndim", None) == 3
-    query, key, value = (_batched(x) for x in (query, key, value))
-    dispatch.check_arrays(query, key, value)
-    batch, seq_q, _, head_dim = query.shape
-    seq_kv = key.shape[1]
-    scale = canonical_scale(scale, head_dim)
+    call = canonicalize(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        causal_alignment=causal_alignment, local_window_size=local_window_size,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        logits_soft_cap=logits_soft_cap, sinks=sinks,
+        returns_lse=return_residual or return_lse, deterministic=deterministic,
+        implementation=implementation, interpret=interpret, config=config)
     check_bools(interpret=interpret, return_residual=return_residual, return_lse=return_lse)
     if return_residual and return_lse:
         raise ValueError("return_residual and return_lse cannot both be True: "
                          "return_lse=True returns the differentiable float32 lse")
-    window = canonical_window(local_window_size)
-    is_causal = canonical_bool(is_causal, "is_causal")
-    deterministic = dispatch.deterministic_backward(check_deterministic(deterministic))
-    if causal_alignment not in ("top_left", "bottom_right"):
-        raise ValueError(
-            f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
-    if unbatched:
-        q_segment_ids, kv_segment_ids = (
-            _unbatched_ids(ids) for ids in (q_segment_ids, kv_segment_ids))
-        query_seq_lengths, key_value_seq_lengths = (
-            _unbatched_lengths(n) for n in (query_seq_lengths, key_value_seq_lengths))
-    if _decodes(query, key, implementation, config, bias, mask, window, is_causal,
-                causal_alignment, key_value_seq_lengths, (q_segment_ids, kv_segment_ids,
-                query_seq_lengths), return_residual or return_lse, interpret):
-        out = decode.decode_attention(
-            query, key, value, scale=scale, is_causal=is_causal, local_window_size=window,
-            key_value_seq_lengths=_as_array(key_value_seq_lengths),
-            logits_soft_cap=logits_soft_cap, sinks=sinks, deterministic=deterministic,
-            implementation=implementation)
-        return out.reshape(output_shape)
-    segment_ids = canonical_segments(q_segment_ids, kv_segment_ids, batch, seq_q, seq_kv)
-    # The lengths as given: check_lengths reads their range before the int32 cast.
-    segment_ids = _fold_lengths(segment_ids, query_seq_lengths, key_value_seq_lengths, batch,
-                                seq_q, seq_kv)
-    softcap = check_soft_cap(logits_soft_cap)
-    sinks = check_sinks(sinks, query.shape[2])
-    logits_shape = (batch, query.shape[2], seq_q, seq_kv)
-    bias = _check_bias(_as_array(bias), logits_shape)
-    mask = bias_lib.canonical_mask(_as_array(mask), logits_shape)
     outputs = dict(return_residual=return_residual, return_lse=return_lse,
-                   output_shape=output_shape)
-    if min(batch, seq_q, seq_kv) == 0:
+                   output_shape=call.output_shape)
+    route = plan(call)
+    query, key, value = call.query, call.key, call.value
+    if route.path == "decode":
+        out = decode.decode_attention(
+            query, key, value, scale=call.scale, is_causal=call.mask.is_causal,
+            logits_soft_cap=call.softcap, sinks=call.sinks,
+            deterministic=call.deterministic, implementation=call.implementation)
+        return out.reshape(call.output_shape)
+    if route.path == "empty":
         # jax.nn's answer for empty sequences: rows that see no key output 0.
-        lse = jnp.full((batch, query.shape[2], seq_q), EMPTY_ROW_LSE,
+        batch, seq_q, heads = query.shape[:3]
+        lse = jnp.full((batch, heads, seq_q), EMPTY_ROW_LSE,
                        jnp.promote_types(query.dtype, jnp.float32))
         return _outputs(jnp.zeros(query.shape, query.dtype), lse, **outputs)
-    spec = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, is_causal=is_causal,
-                    causal_alignment=causal_alignment, window=window)
-    query, key, value = zero_unseen_rows(query, key, value, spec, segment_ids, mask)
-    features = dispatch.Features(has_segments=segment_ids is not None, softcap=softcap,
-                                 has_bias=bias is not None, has_mask=mask is not None)
-
-    if implementation is None:
-        implementation = dispatch.choose(query.shape, key.shape, query.dtype, spec, features,
-                                         interpret=interpret)
-    backend = dispatch.backend(implementation)
-    reason = dispatch.unsupported(implementation, query.shape, key.shape, query.dtype, spec,
-                                  features)
-    if reason is not None:
-        raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
-    config = resolve_config(config, implementation, query, key, value, spec, interpret)
-    static = StaticArgs(kernels=backend.KERNELS, mask=spec, scale=scale,
-                        config=config, interpret=interpret, softcap=softcap,
-                        deterministic=deterministic)
-    out, lse = attention_with_lse(query, key, value, segment_ids, sinks, bias, mask, static)
+    # Rows that no pair sees are zeroed before any kernel (the bounds as segment ids tell
+    # which; the kernels take them as the backend does).
+    query, key, value = zero_unseen_rows(
+        query, key, value, call.mask,
+        segment_ids_with_bounds(call.segment_ids, call.bounds, call.mask.seq_q,
+                                call.mask.seq_kv),
+        call.attn_mask)
+    out, lse = attention_with_lse(query, key, value, call.segment_ids, call.sinks, call.bias,
+                                  call.attn_mask, route.static, call.bounds)
     return _outputs(out, lse, **outputs)
-
-
-def _decodes(query, key, implementation, config, bias, mask, window, is_causal: bool,
-             causal_alignment, key_value_seq_lengths, other_ids: tuple, wants_lse: bool,
-             interpret: bool) -> bool:
-    """Whether a call is a decode step that :func:`pallas_flash.decode.decode_attention`
-    answers identically and faster: on a GPU, a few new queries (``seq_q <=``
-    ``decode.MAX_DECODE_SEQ_Q``) against a longer cache, 16-bit inputs, no arrays or
-    options decode does not take (measured: ``docs/decode.md``). Only calls in which no
-    query's hidden keys lie outside the step's own tokens: no lengths, no window (kept
-    from when decode let a NaN in a hidden cache row reach the output through P·V, which
-    it no longer does; taking such calls too is a change of its own, not measured yet).
-    """
-    seq_q, seq_kv = query.shape[1], key.shape[1]
-    return (jax.default_backend() == "gpu" and not interpret
-            and implementation in (None, "mosaic") and config is None
-            and 0 < seq_q <= decode.MAX_DECODE_SEQ_Q < seq_kv
-            and jnp.dtype(query.dtype) in (jnp.bfloat16, jnp.float16)
-            and bias is None and mask is None and not wants_lse
-            and all(x is None for x in other_ids)
-            and key_value_seq_lengths is None and window is None
-            and (not is_causal or causal_alignment == "bottom_right"))
 
 
 def _outputs(out, lse, *, return_residual: bool, return_lse: bool, output_shape):
@@ -297,74 +237,3 @@ def _through_cudnn(query, key, value, bias, mask, *, ours: dict[str, bool], **kw
             f"{', '.join(given)}: leave them at their defaults or pick another "
             "implementation")
     return _JAX_NN_ATTENTION(query, key, value, bias, mask, implementation="cudnn", **kwargs)
-
-
-def _as_array(x):
-    """NumPy arrays, NumPy and Python scalars and lists as JAX arrays (as ``jax.nn`` takes
-    them: ``mask=True``, ``bias=0.5``); JAX arrays, None and anything else (which the checks
-    then reject) unchanged."""
-    if isinstance(x, (np.ndarray, np.generic, list, tuple, bool, int, float)):
-        return jnp.asarray(x)
-    return x
-
-
-def _batched(x):
-    """A rank-3 ``[seq, heads, head_dim]`` input as one sequence of a batch (as
-    ``jax.nn``); other ranks unchanged (the checks reject them)."""
-    return x[None] if getattr(x, "ndim", None) == 3 else x
-
-
-def _unbatched_ids(ids):
-    """Segment ids of a query without batch dim: ``[seq]`` as ``[1, seq]``."""
-    ids = _as_array(ids)
-    return ids[None] if getattr(ids, "ndim", None) == 1 else ids
-
-
-def _unbatched_lengths(lengths):
-    """Lengths of a query without batch dim: a scalar (as ``jax.vmap`` hands it) as
-    ``[1]``. Python and NumPy values stay NumPy (64-bit), so that their range is checked
-    before the int32 cast (:func:`pallas_flash.arguments.check_lengths`)."""
-    if isinstance(lengths, (list, tuple, int, np.generic)):
-        lengths = np.asarray(lengths)
-    return lengths[None] if getattr(lengths, "ndim", None) == 0 else lengths
-
-
-
-
-# Segment ids given to padding: a padded query's id matches no key, a padded key's no query.
-
-
-def _fold_lengths(segment_ids, q_lengths, kv_lengths, batch, seq_q, seq_kv):
-    """Padding as segment ids: every path that handles segments handles padding too."""
-    if q_lengths is None and kv_lengths is None:
-        return segment_ids
-    if segment_ids is None:
-        segment_ids = (jnp.zeros((batch, seq_q), jnp.int32), jnp.zeros((batch, seq_kv), jnp.int32))
-    q_ids, kv_ids = segment_ids
-    for name, lengths, ids, pad_id in (
-        ("query_seq_lengths", q_lengths, q_ids, PADDED_QUERY_ID),
-        ("key_value_seq_lengths", kv_lengths, kv_ids, PADDED_KEY_ID),
-    ):
-        if lengths is None:
-            continue
-        lengths = check_lengths(lengths, name, batch, ids.shape[1], "the sequence length")
-        positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
-        padded = jnp.where(positions < lengths[:, None], ids, pad_id)
-        if pad_id == PADDED_QUERY_ID:
-            q_ids = padded
-        else:
-            kv_ids = padded
-    return q_ids, kv_ids
-
-
-
-
-
-
-def _check_bias(bias, logits_shape):
-    if bias is None:
-        return None
-    dtype = getattr(bias, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"bias must be an array with a floating dtype, got {dtype}")
-    return bias_lib.canonical(bias, "bias", logits_shape)

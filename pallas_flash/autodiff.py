@@ -17,7 +17,12 @@ transpose, :func:`_transpose`, is the backend's backward kernels (reverse mode: 
 The rule is defined with ``symbolic_zeros=True``: an input that is not differentiated has a
 ``SymbolicZero`` tangent and is no linear argument, so the transpose computes no cotangent
 for it (the bias gradient only for a perturbed bias; a bias used as an additive mask never
-is). Segment ids (integers) and the mask (boolean) have no tangent.
+is). Segment ids and row bounds (integers) and the mask (boolean) have no tangent.
+
+Row bounds (:class:`pallas_flash.contract.RowBounds`, the lengths) go to kernels with
+``row_bounds`` as ``bounds=``; for the others, each pass folds them into the segment ids
+(:func:`pallas_flash.call.segment_ids_with_bounds`), so a backend that takes them needs no
+change here.
 
 The backward need not run on the forward's backend: :func:`pallas_flash.dispatch.
 choose_backward` picks it in the transpose, where ``bias_grad`` is known, and a backend
@@ -45,17 +50,19 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from pallas_flash import compat, dispatch, sharding
+from pallas_flash.call import segment_ids_with_bounds
 from pallas_flash.compat import batching
-from pallas_flash.contract import StaticArgs
+from pallas_flash.contract import RowBounds, StaticArgs
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(7,))
 def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, sinks, bias,
-                       attn_mask, static: StaticArgs):
+                       attn_mask, static: StaticArgs, bounds: RowBounds | None = None):
     """Returns ``(out [B, T, N, D], lse [B, N, T] float32)`` computed by ``static.kernels``.
 
     ``bias`` (floating, differentiable) and ``attn_mask`` (bool): None or canonical
-    ``[B', N', T', S']`` arrays (:func:`pallas_flash.bias.canonical`).
+    ``[B', N', T', S']`` arrays (:func:`pallas_flash.bias.canonical`). ``bounds``: None or
+    int32 ``[B]`` :class:`RowBounds` (no gradient).
 
     ``sinks``: None or ``[heads]`` float32 logits that join every row's softmax denominator
     without contributing a value (attention sinks). They need no kernel support: with
@@ -63,7 +70,15 @@ def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, si
     and ``out = out0 · exp(lse0 - lse)``; the backward recomputes P = exp(S - lse) with the
     full lse, which is exactly the sink-normalised softmax.
     """
-    return _forward(q, k, v, segment_ids, sinks, bias, attn_mask, static)
+    return _forward(q, k, v, segment_ids, sinks, bias, attn_mask, bounds, static)
+
+
+def _row_operands(static: StaticArgs, segment_ids, bounds, q, k):
+    """``(segment_ids, bounds)`` as ``static.kernels`` take them: the bounds as they are
+    for kernels with ``row_bounds``, else folded into the segment ids."""
+    if bounds is None or static.kernels.row_bounds:
+        return segment_ids, bounds
+    return segment_ids_with_bounds(segment_ids, bounds, q.shape[1], k.shape[1]), None
 
 
 def _pass_static(static: StaticArgs, operands) -> StaticArgs:
@@ -110,10 +125,11 @@ def _differentiated(tree) -> bool:
     return False
 
 
-def _forward(q, k, v, segment_ids, sinks, bias, attn_mask, static: StaticArgs):
+def _forward(q, k, v, segment_ids, sinks, bias, attn_mask, bounds, static: StaticArgs):
     static = _pass_static(static, (q, k, v, segment_ids, bias, attn_mask))
+    segment_ids, bounds = _row_operands(static, segment_ids, bounds, q, k)
     # Each device runs the kernels on its shard of a sharded call (pallas_flash.sharding).
-    out, lse = sharding.forward(static, q, k, v, segment_ids, bias, attn_mask)
+    out, lse = sharding.forward(static, q, k, v, segment_ids, bias, attn_mask, bounds=bounds)
     return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
 
 
@@ -142,13 +158,13 @@ def _jvp_rule(static: StaticArgs, primals, tangents):
     tangent and is left out of the linear arguments, so that the transpose computes no
     cotangent for it (the bias gradient only for a perturbed bias).
     """
-    q, k, v, segment_ids, sinks, bias, attn_mask = primals
+    q, k, v, segment_ids, sinks, bias, attn_mask, bounds = primals
     out, lse = _forward(*primals, static)
-    dq, dk, dv, _, d_sinks, d_bias, _ = tangents  # segment ids, mask: no tangent
+    dq, dk, dv, _, d_sinks, d_bias, _, _ = tangents  # segment ids, mask, bounds: no tangent
     linear = {name: t for name, t in zip(_DIFFERENTIABLE, (dq, dk, dv, d_sinks, d_bias),
                                          strict=True)
               if t is not None and not isinstance(t, SymbolicZero)}
-    residuals = (q, k, v, segment_ids, sinks, bias, attn_mask, out, lse)
+    residuals = (q, k, v, segment_ids, sinks, bias, attn_mask, bounds, out, lse)
     tangent = functools.partial(_tangent, static)
     if _differentiated(primals):
         # Second-order AD differentiates the tangent itself: plain JAX (the XLA path's
@@ -170,8 +186,10 @@ def _tangent(static: StaticArgs, residuals, linear: dict):
     memory per head (:func:`pallas_flash.xla.tangent`) on every backend. It is one pass
     over the keys from the forward's residuals, about a forward's work; a Pallas kernel for
     it would be a third kernel per backend for the least used mode of differentiation."""
-    q, k, v, segment_ids, sinks, bias, attn_mask, out, lse = residuals
+    q, k, v, segment_ids, sinks, bias, attn_mask, bounds, out, lse = residuals
     config = _on_backend(static, "xla", q, k).config
+    # The XLA path's tangent takes the bounds as segment ids.
+    segment_ids = segment_ids_with_bounds(segment_ids, bounds, q.shape[1], k.shape[1])
     pv, d_lse = dispatch.backend("xla").tangent(
         q, k, v, segment_ids, lse, linear.get("q"), linear.get("k"), linear.get("v"),
         linear.get("bias"), mask=static.mask, scale=static.scale, config=config,
@@ -213,16 +231,18 @@ def sinks_grad(sinks: jax.Array, lse: jax.Array, delta: jax.Array) -> jax.Array:
 def _transpose(static: StaticArgs, wanted: tuple[str, ...], residuals, cotangents) -> dict:
     """The transpose of :func:`_tangent`: the backend's backward kernels (``jax.grad``,
     ``jax.vjp``), cotangents for the ``wanted`` inputs (the linear arguments' keys)."""
-    q, k, v, segment_ids, sinks, bias, attn_mask, out, lse = residuals
+    q, k, v, segment_ids, sinks, bias, attn_mask, bounds, out, lse = residuals
     d_out, d_lse = cotangents
     bias_grad = "bias" in wanted
     delta = row_delta(out, lse, d_out, d_lse)
-    features = dispatch.Features(has_segments=segment_ids is not None, softcap=static.softcap,
-                                 has_bias=bias is not None, has_mask=attn_mask is not None)
+    features = dispatch.Features(has_segments=segment_ids is not None or bounds is not None,
+                                 softcap=static.softcap, has_bias=bias is not None,
+                                 has_mask=attn_mask is not None)
     static = _backward_static(static, q, k, features, bias_grad)
+    segment_ids, bounds = _row_operands(static, segment_ids, bounds, q, k)
     dq, dk, dv, *d_bias = sharding.backward(
         static, q, k, v, segment_ids, out, lse, d_out.astype(q.dtype), delta, bias, attn_mask,
-        bias_grad)
+        bias_grad, bounds=bounds)
     grads = dict(q=dq.astype(q.dtype), k=dk.astype(k.dtype), v=dv.astype(v.dtype))
     if bias_grad:
         grads["bias"] = d_bias[0].astype(bias.dtype)
@@ -240,7 +260,7 @@ def attention_backward(static: StaticArgs, q: jax.Array, k: jax.Array, v: jax.Ar
     ``lse [B, N, T]`` for these ``q``, ``k``, ``v`` (``[B, S, K, D]``). The FP8 forward
     (:mod:`pallas_flash.fp8`) hands over its own: P is recomputed from q, k in their dtype
     against the FP8 forward's lse (FlashAttention's recomputation, Sec. 3.1)."""
-    residuals = (q, k, v, None, None, None, None, out, lse)
+    residuals = (q, k, v, None, None, None, None, None, out, lse)
     grads = _transpose(static, ("q", "k", "v"), residuals, (d_out, d_lse))
     return grads["q"], grads["k"], grads["v"]
 

@@ -106,10 +106,14 @@ class StaticArgs:
     softcap: float | None = None
     deterministic: bool = False
 
-    def kernel_kwargs(self, bias=None, attn_mask=None) -> dict:
-        """The kernels' keyword arguments; the optional ones only when set."""
+    def kernel_kwargs(self, bias=None, attn_mask=None, bounds: RowBounds | None = None
+                      ) -> dict:
+        """The kernels' keyword arguments; the optional ones (``softcap``, ``bias``,
+        ``attn_mask``, ``bounds``) only when set."""
         kwargs = dict(mask=self.mask, scale=self.scale, config=self.config,
                       interpret=self.interpret)
+        if bounds is not None:
+            kwargs["bounds"] = bounds
         if self.softcap is not None:
             kwargs["softcap"] = self.softcap
         if bias is not None:
@@ -118,10 +122,11 @@ class StaticArgs:
             kwargs["attn_mask"] = attn_mask
         return kwargs
 
-    def backward_kwargs(self, bias=None, attn_mask=None, *, bias_grad: bool) -> dict:
+    def backward_kwargs(self, bias=None, attn_mask=None, bounds: RowBounds | None = None, *,
+                        bias_grad: bool) -> dict:
         """The backward kernels' keyword arguments: :meth:`kernel_kwargs`, and
         ``bias_grad`` / ``deterministic`` when set."""
-        kwargs = self.kernel_kwargs(bias, attn_mask)
+        kwargs = self.kernel_kwargs(bias, attn_mask, bounds)
         if bias_grad:
             kwargs["bias_grad"] = True
         if self.deterministic:
@@ -141,7 +146,26 @@ class Backend(Protocol):
     * ``CONFIG_TYPES``: the config types ``attention(config=...)`` accepts (without it, the
       type :meth:`default_config` returns);
     * ``decode_kernels(q_shape, kv_shape, dtype, mask, *, has_segments, has_mask, config)``:
-      ``(Kernels, config)`` of a kernel of its own for a packed decode call, or None.
+      ``(Kernels, config)`` of a kernel of its own for a packed decode call, or None;
+    * ``padded_head_dim(head_dim) -> int``: the head dim its kernels compute with (inputs
+      are padded to it).
+
+    Members of one backend, which the entry points reach through the dispatcher (they
+    import no backend):
+
+    * Triton: ``split_decode_forward(packed_q, key, value, lengths, part_interval, rows, *,
+      num_splits, scale, softcap, config, interpret, page_table=None) -> (out, lse)``, the
+      split-KV decode forward that finds each split's keys from the lengths (from page pools
+      through ``page_table`` when given; :mod:`pallas_flash.decode`);
+      ``PAGED_DECODE_STAGES``, its pipeline depth on a paged cache; the FP8 quantizer
+      ``fp8_quantize_tiles(x, block, *, transpose=False, interpret=False) -> (x_fp8,
+      scales)`` with ``fp8_quantizer_available() -> bool`` and
+      ``fp8_quantizer_unsupported(block, head_dim) -> str | None``
+      (:func:`pallas_flash.fp8.quantize_operands`).
+    * Mosaic: the FP8 forward ``fp8_forward(operands, *, mask, scale, config, interpret) ->
+      (out, lse)`` on ``Fp8Operands(q, q_scale, k, k_scale, vt, v_scale)``, with
+      ``fp8_default_config(head_dim, *, is_causal, seq_kv)`` and
+      ``fp8_check_config(config, head_dim)`` (:mod:`pallas_flash.fp8`).
     """
 
     #: Its forward and backward; ``KERNELS.name`` is its key in the dispatcher's registry.

@@ -57,12 +57,9 @@ from pallas_flash.autodiff import add_sinks, attention_with_lse
 from pallas_flash.contract import EMPTY_ROW_LSE, StaticArgs
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import pad_axis
-from pallas_flash.triton.config import PAGED_DECODE_STAGES, default_config
-from pallas_flash.triton.decode import split_forward
+from pallas_flash.plan import MAX_DECODE_SEQ_Q, balances_rows, is_decode_step
 from pallas_flash.tuning import resolve_config
 
-#: Longest query (new tokens per sequence) :func:`decode_attention` takes.
-MAX_DECODE_SEQ_Q = 16
 #: Work units the split heuristic aims at: two per SM of an H200 (132 SMs).
 TARGET_WORK_UNITS = 2 * 132
 #: Fraction of :data:`TARGET_WORK_UNITS` one wave of CTAs must fill to need no more splits.
@@ -181,7 +178,7 @@ def decode_attention(
         raise ValueError(f"decode_attention needs at least one new token (query seq_q) and "
                          f"one cached position (key / value seq_kv), got seq_q {seq_q}, "
                          f"seq_kv {seq_kv}")
-    if seq_q > MAX_DECODE_SEQ_Q:
+    if not is_decode_step(seq_q):
         raise ValueError(
             f"query seq_q must be at most {MAX_DECODE_SEQ_Q} for decode_attention, got "
             f"{seq_q}; use pallas_flash.attention for longer queries")
@@ -210,7 +207,9 @@ def decode_attention(
                             scale=float(scale), softcap=softcap,
                             implementation=implementation, interpret=interpret,
                             config=config, deterministic=deterministic)
-    if _balances_rows(query, key, lengths, options):
+    if balances_rows(query.shape, key.shape, query.dtype, has_lengths=lengths is not None,
+                     window=window, implementation=implementation, interpret=interpret,
+                     config=config):
         full = jnp.full((batch,), seq_kv, jnp.int32)
         out, lse = _balanced_decode(query, key, value, full if lengths is None else lengths,
                                     options)
@@ -341,23 +340,6 @@ def _chunked_decode(query, key, value, lengths, options: _SplitOptions):
     return _unpack(out, lse, query.shape[2])
 
 
-def _balances_rows(query, key, lengths, options: _SplitOptions) -> bool:
-    """Whether this call takes splits balanced per row (see :func:`decode_attention`)."""
-    rows = options.rows
-    if lengths is None and rows.window is None:
-        return False  # a full cache's fixed chunks are balanced and need no key ids
-    if options.config is not None or options.implementation not in (None, "triton"):
-        return False
-    kv_heads = key.shape[2]
-    packed = (query.shape[0], query.shape[1] * query.shape[2] // kv_heads, kv_heads,
-              query.shape[3])
-    spec, features = MaskSpec(packed[1], key.shape[1]), dispatch.Features(has_segments=True)
-    name = options.implementation or dispatch.choose_decode(
-        packed, key.shape, query.dtype, spec, features, interpret=options.interpret)
-    return name == "triton" and dispatch.unsupported(name, packed, key.shape, query.dtype,
-                                                     spec, features) is None
-
-
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
 def _balanced_decode(query, key, value, lengths, options: _SplitOptions):
     """``(out [B, T, H, D], lse [B, H, T])`` with splits balanced per row."""
@@ -420,10 +402,11 @@ def _split_kernel_decode(query, key, value, lengths, rows: CacheVisibility, *,
     kv_heads = key.shape[2]
     packed = _pack_queries(query, kv_heads)  # [B, R, K, D]
     seq_kv = key.shape[1] if page_table is None else page_table.shape[1] * key.shape[1]
-    config = default_config(packed.shape, (batch, seq_kv, *key.shape[2:]), packed.dtype,
-                            MaskSpec(packed.shape[1], seq_kv))
+    triton = dispatch.backend("triton")
+    config = triton.default_config(packed.shape, (batch, seq_kv, *key.shape[2:]),
+                                   packed.dtype, MaskSpec(packed.shape[1], seq_kv))
     if page_table is not None:  # each K/V load waits for its page id: a deeper pipeline
-        config = dataclasses.replace(config, num_stages=PAGED_DECODE_STAGES)
+        config = dataclasses.replace(config, num_stages=triton.PAGED_DECODE_STAGES)
 
     def part_interval(all_lengths, length, part):
         first = rows.first_visible(length)
@@ -436,9 +419,9 @@ def _split_kernel_decode(query, key, value, lengths, rows: CacheVisibility, *,
         return (_part_bound(first, visible, count, part),
                 _part_bound(first, visible, count, part + 1))
 
-    out, lse = split_forward(packed, key, value, lengths, part_interval, rows,
-                             num_splits=num_splits, scale=scale, softcap=softcap,
-                             config=config, interpret=interpret, page_table=page_table)
+    out, lse = triton.split_decode_forward(
+        packed, key, value, lengths, part_interval, rows, num_splits=num_splits, scale=scale,
+        softcap=softcap, config=config, interpret=interpret, page_table=page_table)
     out, lse = merge_splits(out, lse)
     return _unpack(out.astype(query.dtype), lse, heads)
 

@@ -43,8 +43,9 @@ from pallas_flash.arguments import (
     check_sinks,
     check_soft_cap,
 )
-from pallas_flash.decode import MAX_DECODE_SEQ_Q, decode_attention
+from pallas_flash.decode import decode_attention
 from pallas_flash.masking import CausalAlignment
+from pallas_flash.plan import MAX_DECODE_SEQ_Q
 
 #: ``fn(query, key, value, *, is_causal, local_window_size, q_segment_ids, kv_segment_ids)``
 #: -> ``out`` with :func:`pallas_flash.attention`'s layout and meaning. Swap it to compare

@@ -6,15 +6,16 @@ Layout: ``key_pages, value_pages: [num_pages, page_size, kv_heads, head_dim]``; 
 
 Reading (:func:`paged_attention`): a decode step (``seq_q <= 16``) whose backend is Triton
 (the decode default on GPUs, :func:`pallas_flash.dispatch.choose_decode`) with pages of at
-least 16 tokens runs the split-KV decode straight from the pages: the Triton forward reads
-each K/V tile from its page through the table (:func:`pallas_flash.decode.
-paged_split_forward`). Every other call is a documented fallback: the pages of every
-sequence are gathered into a contiguous ``[batch, max_pages_per_seq · page_size, kv_heads,
-head_dim]`` cache (one extra read and write of the addressed K/V, so about three times the
-HBM traffic), then attended by :func:`pallas_flash.decode.decode_attention` (``seq_q <=
-16``) or, for longer query chunks (chunked prefill), by :func:`pallas_flash.attention`
-with a per-row causal mask. The derivatives of the direct path (forward and reverse mode)
-are those of the gathered formulation (they gather).
+least 16 tokens (:func:`pallas_flash.plan.reads_pages`) runs the split-KV decode straight
+from the pages: the Triton forward reads each K/V tile from its page through the table
+(:func:`pallas_flash.decode.paged_split_forward`). Every other call is a documented
+fallback: the pages of every sequence are gathered into a contiguous ``[batch,
+max_pages_per_seq · page_size, kv_heads, head_dim]`` cache (one extra read and write of
+the addressed K/V, so about three times the HBM traffic), then attended by
+:func:`pallas_flash.decode.decode_attention` (``seq_q <= 16``) or, for longer query chunks
+(chunked prefill), by :func:`pallas_flash.attention` with a per-row causal mask. The
+derivatives of the direct path (forward and reverse mode) are those of the gathered
+formulation (they gather).
 
 Page ids of a concrete ``page_table`` are checked: every entry that a sequence's tokens
 use must lie in ``[0, num_pages)`` (``ValueError`` naming ``page_table``). A traced table
@@ -48,15 +49,13 @@ from pallas_flash.arguments import (
 )
 from pallas_flash.autodiff import add_sinks
 from pallas_flash.decode import (
-    MAX_DECODE_SEQ_Q,
     CacheVisibility,
     decode_attention,
     default_num_splits,
     jvp_of_differentiated,
     paged_split_forward,
 )
-from pallas_flash.masking import MaskSpec
-from pallas_flash.triton.config import padded_head_dim
+from pallas_flash.plan import is_decode_step, reads_pages
 
 #: Page sizes the paged functions take (powers of two: the future kernel's tiles).
 PAGE_SIZES = (8, 16, 32, 64, 128, 256)
@@ -135,8 +134,8 @@ def paged_attention(
     dispatch.check_implementation(implementation, interpret)
     deterministic = dispatch.deterministic_backward(check_deterministic(deterministic))
     seq_q = query.shape[1]
-    if seq_q <= MAX_DECODE_SEQ_Q and _reads_pages(query, key_pages, page_table,
-                                                  implementation, interpret):
+    if is_decode_step(seq_q) and reads_pages(query.shape, key_pages.shape, page_table.shape,
+                                             query.dtype, implementation, interpret):
         head_dim = query.shape[3]
         direct = _DirectOptions(
             window=canonical_window(local_window_size),
@@ -153,7 +152,7 @@ def paged_attention(
     options = dict(scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
                    return_lse=return_lse, deterministic=deterministic,
                    implementation=implementation, interpret=interpret)
-    if seq_q <= MAX_DECODE_SEQ_Q:
+    if is_decode_step(seq_q):
         return decode_attention(query, key, value, is_causal=True,
                                 local_window_size=local_window_size,
                                 key_value_seq_lengths=lengths, **options)
@@ -169,30 +168,6 @@ def paged_attention(
 
 #: What bounds a sequence's cached tokens, for the length checks' messages.
 _ADDRESSED = "max_pages_per_seq · page_size, what the page_table addresses"
-
-#: Smallest page the direct read takes: a Triton tile has at least 16 rows and lies
-#: within one page.
-MIN_DIRECT_PAGE_SIZE = 16
-
-
-def _reads_pages(query, key_pages, page_table, implementation, interpret: bool) -> bool:
-    """Whether a decode step runs straight from the pages (Triton, pages >= 16 tokens)."""
-    page_size = key_pages.shape[1]
-    if page_size < MIN_DIRECT_PAGE_SIZE or implementation not in (None, "triton"):
-        return False
-    kv_heads = key_pages.shape[2]
-    # The backend decode_attention would take for these packed shapes (contiguous or not).
-    packed = (query.shape[0], query.shape[1] * query.shape[2] // kv_heads, kv_heads,
-              query.shape[3])
-    cache = (query.shape[0], page_table.shape[1] * page_size, *key_pages.shape[2:])
-    spec, features = MaskSpec(packed[1], cache[1]), dispatch.Features(has_segments=True)
-    name = implementation or dispatch.choose_decode(packed, cache, query.dtype, spec, features,
-                                                    interpret=interpret)
-    # A call Triton refuses (float64, say) goes the gathered way, which says why; a head
-    # dim the kernel pads would pad the whole page pool, far more than the gather copies.
-    return (name == "triton" and padded_head_dim(query.shape[3]) == query.shape[3]
-            and dispatch.unsupported(name, packed, cache, query.dtype, spec, features) is None)
-
 
 def _page_splits(table_shape, pages_shape) -> int:
     """The decode split count for this cache (:func:`default_num_splits` of the cache the

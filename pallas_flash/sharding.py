@@ -45,7 +45,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_flash.contract import StaticArgs, varying_like
+from pallas_flash.contract import RowBounds, StaticArgs, varying_like
 
 # Dimension roles of the kernels' operands and results. A role's mesh axes: batch -> the
 # query's batch axes, heads / kv_heads -> its head axes, the others none. ``_UNIT``: a
@@ -54,6 +54,8 @@ _BATCH, _Q_SEQ, _KV_SEQ, _HEADS, _KV_HEADS, _DIM, _UNIT = "b", "t", "s", "h", "k
 _QUERY_LIKE = (_BATCH, _Q_SEQ, _HEADS, _DIM)  # q, out, d_out, dq: [B, T, N, D]
 _KEY_LIKE = (_BATCH, _KV_SEQ, _KV_HEADS, _DIM)  # k, v, dk, dv: [B, S, K, D]
 _ROW_STATS = (_BATCH, _HEADS, _Q_SEQ)  # lse, delta: [B, N, T]
+_SEGMENT_IDS = ((_BATCH, _Q_SEQ), (_BATCH, _KV_SEQ))
+_BOUNDS = ((_BATCH,), (_BATCH,), (_BATCH,))  # RowBounds: three [B], split as the batch
 
 
 def _logit_roles(x) -> tuple[str, ...] | None:
@@ -94,47 +96,71 @@ def _run_kernels(call: _Call, operands):
     """
     static = call.static
     if not call.backward:
-        q, k, v, segment_ids, bias, attn_mask, into = operands
-        kwargs = static.kernel_kwargs(bias, attn_mask)
+        q, k, v, segment_ids, bias, attn_mask, into, bounds = operands
+        kwargs = static.kernel_kwargs(bias, attn_mask, _row_bounds(bounds))
         if into is not None:
             kwargs["into"] = into
         return tuple(static.kernels.forward(q, k, v, segment_ids, **kwargs))
-    q, k, v, segment_ids, bias, attn_mask, out, lse, d_out, delta = operands
-    kwargs = static.backward_kwargs(bias, attn_mask, bias_grad=call.bias_grad)
+    q, k, v, segment_ids, bias, attn_mask, out, lse, d_out, delta, bounds = operands
+    kwargs = static.backward_kwargs(bias, attn_mask, _row_bounds(bounds),
+                                    bias_grad=call.bias_grad)
     return tuple(static.kernels.backward(q, k, v, segment_ids, out, lse, d_out, delta,
                                          **kwargs))
 
 
-def forward(static, q, k, v, segment_ids, bias, attn_mask, into=None
+def forward(static, q, k, v, segment_ids, bias, attn_mask, into=None, bounds=None
             ) -> tuple[jax.Array, jax.Array]:
     """``static.kernels.forward`` on each device's shard: ``(out [B, T, N, D], lse [B, N,
     T])``, sharded as ``q`` over batch and heads (arguments as ``autodiff._forward``;
-    ``into``: a running ``(out, lse)`` to merge into, for kernels with ``merges_into``)."""
-    operands = (q, k, v, segment_ids, bias, attn_mask, into)
-    seg_roles = None if segment_ids is None else ((_BATCH, _Q_SEQ), (_BATCH, _KV_SEQ))
+    ``into``: a running ``(out, lse)`` to merge into, for kernels with ``merges_into``;
+    ``bounds``: a :class:`~pallas_flash.contract.RowBounds` for kernels with
+    ``row_bounds``, split over the batch as the segment ids)."""
+    operands = (q, k, v, segment_ids, bias, attn_mask, into, _bounds_tuple(bounds))
     into_roles = None if into is None else (_QUERY_LIKE, _ROW_STATS)
     call = _Call(backward=False, static=static, bias_grad=False,
-                 operand_roles=(_QUERY_LIKE, _KEY_LIKE, _KEY_LIKE, seg_roles,
-                                _logit_roles(bias), _logit_roles(attn_mask), into_roles),
+                 operand_roles=(_QUERY_LIKE, _KEY_LIKE, _KEY_LIKE,
+                                _segment_roles(segment_ids), _logit_roles(bias),
+                                _logit_roles(attn_mask), into_roles, _bounds_roles(bounds)),
                  result_roles=(_QUERY_LIKE, _ROW_STATS))
     return _sharded(call, operands)
 
 
 def backward(static, q, k, v, segment_ids, out, lse, d_out, delta, bias, attn_mask,
-             bias_grad: bool) -> tuple[jax.Array, ...]:
+             bias_grad: bool, bounds=None) -> tuple[jax.Array, ...]:
     """``static.kernels.backward`` on each device's shard: ``(dq, dk, dv)``, and dbias when
-    ``bias_grad``, each sharded as its primal (arguments as ``autodiff._transpose``)."""
-    operands = (q, k, v, segment_ids, bias, attn_mask, out, lse, d_out, delta)
-    seg_roles = None if segment_ids is None else ((_BATCH, _Q_SEQ), (_BATCH, _KV_SEQ))
+    ``bias_grad``, each sharded as its primal (arguments as ``autodiff._transpose``;
+    ``bounds`` as in :func:`forward`)."""
+    operands = (q, k, v, segment_ids, bias, attn_mask, out, lse, d_out, delta,
+                _bounds_tuple(bounds))
     results = (_QUERY_LIKE, _KEY_LIKE, _KEY_LIKE)
     if bias_grad:
         results += (_logit_roles(bias),)
     call = _Call(backward=True, static=static, bias_grad=bias_grad,
-                 operand_roles=(_QUERY_LIKE, _KEY_LIKE, _KEY_LIKE, seg_roles,
-                                _logit_roles(bias), _logit_roles(attn_mask), _QUERY_LIKE,
-                                _ROW_STATS, _QUERY_LIKE, _ROW_STATS),
+                 operand_roles=(_QUERY_LIKE, _KEY_LIKE, _KEY_LIKE,
+                                _segment_roles(segment_ids), _logit_roles(bias),
+                                _logit_roles(attn_mask), _QUERY_LIKE, _ROW_STATS,
+                                _QUERY_LIKE, _ROW_STATS, _bounds_roles(bounds)),
                  result_roles=results)
     return _sharded(call, operands)
+
+
+def _segment_roles(segment_ids):
+    return None if segment_ids is None else _SEGMENT_IDS
+
+
+def _bounds_roles(bounds):
+    return None if bounds is None else _BOUNDS
+
+
+def _bounds_tuple(bounds):
+    """``bounds`` as a plain tuple (the role pytrees are tuples: the operands' structure
+    must match theirs), or None."""
+    return None if bounds is None else tuple(bounds)
+
+
+def _row_bounds(bounds):
+    """The kernels' :class:`~pallas_flash.contract.RowBounds` from the operand tuple."""
+    return None if bounds is None else RowBounds(*bounds)
 
 
 def _sharded(call: _Call, operands):

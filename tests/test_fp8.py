@@ -14,6 +14,7 @@ from benchmarks.fp8_accuracy import with_outliers
 from pallas_flash import fp8
 from pallas_flash.masking import MaskSpec
 from pallas_flash.reference import attention_float64
+from pallas_flash.tutorial import fp8_study
 
 
 def _rel(a, b) -> float:
@@ -64,7 +65,7 @@ def test_hadamard_is_orthogonal_and_keeps_qk():
 def test_fp8_reference_is_close_to_exact_attention(is_causal):
     keys = jax.random.split(jax.random.key(4), 3)
     q, k, v = (jax.random.normal(key, (1, 96, 2, 64)).astype(jnp.bfloat16) for key in keys)
-    out = fp8.attention_fp8_reference(q, k, v, block_q=32, block_kv=32, is_causal=is_causal,
+    out = fp8_study.attention_fp8_reference(q, k, v, block_q=32, block_kv=32, is_causal=is_causal,
                                       hadamard_key=jax.random.key(5))
     want, _ = attention_float64(q, k, v, mask=MaskSpec(96, 96, is_causal=is_causal))
     assert out.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(out, np.float32)))
@@ -81,7 +82,7 @@ def test_block_scaling_with_rotation_beats_per_tensor_on_outliers():
     want, _ = attention_float64(q, k, v)
     errors = {}
     for scaling, rotate in (("tensor", False), ("block", True)):
-        out = fp8.attention_fp8_reference(q, k, v, scaling=scaling, fp8_pv=False,
+        out = fp8_study.attention_fp8_reference(q, k, v, scaling=scaling, fp8_pv=False,
                                           hadamard_key=keys[3] if rotate else None)
         errors[scaling] = _rel(out, want)
     assert errors["block"] < errors["tensor"] / 1.5
@@ -95,7 +96,7 @@ def test_bad_arguments_are_refused(kwargs, message):
     d = kwargs.pop("q_dim", 64)
     q = jnp.ones((1, 8, 1, d), jnp.bfloat16)
     with pytest.raises(ValueError, match=message):
-        fp8.attention_fp8_reference(q, q, q, **kwargs)
+        fp8_study.attention_fp8_reference(q, q, q, **kwargs)
 
 
 def test_accuracy_study_writes_its_table(tmp_path, capsys):
@@ -132,7 +133,7 @@ def test_backward_reference_without_fp8_is_the_bf16_backward(causal, rotate):
     gradients to bf16 accuracy; with the Hadamard rotation, dQ and dK rotated back."""
     args, grads = _backward_case(causal)
     key = jax.random.key(3) if rotate else None
-    got = fp8.attention_fp8_backward_reference(*args, fp8_gemms=frozenset(),
+    got = fp8_study.attention_fp8_backward_reference(*args, fp8_gemms=frozenset(),
                                                hadamard_key=key, block_q=32, block_kv=64,
                                                is_causal=causal)
     for name, g, want, x in zip("qkv", got, grads, args[:3], strict=True):
@@ -147,8 +148,8 @@ def test_backward_fp8_gemm_rounds_only_what_it_feeds(gemm, changed):
     accuracy there than bf16 does (e4m3 keeps 3 mantissa bits, bf16 7)."""
     args, grads = _backward_case(causal=True)
     kwargs = dict(block_q=32, block_kv=64, is_causal=True)
-    bf16 = fp8.attention_fp8_backward_reference(*args, fp8_gemms=frozenset(), **kwargs)
-    got = fp8.attention_fp8_backward_reference(*args, fp8_gemms=frozenset({gemm}), **kwargs)
+    bf16 = fp8_study.attention_fp8_backward_reference(*args, fp8_gemms=frozenset(), **kwargs)
+    got = fp8_study.attention_fp8_backward_reference(*args, fp8_gemms=frozenset({gemm}), **kwargs)
     for name, g, b, want in zip("qkv", got, bf16, grads, strict=True):
         assert np.isfinite(np.asarray(g)).all()
         if name in changed:
@@ -161,14 +162,14 @@ def test_backward_probabilities_saturate_instead_of_nan():
     """A backward's P = exp(S - lse) may exceed 1 when its S is rounded differently from
     the forward's: e4m3 conversion saturates at 448 (cvt.satfinite) rather than NaN."""
     p = jnp.asarray([0.0, 0.5, 1.0, 1.3])
-    rounded = np.asarray(fp8._round_p(p))
+    rounded = np.asarray(fp8.round_probabilities(p))
     np.testing.assert_array_equal(rounded, [0.0, 0.5, 1.0, 1.0])
 
 
 def test_backward_reference_refuses_unknown_gemms():
     args, _ = _backward_case(causal=False, seq_q=8, seq_kv=8)
     with pytest.raises(ValueError, match="fp8_gemms"):
-        fp8.attention_fp8_backward_reference(*args, fp8_gemms=frozenset({"pv"}))
+        fp8_study.attention_fp8_backward_reference(*args, fp8_gemms=frozenset({"pv"}))
 
 
 def test_backward_accuracy_study_writes_its_table(tmp_path, capsys):
@@ -212,9 +213,9 @@ _Q8, _S = fp8.quantize(_Q, None)
     (lambda: fp8.attention_fp8_quantized(_Q8, _Q8, _Q8, _S, _S, _S, scale=0.0), "scale"),
     (lambda: fp8.quantize_output([1.0], 1.0), "out"),
     (lambda: fp8.quantize_output(_Q, "a"), "out_scale"),
-    (lambda: fp8.attention_fp8_reference(_Q, _Q, _Q, block_kv=0), "block_kv"),
-    (lambda: fp8.attention_fp8_reference(_Q, _Q, _Q, is_causal="x"), "is_causal"),
-    (lambda: fp8.attention_fp8_online(_Q, _Q, _Q, block_q=64, block_kv=-1), "block_kv"),
+    (lambda: fp8_study.attention_fp8_reference(_Q, _Q, _Q, block_kv=0), "block_kv"),
+    (lambda: fp8_study.attention_fp8_reference(_Q, _Q, _Q, is_causal="x"), "is_causal"),
+    (lambda: fp8_study.attention_fp8_online(_Q, _Q, _Q, block_q=64, block_kv=-1), "block_kv"),
 ])
 def test_public_functions_name_the_bad_argument(call, name):
     with pytest.raises(ValueError, match=rf"^{name} must"):

@@ -17,6 +17,7 @@ from pallas_flash import fp8, fp8_format
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import MosaicConfig
 from pallas_flash.reference import attention_float64
+from pallas_flash.tutorial import fp8_study
 from tests.support import fresh_key, rel_err
 
 CONFIG = MosaicConfig(64, 64, 2)
@@ -61,7 +62,7 @@ def test_per_tensor_scales_match_the_per_tensor_reference():
     (q8, sq), (k8, sk), (v8, sv) = (fp8.quantize(x, None) for x in (q, k, v))
     assert sq.ndim == 0
     out = fp8.attention_fp8_quantized(q8, k8, v8, sq, sk, sv, config=CONFIG)
-    _same(out, fp8.attention_fp8_reference(q, k, v, scaling="tensor"))
+    _same(out, fp8_study.attention_fp8_reference(q, k, v, scaling="tensor"))
 
 
 def test_coarser_scale_blocks_are_repeated_over_the_kernel_tiles():
@@ -72,7 +73,7 @@ def test_coarser_scale_blocks_are_repeated_over_the_kernel_tiles():
                                                                       (v, 256)))
     out = fp8.attention_fp8_quantized(q8, k8, v8, sq, sk, sv, scale_blocks=(128, 256),
                                       config=CONFIG)
-    _same(out, fp8.attention_fp8_reference(q, k, v, block_q=128, block_kv=256))
+    _same(out, fp8_study.attention_fp8_reference(q, k, v, block_q=128, block_kv=256))
     with pytest.raises(ValueError, match="scale_blocks"):  # the scales are per 256, not 64
         fp8.attention_fp8_quantized(q8, k8, v8, sq, sk, sv, config=CONFIG)
 

@@ -1,8 +1,8 @@
 """CPU tests of the FP8 Mosaic GPU forward (pallas_flash/mosaic/forward_fp8.py).
 
 * Numerics in Mosaic GPU interpret mode, which runs FP8 (e4m3) wgmma: the kernel against
-  ``fp8.attention_fp8_online`` (the kernel's arithmetic in XLA: same rounding, other
-  summation order), ``fp8.attention_fp8_reference`` (P rounded against the final row
+  ``fp8_study.attention_fp8_online`` (the kernel's arithmetic in XLA: same rounding, other
+  summation order), ``fp8_study.attention_fp8_reference`` (P rounded against the final row
   maximum instead of the running one) and the float64 oracle. They need ``PJRT_NPROC=8``
   (set by ``tests/conftest.py`` before JAX creates its CPU client): the interpreter runs
   each warpgroup as a thread whose barrier waits block inside XLA host callbacks, and on a
@@ -26,12 +26,13 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash import fp8
+from pallas_flash import dispatch, fp8
 from pallas_flash.compat import interpret_pallas_call
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import MosaicConfig, forward_fp8
 from pallas_flash.mosaic import config as mosaic_config
 from pallas_flash.reference import attention_float64
+from pallas_flash.tutorial import fp8_study
 
 # (batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal, hadamard, block_q, block_kv,
 #  overlap, consumers)
@@ -96,7 +97,7 @@ def measure(case: str) -> dict:
         out.block_until_ready()
     races = case in RACE_CHECKED and interpret_pallas_call.get_races().races_found
     ref, _ = fp8.attention_fp8(q, k, v, implementation="xla", **kwargs)
-    online, online_lse = fp8.attention_fp8_online(q, k, v, block_q=bq, block_kv=bkv,
+    online, online_lse = fp8_study.attention_fp8_online(q, k, v, block_q=bq, block_kv=bkv,
                                                   is_causal=causal, hadamard_key=key)
     mask = MaskSpec(seq_q, seq_kv, is_causal=causal, causal_alignment="bottom_right")
     exact, exact_lse = attention_float64(q, k, v, mask=mask)
@@ -213,7 +214,9 @@ def test_smem_accounting_matches_lowering(head_dim, config, monkeypatch, pretend
         return
     with pytest.raises(ValueError, match="shared memory"):
         _lower_for_cuda(shape, shape, config, causal=False)
+    # The kernel checks its config, and the entry point through the dispatcher's backend.
     monkeypatch.setattr(forward_fp8, "check_config", lambda *_: None)
+    monkeypatch.setattr(dispatch.backend("mosaic"), "fp8_check_config", lambda *_: None)
     with pytest.raises(ValueError, match="exceeds available shared memory") as error:
         _lower_for_cuda(shape, shape, config, causal=False)
     assert int(re.search(r"smem_bytes=(\d+)", str(error.value)).group(1)) == need
@@ -228,9 +231,9 @@ def test_fallback_is_the_reference_and_handles_gqa():
     out, lse = fp8.attention_fp8(q, k, v, is_causal=True, config=config,
                                  return_residual=True)           # CPU: implementation="xla"
     k4, v4 = (jnp.repeat(x, 2, axis=2) for x in (k, v))
-    want = fp8.attention_fp8_reference(q, k4, v4, block_q=64, block_kv=64, is_causal=True)
+    want = fp8_study.attention_fp8_reference(q, k4, v4, block_q=64, block_kv=64, is_causal=True)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
-    _, online_lse = fp8.attention_fp8_online(q, k, v, block_q=64, block_kv=64, is_causal=True)
+    _, online_lse = fp8_study.attention_fp8_online(q, k, v, block_q=64, block_kv=64, is_causal=True)
     assert lse.shape == (1, 80, 4)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(online_lse).transpose(0, 2, 1),
                                atol=1e-4)
@@ -293,9 +296,10 @@ def test_short_causal_rows_take_128_key_blocks():
     assert forward_fp8.default_config(128, is_causal=False, seq_kv=short).block_kv == 256
     q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
     seen = []
-    real = forward_fp8.check_config
+    mosaic = dispatch.backend("mosaic")  # the entry point's way to the kernel's check
+    real = mosaic.fp8_check_config
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(forward_fp8, "check_config",
+        patch.setattr(mosaic, "fp8_check_config",
                       lambda config, head_dim: seen.append(config) or real(config, head_dim))
         fp8.attention_fp8(q, q, q, is_causal=True, implementation="xla")
         fp8.attention_fp8(q, q, q, implementation="xla")

@@ -95,7 +95,7 @@ def test_quantize_operands_kernel_matches_xla(rotate):
     kwargs = dict(block_q=64, block_kv=128, hadamard_key=jax.random.key(4) if rotate else None)
     got = fp8.quantize_operands(q, k, v, implementation="triton", interpret=True, **kwargs)
     want = fp8.quantize_operands(q, k, v, implementation="xla", **kwargs)
-    for name, a, b in zip(fp8.Fp8Operands._fields, got, want, strict=True):
+    for name, a, b in zip(got._fields, got, want, strict=True):
         assert a.shape == b.shape, name
         _assert_samebits(a, b)
 

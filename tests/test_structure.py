@@ -60,13 +60,13 @@ CLEAN = {
 }
 
 
-def _violations(tmp_path: Path, changes: dict[str, str], known=()) -> list[str]:
+def _violations(tmp_path: Path, changes: dict[str, str]) -> list[str]:
     """The check's violations in the fake repository with ``changes`` applied."""
     for name, text in {**CLEAN, **changes}.items():
         path = tmp_path / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    return structure.check(tmp_path, known=known)
+    return structure.check(tmp_path)
 
 
 def test_the_repository_keeps_the_house_rules():
@@ -139,16 +139,6 @@ def test_each_rule_catches_its_violation(tmp_path, changes, expected):
     violations = _violations(tmp_path, changes)
     assert len(violations) == 1, violations
     assert violations[0].startswith(expected), violations
-
-
-def test_known_violations_can_only_shrink(tmp_path):
-    pair = "pallas_flash.api -> pallas_flash.xla"
-    importing = {"pallas_flash/api.py": "from pallas_flash.xla import forward\n"}
-    assert _violations(tmp_path, importing, known=(pair,)) == []
-    # Once the import is gone, the stale entry fails until it is deleted.
-    (tmp_path / "pallas_flash/api.py").write_text(CLEAN["pallas_flash/api.py"])
-    assert structure.check(tmp_path, known=(pair,)) == [
-        f"{pair}: listed in KNOWN_VIOLATIONS but no longer occurs: delete it there"]
 
 
 def test_architecture_lists_every_module_and_what_it_may_import():

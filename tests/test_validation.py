@@ -14,6 +14,7 @@ from flax import nnx
 import pallas_flash as pf
 from pallas_flash import fp8
 from pallas_flash.nn import FlashSelfAttention, rotary_embedding
+from pallas_flash.tutorial import fp8_study
 
 
 def _normal(*shape):
@@ -217,12 +218,12 @@ def test_autotune_and_decode_reject_empty_or_unhashable_input():
 def test_fp8_references_and_scales_reject_bad_input():
     x = _normal(1, 16, 2, 16)
     with pytest.raises(ValueError, match="batch"):
-        fp8.attention_fp8_reference(x, _normal(2, 16, 2, 16), _normal(2, 16, 2, 16))
+        fp8_study.attention_fp8_reference(x, _normal(2, 16, 2, 16), _normal(2, 16, 2, 16))
     with pytest.raises(ValueError, match="is_causal"):
-        fp8.attention_fp8_reference(_normal(1, 32, 2, 16), x, x, is_causal=True)
-    out, lse = fp8.attention_fp8_reference(x, x, x, block_q=8, block_kv=8,
+        fp8_study.attention_fp8_reference(_normal(1, 32, 2, 16), x, x, is_causal=True)
+    out, lse = fp8_study.attention_fp8_reference(x, x, x, block_q=8, block_kv=8,
                                            return_residual=True)
-    backward = functools.partial(fp8.attention_fp8_backward_reference, block_q=8, block_kv=8)
+    backward = functools.partial(fp8_study.attention_fp8_backward_reference, block_q=8, block_kv=8)
     for kwargs, match in ((dict(scale=-1.0), "scale"), (dict(is_causal="y"), "is_causal"),
                           (dict(fp8_gemms=None), "fp8_gemms")):
         with pytest.raises(ValueError, match=match):

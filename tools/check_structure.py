@@ -12,8 +12,7 @@ default the one holding this file). It prints every violation and exits 1 if the
 * **layers**: every module has a place in the tables below, and imports only what its
   place allows (``docs/architecture.md``, "Modules and what they may import"). A backend
   imports only the contract, the core and its own modules; an entry point imports no
-  backend (but for :data:`KNOWN_VIOLATIONS`); only the tutorial and ``__main__`` import
-  the tutorial;
+  backend; only the tutorial and ``__main__`` import the tutorial;
 * **no lab code**: the package imports neither ``benchmarks`` nor ``models``;
 * **the wheel ships only pallas_flash**: pyproject's setuptools rules find no other package.
 """
@@ -24,7 +23,6 @@ import ast
 import fnmatch
 import sys
 import tomllib
-from collections.abc import Iterable
 from pathlib import Path
 
 PACKAGE = "pallas_flash"
@@ -40,8 +38,12 @@ BACKENDS = frozenset({"mosaic", "triton", "xla"})
 #: besides the core and the contract ("backends": any backend module).
 CALL_LAYER = {
     "arguments": frozenset(),
-    "autodiff": frozenset({"dispatch", "sharding"}),
+    "autodiff": frozenset({"call", "dispatch", "sharding"}),
+    # The canonical call: the argument checks, and the dispatcher's array checks.
+    "call": frozenset({"arguments", "dispatch"}),
     "dispatch": frozenset({"backends"}),
+    # The planner: the path and the forward's kernels of a canonical call.
+    "plan": frozenset({"call", "dispatch", "tuning"}),
     "reference": frozenset(),
     "sharding": frozenset(),
     # It builds each backend's candidate configs, whose types live in the backends.
@@ -58,35 +60,21 @@ TUTORIAL = "tutorial"
 #: may import its libraries' modules by computed name (a table of library classes): no
 #: module of this package can hide behind those, since the adapters import no backend.
 INTEGRATIONS = "integrations"
-#: Entry points that still import a backend directly: the planner, which hands them the
-#: kernels to run, removes these. The list can only shrink: an entry that no longer occurs
-#: fails the check until it is deleted here.
-KNOWN_VIOLATIONS = (
-    "pallas_flash.decode -> pallas_flash.triton.config",
-    "pallas_flash.decode -> pallas_flash.triton.decode",
-    "pallas_flash.fp8 -> pallas_flash.mosaic",
-    "pallas_flash.fp8 -> pallas_flash.mosaic.config",
-    "pallas_flash.fp8 -> pallas_flash.mosaic.forward_fp8",
-    "pallas_flash.fp8 -> pallas_flash.triton.quantize",
-    "pallas_flash.paged -> pallas_flash.triton.config",
-)
 #: Top-level directories of the repository that the package must not import.
 LAB = frozenset({"benchmarks", "models"})
 #: The setuptools ``find`` include patterns that select the package alone.
 WHEEL_PATTERNS = frozenset({PACKAGE, f"{PACKAGE}*", f"{PACKAGE}.*"})
 
 
-def check(root: Path, known: Iterable[str] = KNOWN_VIOLATIONS) -> list[str]:
-    """Every violation of the rules (the module docstring) in the repository at ``root``;
-    ``known``: ``"importer -> imported"`` layer violations tolerated for now, each of which
-    must still occur."""
+def check(root: Path) -> list[str]:
+    """Every violation of the rules (the module docstring) in the repository at ``root``."""
     modules = _modules(root / PACKAGE)
     edges: dict[str, set[str]] = {name: set() for name in modules}
     violations: list[str] = []
     for name, path in sorted(modules.items()):
         _read(name, path, modules, edges[name], violations)
     violations += _cycles(edges)
-    violations += _layers(modules, edges, frozenset(known))
+    violations += _layers(modules, edges)
     violations += _wheel(root)
     return violations
 
@@ -268,12 +256,9 @@ def _allowed(importer: tuple[str, str], imported: tuple[str, str]) -> tuple[bool
             f"{key} imports only the core, the contract and {sorted(may) or 'nothing else'}")
 
 
-def _layers(modules: dict[str, Path], edges: dict[str, set[str]],
-            known: frozenset[str]) -> list[str]:
-    """Modules the tables do not place, imports their places forbid (less ``known``), and
-    entries of ``known`` that no longer occur."""
+def _layers(modules: dict[str, Path], edges: dict[str, set[str]]) -> list[str]:
+    """Modules the tables do not place, and imports their places forbid."""
     found = []
-    seen = set()
     for module in sorted(modules):
         importer = _place(module)
         if importer is None:
@@ -285,15 +270,8 @@ def _layers(modules: dict[str, Path], edges: dict[str, set[str]],
             if to is None:
                 continue
             allowed, rule = _allowed(importer, to)
-            pair = f"{module} -> {imported}"
-            if allowed:
-                continue
-            if pair in known:
-                seen.add(pair)
-            else:
-                found.append(f"{pair}: {rule}")
-    found += [f"{pair}: listed in KNOWN_VIOLATIONS but no longer occurs: delete it there"
-              for pair in sorted(known - seen)]
+            if not allowed:
+                found.append(f"{module} -> {imported}: {rule}")
     return found
 
 
@@ -337,8 +315,7 @@ def main(argv: list[str]) -> int:
     for violation in violations:
         print(violation)
     print(f"structure: {len(violations)} violation(s)" if violations else
-          f"structure: every rule holds ({len(KNOWN_VIOLATIONS)} known entry-point imports "
-          "of backends left)")
+          "structure: every rule holds")
     return 1 if violations else 0
 
 

@@ -4,7 +4,10 @@ Exposes the backend interface of :class:`pallas_flash.contract.Backend`: ``KERNE
 ``default_config``, ``unsupported`` and ``unsupported_backward``; ``SMEM_BUDGET`` (the
 shared memory of a Hopper CTA, which the command line reports); and
 ``DECODE_KERNELS`` (the decode kernel's forward, the same backward) with
-:func:`decode_kernels`, which :mod:`pallas_flash.decode` asks for a packed split-KV call.
+:func:`decode_kernels`, which :mod:`pallas_flash.decode` asks for a packed split-KV call;
+the FP8 forward (``fp8_forward``, ``Fp8Operands``, ``fp8_default_config``,
+``fp8_check_config``) and ``padded_head_dim``, which :mod:`pallas_flash.fp8` reaches
+through the dispatcher.
 """
 
 from pallas_flash.contract import Kernels
@@ -19,8 +22,13 @@ from pallas_flash.mosaic.config import (
     MosaicConfig,
     default_backward_config,
     default_config,
+    padded_head_dim,
 )
 from pallas_flash.mosaic.forward import forward, unsupported
+from pallas_flash.mosaic.forward_fp8 import Fp8Operands
+from pallas_flash.mosaic.forward_fp8 import check_config as fp8_check_config
+from pallas_flash.mosaic.forward_fp8 import default_config as fp8_default_config
+from pallas_flash.mosaic.forward_fp8 import forward as fp8_forward
 
 # The forward merges into a running (out, lse) in its epilogue (ring attention's steps).
 KERNELS = Kernels(name="mosaic", forward=forward, backward=backward, merges_into=True,
@@ -53,6 +61,7 @@ def decode_kernels(q_shape, kv_shape, dtype, mask, *, has_segments: bool, has_ma
 
 
 __all__ = ["CONFIG_TYPES", "DECODE_KERNELS", "KERNELS", "SMEM_BUDGET", "DecodeConfig",
-           "MosaicBackwardConfig", "MosaicCallConfig", "MosaicConfig", "decode_kernels",
-           "default_backward_config", "default_config", "forward", "unsupported",
-           "unsupported_backward"]
+           "Fp8Operands", "MosaicBackwardConfig", "MosaicCallConfig", "MosaicConfig",
+           "decode_kernels", "default_backward_config", "default_config", "forward",
+           "fp8_check_config", "fp8_default_config", "fp8_forward", "padded_head_dim",
+           "unsupported", "unsupported_backward"]

@@ -5,8 +5,18 @@ from __future__ import annotations
 from pallas_flash.contract import Kernels
 from pallas_flash.masking import MaskSpec
 from pallas_flash.triton.backward import backward
-from pallas_flash.triton.config import MAX_HEAD_DIM, TritonConfig, default_config
+from pallas_flash.triton.config import (
+    MAX_HEAD_DIM,
+    PAGED_DECODE_STAGES,
+    TritonConfig,
+    default_config,
+    padded_head_dim,
+)
+from pallas_flash.triton.decode import split_forward as split_decode_forward
 from pallas_flash.triton.forward import forward
+from pallas_flash.triton.quantize import kernel_available as fp8_quantizer_available
+from pallas_flash.triton.quantize import quantize_tiles as fp8_quantize_tiles
+from pallas_flash.triton.quantize import unsupported as fp8_quantizer_unsupported
 
 
 def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
@@ -31,4 +41,6 @@ def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
 
 KERNELS = Kernels(name="triton", forward=forward, backward=backward, row_bounds=True)
 
-__all__ = ["KERNELS", "TritonConfig", "default_config", "unsupported"]
+__all__ = ["KERNELS", "PAGED_DECODE_STAGES", "TritonConfig", "default_config",
+           "fp8_quantize_tiles", "fp8_quantizer_available", "fp8_quantizer_unsupported",
+           "padded_head_dim", "split_decode_forward", "unsupported"]

@@ -1,8 +1,8 @@
 """The FP8 Mosaic GPU forward on a real Hopper GPU (skipped elsewhere).
 
 The kernel (``fp8.attention_fp8(implementation="mosaic")``) against
-``fp8.attention_fp8_online`` (its arithmetic in XLA: differences come from summation
-order, ex2.approx and the tensor cores' FP8 accumulation), ``fp8.attention_fp8_reference``
+``fp8_study.attention_fp8_online`` (its arithmetic in XLA: differences come from summation
+order, ex2.approx and the tensor cores' FP8 accumulation), ``fp8_study.attention_fp8_reference``
 (P rounded against the final row maximum) and float32 attention.
 """
 
@@ -18,6 +18,7 @@ from pallas_flash import fp8, reference
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import MosaicConfig, forward_fp8
 from pallas_flash.triton.quantize import quantize_tiles
+from pallas_flash.tutorial import fp8_study
 
 
 def _is_sm90() -> bool:
@@ -68,12 +69,12 @@ def test_kernel_matches_references(shape, causal, rotate, config):
         implementation="mosaic", return_residual=True))(q, k, v)
     assert out.shape == q.shape and out.dtype == jnp.bfloat16
     assert lse.shape == (batch, seq_q, heads) and lse.dtype == jnp.float32
-    online, online_lse = jax.jit(lambda q, k, v: fp8.attention_fp8_online(
+    online, online_lse = jax.jit(lambda q, k, v: fp8_study.attention_fp8_online(
         q, k, v, block_q=config.block_q, block_kv=config.block_kv, is_causal=causal,
         hadamard_key=hadamard_key))(q, k, v)
     group = heads // kv_heads
     k_rep, v_rep = (jnp.repeat(x, group, axis=2) for x in (k, v))
-    ref = fp8.attention_fp8_reference(q, k_rep, v_rep, block_q=config.block_q,
+    ref = fp8_study.attention_fp8_reference(q, k_rep, v_rep, block_q=config.block_q,
                                       block_kv=config.block_kv, is_causal=causal,
                                       hadamard_key=hadamard_key)
     mask = MaskSpec(seq_q, seq_kv, is_causal=causal, causal_alignment="bottom_right")
@@ -159,7 +160,7 @@ def test_quantize_operands_kernel_matches_xla(rotate):
     default = jax.jit(lambda q, k, v: fp8.quantize_operands(q, k, v, **kwargs))(q, k, v)
     for a, b in zip(default, got, strict=True):   # on the GPU the default is the kernel
         np.testing.assert_array_equal(bits(a), bits(b))
-    for name, a, b in zip(fp8.Fp8Operands._fields, got, want, strict=True):
+    for name, a, b in zip(got._fields, got, want, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         if a.dtype == fp8.E4M3:
             _assert_one_step_apart(a, b, name)
