@@ -193,7 +193,8 @@ def attention(
         batch, seq_q, heads = query.shape[:3]
         lse = jnp.full((batch, heads, seq_q), EMPTY_ROW_LSE,
                        jnp.promote_types(query.dtype, jnp.float32))
-        return _outputs(jnp.zeros(query.shape, query.dtype), lse, **outputs)
+        return _outputs(jnp.zeros((*query.shape[:3], value.shape[3]), query.dtype), lse,
+                        **outputs)
     # Rows that no pair sees are zeroed before any kernel (the bounds as segment ids tell
     # which; the kernels take them as the backend does).
     query, key, value = zero_unseen_rows(

@@ -42,9 +42,10 @@ from pallas_flash.masking import CausalAlignment, MaskSpec
 class AttentionCall:
     """A checked attention call in canonical form.
 
-    ``query: [batch, seq_q, heads, head_dim]``, ``key, value: [batch, seq_kv, kv_heads,
-    head_dim]`` (a rank-3 input gets its batch dim here; ``output_shape`` is the caller's
-    query shape, which the results take). ``mask``: the static band (causal, alignment,
+    ``query: [batch, seq_q, heads, head_dim]``, ``key: [batch, seq_kv, kv_heads,
+    head_dim]``, ``value: [batch, seq_kv, kv_heads, value_head_dim]`` (a rank-3 input gets
+    its batch dim here; ``output_shape`` is the caller's query shape with the values' head
+    dim, which the results take). ``mask``: the static band (causal, alignment,
     window); None when a sequence is empty (:attr:`empty`), where no band exists.
     ``bounds``: None or the lengths as :class:`RowBounds` of int32 ``[batch]`` (``q_end =
     query_seq_lengths``, ``kv_start = 0``, ``kv_end = key_value_seq_lengths``, a length not
@@ -85,7 +86,13 @@ class AttentionCall:
         return dispatch.Features(
             has_segments=self.segment_ids is not None or self.bounds is not None,
             softcap=self.softcap, has_bias=self.bias is not None,
-            has_mask=self.attn_mask is not None)
+            has_mask=self.attn_mask is not None, value_head_dim=self.value_head_dim)
+
+    @property
+    def value_head_dim(self) -> int | None:
+        """The values' head dim where it differs from the queries' (MLA), else None."""
+        dv = self.value.shape[3]
+        return None if dv == self.query.shape[3] else dv
 
 
 def canonicalize(
@@ -109,7 +116,9 @@ def canonicalize(
     output_shape = getattr(query, "shape", None)
     unbatched = getattr(query, "ndim", None) == 3
     query, key, value = (_batched(x) for x in (query, key, value))
-    dispatch.check_arrays(query, key, value)
+    dispatch.check_arrays(query, key, value, any_head_dims=True)
+    # The output has the query's layout and the values' head dim.
+    output_shape = (*output_shape[:-1], value.shape[3])
     batch, seq_q, heads, head_dim = query.shape
     seq_kv = key.shape[1]
     scale = canonical_scale(scale, head_dim)

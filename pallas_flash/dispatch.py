@@ -61,6 +61,8 @@ class Features:
     softcap: float | None = None
     has_bias: bool = False
     has_mask: bool = False
+    #: The values' head dim where it differs from the query/key one (None: the same).
+    value_head_dim: int | None = None
 
 
 #: A call with no segment ids, soft-cap, bias or mask (what the autotuner times).
@@ -224,12 +226,19 @@ def _xla_deterministic_ops() -> bool:
     return False
 
 
-def check_arrays(query, key, value) -> None:
+def check_arrays(query, key, value, *, any_head_dims: bool = False) -> None:
     """Raises ValueError, naming the argument, unless ``query``, ``key`` and ``value`` are
     the attention inputs the API accepts: rank 4 ``[batch, seq, heads, head_dim]``, one
-    dtype of ``DTYPES`` or float64, matching batch and head_dim (at most ``MAX_HEAD_DIM``),
-    query heads a multiple of key/value heads, at least one head (batch and sequences may
-    be empty)."""
+    dtype of ``DTYPES`` or float64, matching batch, query heads a multiple of key/value
+    heads, at least one head (batch and sequences may be empty), key and value of one
+    batch, length and head count.
+
+    Head dims: by default key and value have the query's head dim, at most
+    ``MAX_HEAD_DIM`` (what the decode, paged and ring paths take). With
+    ``any_head_dims`` (:func:`pallas_flash.attention`) the value head dim may differ from
+    the query/key one and neither has an upper bound here: each backend says what it
+    takes (``unsupported``), and the XLA path takes every size.
+    """
     for name, x in (("query", query), ("key", key), ("value", value)):
         if getattr(x, "ndim", None) != 4:
             raise ValueError(
@@ -243,7 +252,14 @@ def check_arrays(query, key, value) -> None:
         raise ValueError(
             "query, key and value must share one dtype, got "
             f"{query.dtype}, {key.dtype}, {value.dtype}")
-    if key.shape != value.shape:
+    if any_head_dims:
+        if key.shape[:3] != value.shape[:3]:
+            raise ValueError(
+                "key and value must have the same [batch, seq_kv, kv_heads], got "
+                f"{key.shape} and {value.shape}")
+        if value.shape[3] < 1:
+            raise ValueError(f"value head_dim must be at least 1, got {value.shape[3]}")
+    elif key.shape != value.shape:
         raise ValueError(
             f"key and value must have the same shape, got {key.shape} and {value.shape}")
     if query.shape[0] != key.shape[0]:
@@ -252,8 +268,10 @@ def check_arrays(query, key, value) -> None:
     if query.shape[3] != key.shape[3]:
         raise ValueError(
             f"key head_dim {key.shape[3]} does not match query head_dim {query.shape[3]}")
-    if not 1 <= query.shape[3] <= MAX_HEAD_DIM:
-        raise ValueError(f"query head_dim must be in [1, {MAX_HEAD_DIM}], got {query.shape[3]}")
+    top = None if any_head_dims else MAX_HEAD_DIM
+    if query.shape[3] < 1 or (top is not None and query.shape[3] > top):
+        raise ValueError(f"query head_dim must be in [1, {top}], got {query.shape[3]}"
+                         if top else f"query head_dim must be at least 1, got {query.shape[3]}")
     if query.shape[2] < 1 or key.shape[2] < 1:
         raise ValueError(
             f"query and key must have at least one head, got {query.shape} and {key.shape}")

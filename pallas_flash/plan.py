@@ -95,6 +95,7 @@ def decodes(call: AttentionCall) -> bool:
             and jnp.dtype(call.query.dtype) in (jnp.bfloat16, jnp.float16)
             and call.bias is None and call.attn_mask is None and not call.returns_lse
             and call.segment_ids is None and call.bounds is None and mask.window is None
+            and call.value_head_dim is None and call.query.shape[3] <= dispatch.MAX_HEAD_DIM
             and (not mask.is_causal or mask.causal_alignment == "bottom_right"))
 
 

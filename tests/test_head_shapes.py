@@ -1,7 +1,8 @@
-"""Head dims beyond the API's check, in the kernels themselves: a value head dim that
-differs from the query/key one (``v: [B, S, K, Dv]`` -> ``out: [B, T, N, Dv]``) and head
-dims up to 512, forward, lse and backward against the float64 oracle; and what each
-backend's ``unsupported`` says about them."""
+"""Head shapes of today's models: a value head dim that differs from the query/key one
+(``v: [B, S, K, Dv]`` -> ``out: [B, T, N, Dv]``, MLA's 192/128) and head dims up to 512,
+in the kernels themselves and through :func:`pallas_flash.attention`, forward, lse and
+backward against the float64 oracle; what each backend's ``unsupported`` says about them,
+and the arguments the API refuses."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_flash as pf
 from pallas_flash.masking import MaskSpec
 from pallas_flash.reference import attention_float64
 from tests.support import assert_matches, fresh_rng, random_segments
@@ -123,3 +125,60 @@ def test_triton_head_dims_lower_for_hopper(dims):
         text = jax.jit(both).trace(qk, qk, vo, vo).lower(
             lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 3
+
+
+# Through the public function: the planner picks a backend that takes the shape.
+API_CASES = [("xla", (192, 128)), ("triton", (192, 128)), ("xla", (512, 512)),
+             ("triton", (64, 128)), (None, (320, 320))]
+
+
+@pytest.mark.parametrize("implementation,dims", API_CASES,
+                         ids=[f"{i}-{d}x{dv}" for i, (d, dv) in API_CASES])
+def test_attention_takes_other_head_shapes(implementation, dims):
+    head_dim, value_dim = dims
+    seq_q, seq_kv = 24, 40
+    q, k, v, d_out = _inputs(2, seq_q, seq_kv, 4, 2, head_dim, value_dim)
+    lengths = jnp.array([seq_kv, 29], jnp.int32)
+    kwargs = dict(is_causal=True, causal_alignment="bottom_right",
+                  key_value_seq_lengths=lengths, implementation=implementation,
+                  interpret=implementation == "triton", return_lse=True)
+
+    def loss(q, k, v):
+        out, lse = pf.attention(q, k, v, **kwargs)
+        return jnp.sum(out * d_out), (out, lse)
+
+    grads, (out, lse) = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    mask = MaskSpec(seq_q=seq_q, seq_kv=seq_kv, is_causal=True,
+                    causal_alignment="bottom_right")
+    kv_ids = jnp.where(jnp.arange(seq_kv)[None] < lengths[:, None], 0, 1).astype(jnp.int32)
+    segment_ids = (jnp.zeros((2, seq_q), jnp.int32), kv_ids)
+    ref_out, ref_lse, ref_grads = attention_float64(
+        q, k, v, scale=1.0 / np.sqrt(head_dim), mask=mask, segment_ids=segment_ids,
+        d_out=d_out)
+    assert out.shape == (2, seq_q, 4, value_dim)
+    assert_matches(out, lse, grads, ref_out, ref_lse, ref_grads, jnp.float32)
+
+
+def test_attention_mosaic_refuses_other_value_head_dim():
+    q, k, v, _ = _inputs(1, 8, 8, 2, 2, 192, 128)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    with pytest.raises(ValueError, match="head_dim 192 and value head_dim 128"):
+        pf.attention(q, k, v, implementation="mosaic")
+
+
+@pytest.mark.parametrize("value_shape,message", [
+    ((1, 9, 2, 64), r"same \[batch, seq_kv, kv_heads\]"),
+    ((1, 8, 1, 64), r"same \[batch, seq_kv, kv_heads\]"),
+    ((1, 8, 2, 0), "value head_dim must be at least 1"),
+])
+def test_attention_refuses_mismatched_value(value_shape, message):
+    q, k, _, _ = _inputs(1, 8, 8, 2, 2, 64, 64)
+    with pytest.raises(ValueError, match=message):
+        pf.attention(q, k, jnp.zeros(value_shape, jnp.float32))
+
+
+def test_decode_keeps_one_head_dim():
+    """The decode path reads K and V of one head dim; the API says so."""
+    q, k, v, _ = _inputs(1, 1, 8, 2, 2, 64, 32)
+    with pytest.raises(ValueError, match="key and value must have the same shape"):
+        pf.decode_attention(q, k, v)

@@ -31,8 +31,10 @@ from pallas_flash.mosaic.forward_fp8 import default_config as fp8_default_config
 from pallas_flash.mosaic.forward_fp8 import forward as fp8_forward
 
 # The forward merges into a running (out, lse) in its epilogue (ring attention's steps).
-KERNELS = Kernels(name="mosaic", forward=forward, backward=backward, merges_into=True,
-                  row_bounds=True)
+# The kernels take bounds= (interpret-mode tests: tests/test_mosaic_bounds.py), but calls
+# still reach them with the bounds as segment ids: row_bounds stays off until
+# tests/gpu/test_mosaic_bounds_gpu.py passes on a Hopper card.
+KERNELS = Kernels(name="mosaic", forward=forward, backward=backward, merges_into=True)
 # The backward of a decode call is the main one: its config is the backward's default
 # (mosaic.config.backward_config ignores a DecodeConfig).
 DECODE_KERNELS = Kernels(name="mosaic", forward=decode.forward, backward=backward)

@@ -911,8 +911,11 @@ def _overlapped_loop(wg, st: _Static, carry, ranges, softmax, smem: _Smem, own: 
 
 def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
                 softcap: float | None = None, has_bias: bool = False,
-                has_mask: bool = False) -> str | None:
+                has_mask: bool = False, value_head_dim: int | None = None) -> str | None:
     """Why the Mosaic GPU forward cannot run this call, or None if it can.
+
+    ``value_head_dim``: the values' head dim where it differs from the queries' (None:
+    the same); the kernel's tiles are built for one head dim, so such calls are refused.
 
     Every mask, segment ids (hence padding lengths) and soft-capping are supported (and by
     the backward too, see :mod:`.backward`); bias and mask arrays up to head_dim 192 (their
@@ -923,6 +926,9 @@ def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
         return f"the Mosaic GPU kernel takes bfloat16 or float16 inputs, got {jnp.dtype(dtype)}"
     if q_shape[-1] > MAX_HEAD_DIM:
         return f"head_dim {q_shape[-1]} is above the kernel's maximum {MAX_HEAD_DIM}"
+    if value_head_dim is not None and value_head_dim != q_shape[-1]:
+        return (f"the Mosaic GPU kernel needs one head dim for query, key and value; got "
+                f"query/key head_dim {q_shape[-1]} and value head_dim {value_head_dim}")
     if (has_bias or has_mask) and padded_head_dim(q_shape[-1]) > _MAX_LOGIT_ARRAY_HEAD_DIM:
         return (f"bias and mask arrays need head_dim <= {_MAX_LOGIT_ARRAY_HEAD_DIM} in the "
                 f"Mosaic GPU kernel (got {q_shape[-1]}): above it the K/V rings leave no "

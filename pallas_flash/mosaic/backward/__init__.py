@@ -155,7 +155,8 @@ def unsupported(q_shape, dtype, has_segments: bool, softcap: float | None = None
 
 def unsupported_backward(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
                          softcap: float | None = None, has_bias: bool = False,
-                         has_mask: bool = False, bias_grad: bool = False) -> str | None:
+                         has_mask: bool = False, bias_grad: bool = False,
+                         value_head_dim: int | None = None) -> str | None:
     """Why the Mosaic GPU backward cannot run this call, or None (the dispatcher's
     interface, :mod:`pallas_flash.dispatch`).
 
@@ -163,7 +164,9 @@ def unsupported_backward(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments:
     ``bias_grad`` (dbias), and bias / mask arrays above head_dim 128 (at 256 the dK/dV
     kernel's two consumers split one key block, with no room for their rings).
     """
-    del kv_shape, mask
+    # Other value head dims never get here: the forward's check refuses them first
+    # (pallas_flash.dispatch.unsupported_backward).
+    del kv_shape, mask, value_head_dim
     reason = unsupported(q_shape, dtype, has_segments, softcap)
     if reason is not None:
         return reason
