@@ -5,23 +5,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_flash import decode
+from pallas_flash import decode, dispatch
 from pallas_flash.arguments import (
     PADDED_KEY_ID,
     PADDED_QUERY_ID,
     Implementation,
     check_bools,
 )
-from pallas_flash.autodiff import attention_with_lse
+from pallas_flash.autodiff import add_sinks, attention_with_lse
 from pallas_flash.call import canonicalize, segment_ids_with_bounds
 from pallas_flash.contract import EMPTY_ROW_LSE
 from pallas_flash.dispatch import available_implementations, default_implementation
+from pallas_flash.flex import BlockMask, convert_score_mod, flex_reference
 from pallas_flash.masking import CausalAlignment, zero_unseen_rows
 from pallas_flash.plan import plan
 
@@ -53,6 +55,9 @@ def attention(
     implementation: Implementation | None = None,
     interpret: bool = False,
     config: Any = None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
+    block_mask: BlockMask | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Exact softmax attention, computed tile by tile without materialising the scores.
 
@@ -68,7 +73,11 @@ def attention(
         be a multiple of ``kv_heads`` (grouped-query / multi-query attention; K and V are
         never repeated). A sequence of length 0 (``seq_q`` or ``seq_kv``) gives zeros,
         as ``jax.nn``.
-      value: shaped like ``key``.
+      value: ``[batch, seq_kv, kv_heads, value_head_dim]`` (or without ``batch``): shaped
+        like ``key``, or with a head dim of its own (multi-head latent attention's 192 /
+        128); the output then has ``value_head_dim``. Head dims have no upper bound here:
+        the Triton kernels take up to 512, the Mosaic ones up to 256 with one head dim for
+        all three, the XLA path any (``implementation=None`` picks one that runs the call).
       bias: floating array broadcastable to ``[batch, heads, seq_q, seq_kv]`` (rank <= 4,
         leading dims added as in ``jax.nn``), added to the scaled logits (after the
         soft-cap, if any); differentiable. Broadcast (size-1) dims are never expanded in
@@ -148,11 +157,22 @@ def attention(
         the compiled function keeps the config chosen then. The tuning is of the plain call
         (causal or not); a window, bias, mask or segment ids reuse that choice. The XLA
         backend has nothing to tune and uses its heuristic.
+      score_mod: ``score_mod(score, batch, head, q_idx, kv_idx) -> score``: a function of
+        the float32 logit (after scale, soft cap and bias) and the int32 positions,
+        written as for scalars with ``jnp`` ops; it may close over JAX arrays, which are
+        constants for differentiation (``docs/flex.md``).
+      mask_mod: ``mask_mod(batch, head, q_idx, kv_idx) -> bool``: True where query
+        ``q_idx`` may see key ``kv_idx``; ANDed with every other mask.
+      block_mask: a :class:`pallas_flash.BlockMask` from :func:`pallas_flash.create_block_mask`
+        for these lengths (it carries its ``mask_mod``). With any of the three the call
+        runs on ``"xla"`` (the default: the functions evaluated densely, every other option
+        taken) or, when named, ``"triton"`` (fused kernels walking the block mask; with
+        scale, soft cap and sinks only).
 
     Returns:
-      ``out``, shaped like ``query``, in the input dtype; with ``return_residual`` or
-      ``return_lse`` the pair ``(out, residual or lse)``, the second shaped like
-      ``query`` without its last dim.
+      ``out``, shaped like ``query`` (with the values' head dim), in the input dtype;
+      with ``return_residual`` or ``return_lse`` the pair ``(out, residual or lse)``, the
+      second shaped like ``query`` without its last dim.
     """
     if implementation == "cudnn":
         return _through_cudnn(
@@ -165,7 +185,8 @@ def attention(
                       logits_soft_cap=logits_soft_cap is not None, sinks=sinks is not None,
                       return_lse=return_lse is not False, interpret=interpret is not False,
                       deterministic=deterministic is not False,
-                      config=config is not None))
+                      config=config is not None, score_mod=score_mod is not None,
+                      mask_mod=mask_mod is not None, block_mask=block_mask is not None))
     call = canonicalize(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         causal_alignment=causal_alignment, local_window_size=local_window_size,
@@ -173,7 +194,8 @@ def attention(
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         logits_soft_cap=logits_soft_cap, sinks=sinks,
         returns_lse=return_residual or return_lse, deterministic=deterministic,
-        implementation=implementation, interpret=interpret, config=config)
+        implementation=implementation, interpret=interpret, config=config,
+        score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
     check_bools(interpret=interpret, return_residual=return_residual, return_lse=return_lse)
     if return_residual and return_lse:
         raise ValueError("return_residual and return_lse cannot both be True: "
@@ -202,9 +224,30 @@ def attention(
         segment_ids_with_bounds(call.segment_ids, call.bounds, call.mask.seq_q,
                                 call.mask.seq_kv),
         call.attn_mask)
+    if route.path == "flex":
+        out, lse = _user_functions(call, route, query, key, value)
+        if call.sinks is not None:
+            out, lse = add_sinks(out, lse, call.sinks)
+        return _outputs(out, lse, **outputs)
     out, lse = attention_with_lse(query, key, value, call.segment_ids, call.sinks, call.bias,
                                   call.attn_mask, route.static, call.bounds)
     return _outputs(out, lse, **outputs)
+
+
+def _user_functions(call, route, query, key, value):
+    """``(out, lse [B, N, T])`` of a call with ``score_mod`` / ``mask_mod`` /
+    ``block_mask`` on the planned backend (:func:`pallas_flash.plan.plan`)."""
+    flex = call.flex
+    if route.implementation == "triton":
+        score_mod = None if flex.score_mod is None else convert_score_mod(flex.score_mod)
+        return dispatch.backend("triton").flex_attention(
+            query, key, value, route.block_mask, score_mod=score_mod, scale=call.scale,
+            softcap=call.softcap, interpret=call.interpret, config=call.config)
+    return flex_reference(
+        query, key, value, score_mod=flex.score_mod, mask_mod=flex.mask_mod,
+        block_mask=flex.block_mask, scale=call.scale, bias=call.bias, mask=call.attn_mask,
+        softcap=call.softcap, mask_spec=call.mask, segment_ids=call.segment_ids,
+        bounds=call.bounds)
 
 
 def _outputs(out, lse, *, return_residual: bool, return_lse: bool, output_shape):

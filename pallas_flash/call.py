@@ -35,6 +35,7 @@ from pallas_flash.arguments import (
     check_soft_cap,
 )
 from pallas_flash.contract import RowBounds
+from pallas_flash.flex import FlexFunctions, flex_functions
 from pallas_flash.masking import CausalAlignment, MaskSpec
 
 
@@ -53,7 +54,8 @@ class AttentionCall:
     kv_ids [batch, seq_kv])``. ``bias`` / ``attn_mask``: None or canonical ``[B', N', T',
     S']`` arrays (:mod:`pallas_flash.bias`). ``sinks``: None or ``[heads]``.
     ``deterministic`` is already decided (the argument or ``XLA_FLAGS``); ``returns_lse``:
-    the caller wants the lse or the residual.
+    the caller wants the lse or the residual. ``flex``: the call's ``score_mod`` /
+    ``mask_mod`` / ``block_mask`` (:mod:`pallas_flash.flex`), or None.
     """
 
     query: jax.Array
@@ -73,6 +75,7 @@ class AttentionCall:
     deterministic: bool = False
     interpret: bool = False
     returns_lse: bool = False
+    flex: FlexFunctions | None = None
 
     @property
     def empty(self) -> bool:
@@ -102,7 +105,8 @@ def canonicalize(
     kv_segment_ids=None, query_seq_lengths=None, key_value_seq_lengths=None,
     logits_soft_cap: float | None = None, sinks=None, returns_lse: bool = False,
     deterministic: bool = False, implementation: str | None = None,
-    interpret: bool = False, config: Any = None,
+    interpret: bool = False, config: Any = None, score_mod=None, mask_mod=None,
+    block_mask=None,
 ) -> AttentionCall:
     """The :class:`AttentionCall` of a :func:`pallas_flash.attention` call (its arguments,
     documented there, but ``"cudnn"``, which never reaches the package's kernels).
@@ -140,6 +144,8 @@ def canonicalize(
     logits_shape = (batch, heads, seq_q, seq_kv)
     bias = _check_bias(as_array(bias), logits_shape)
     mask = bias_lib.canonical_mask(as_array(mask), logits_shape)
+    flex = flex_functions(score_mod, mask_mod, block_mask, batch=batch, heads=heads,
+                          seq_q=seq_q, seq_kv=seq_kv)
     spec = None if min(seq_q, seq_kv) == 0 else MaskSpec(
         seq_q=seq_q, seq_kv=seq_kv, is_causal=is_causal, causal_alignment=causal_alignment,
         window=window)
@@ -148,7 +154,7 @@ def canonicalize(
                          bias=bias, attn_mask=mask, sinks=sinks, softcap=softcap,
                          implementation=implementation, config=config,
                          deterministic=deterministic, interpret=interpret,
-                         returns_lse=returns_lse)
+                         returns_lse=returns_lse, flex=flex)
 
 
 def segment_ids_with_bounds(segment_ids, bounds: RowBounds | None, seq_q: int, seq_kv: int):

@@ -717,3 +717,70 @@ def flex_reference(q: jax.Array, k: jax.Array, v: jax.Array, *,
     l = l[..., 0]
     lse = jnp.where(l == 0, EMPTY_ROW_LSE, m[..., 0] + jnp.log(jnp.where(l == 0, 1.0, l)))
     return out.astype(q.dtype), lse
+
+
+#: The tiles of a block mask that :func:`pallas_flash.attention` builds from a ``mask_mod``
+#: for the Triton flex kernels (their tiles are the block mask's).
+DEFAULT_BLOCK_SIZE = (128, 64)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FlexFunctions:
+    """The user-programmed part of one attention call, checked: ``score_mod`` and
+    ``mask_mod`` (callables or None) and ``block_mask`` (a :class:`BlockMask` built for the
+    call's lengths, or None); at least one is set."""
+
+    score_mod: Callable | None
+    mask_mod: Callable | None
+    block_mask: BlockMask | None
+
+    def kernel_block_mask(self, *, batch: int, heads: int, seq_q: int, seq_kv: int
+                          ) -> BlockMask | None:
+        """The one block mask a kernel walks for these functions: the call's, or one built
+        from ``mask_mod`` (:data:`DEFAULT_BLOCK_SIZE` tiles), or every tile full when
+        neither is given; None when the call gives both a block mask and a different
+        ``mask_mod`` (the two masks ANDed: no single list says that)."""
+        if self.block_mask is not None:
+            if self.mask_mod is None or (convert_mask_mod(self.mask_mod)[0]
+                                         == self.block_mask.mask_fn):
+                return self.block_mask
+            return None
+        mask_mod = self.mask_mod if self.mask_mod is not None else _everything
+        mask_fn, _ = convert_mask_mod(mask_mod)
+        return create_block_mask(
+            mask_mod, batch=batch if mask_fn.uses_batch else None,
+            heads=heads if mask_fn.uses_head else None, seq_q=seq_q, seq_kv=seq_kv,
+            block_size=DEFAULT_BLOCK_SIZE)
+
+
+def _everything(batch, head, q_idx, kv_idx):
+    """The mask function of a call with a ``score_mod`` alone: every pair visible."""
+    del batch, head, kv_idx
+    return q_idx >= 0
+
+
+def flex_functions(score_mod, mask_mod, block_mask, *, batch: int, heads: int, seq_q: int,
+                   seq_kv: int) -> FlexFunctions | None:
+    """``attention``'s ``score_mod``, ``mask_mod`` and ``block_mask``, checked against a
+    call ``q: [batch, seq_q, heads, ...]``, ``k: [batch, seq_kv, ...]`` (None when none
+    is given).
+
+    Raises:
+      ValueError: naming the argument that is not a callable / a fitting BlockMask.
+    """
+    if score_mod is None and mask_mod is None and block_mask is None:
+        return None
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None and not callable(fn):
+            raise ValueError(f"{name} must be a function or None, got {fn!r}")
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise ValueError("block_mask must be a pallas_flash.BlockMask (from "
+                             f"create_block_mask) or None, got {type(block_mask).__name__}")
+        block_mask.check(batch=batch, heads=heads, seq_q=seq_q, seq_kv=seq_kv)
+    # The conversions check the functions' arity and results before any kernel traces them.
+    if score_mod is not None:
+        convert_score_mod(score_mod)
+    if mask_mod is not None:
+        convert_mask_mod(mask_mod)
+    return FlexFunctions(score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from pallas_flash import dispatch
 from pallas_flash.call import AttentionCall
 from pallas_flash.contract import StaticArgs
+from pallas_flash.flex import BlockMask, convert_score_mod
 from pallas_flash.masking import MaskSpec
 from pallas_flash.tuning import resolve_config
 
@@ -47,11 +48,15 @@ def is_decode_step(seq_q: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """How a call runs. ``path``: ``"empty"``, ``"decode"`` or ``"plain"`` (the module
-    docstring); ``static``: the forward's kernels and static arguments (``"plain"`` only)."""
+    """How a call runs. ``path``: ``"empty"``, ``"decode"``, ``"plain"`` or ``"flex"`` (the
+    module docstring); ``static``: the forward's kernels and static arguments (``"plain"``
+    only); ``implementation`` and ``block_mask``: the backend of a ``"flex"`` call and, on
+    Triton, the block mask its kernels walk."""
 
-    path: Literal["empty", "decode", "plain"]
+    path: Literal["empty", "decode", "plain", "flex"]
     static: StaticArgs | None = None
+    implementation: str | None = None
+    block_mask: BlockMask | None = None
 
 
 def plan(call: AttentionCall) -> Plan:
@@ -62,6 +67,8 @@ def plan(call: AttentionCall) -> Plan:
     """
     if call.empty:
         return Plan("empty")
+    if call.flex is not None:
+        return _flex_plan(call)
     if decodes(call):
         return Plan("decode")
     q, k = call.query, call.key
@@ -77,6 +84,56 @@ def plan(call: AttentionCall) -> Plan:
         kernels=dispatch.backend(name).KERNELS, mask=call.mask, scale=call.scale,
         config=config, interpret=call.interpret, softcap=call.softcap,
         deterministic=call.deterministic))
+
+
+def _flex_plan(call: AttentionCall) -> Plan:
+    """A call with ``score_mod`` / ``mask_mod`` / ``block_mask``: on ``"xla"`` (the
+    default: :func:`pallas_flash.flex.flex_reference`, every option of ``attention``) or,
+    when named, on the Triton flex kernels, which take the functions with scale, soft cap
+    and sinks alone (their GPU tests are not yet run; until then they run when asked for).
+
+    Raises:
+      ValueError: the named implementation cannot run the call (with the reason).
+    """
+    name = call.implementation
+    if name in (None, "xla"):
+        return Plan("flex", implementation="xla")
+    block_mask = None
+    if name == "triton":
+        reason, block_mask = _triton_flex_gap(call)
+    else:
+        reason = "score_mod, mask_mod and block_mask run on implementation 'triton' or 'xla'"
+    if reason is not None:
+        raise ValueError(f"implementation={name!r} cannot run this call: {reason}")
+    return Plan("flex", implementation=name, block_mask=block_mask)
+
+
+def _triton_flex_gap(call: AttentionCall) -> tuple[str | None, BlockMask | None]:
+    """Why the Triton flex kernels cannot run ``call`` (None: they can), and the block
+    mask they would walk."""
+    mask = call.mask
+    others = [name for name, given in (
+        ("is_causal / local_window_size", mask.is_causal or mask.window is not None),
+        ("segment ids", call.segment_ids is not None), ("lengths", call.bounds is not None),
+        ("bias", call.bias is not None), ("mask", call.attn_mask is not None),
+        ("a value head dim of its own", call.value_head_dim is not None)) if given]
+    if others:
+        return (f"the Triton flex kernels take the functions with scale, soft cap and sinks "
+                f"only, not {', '.join(others)}: express them in mask_mod, or use "
+                "implementation='xla'"), None
+    q, k = call.query, call.key
+    block_mask = call.flex.kernel_block_mask(batch=q.shape[0], heads=q.shape[2],
+                                             seq_q=mask.seq_q, seq_kv=mask.seq_kv)
+    if block_mask is None:
+        return ("a block_mask and a different mask_mod (their AND is no single block "
+                "mask): fold one into the other, or use implementation='xla'"), None
+    functions = [block_mask.mask_fn]
+    if call.flex.score_mod is not None:
+        functions.append(convert_score_mod(call.flex.score_mod)[0])
+    reason = dispatch.backend("triton").flex_unsupported(
+        q.shape, k.shape, q.dtype, block_mask.block_size, tuple(functions),
+        interpret=call.interpret)
+    return reason, block_mask
 
 
 def decodes(call: AttentionCall) -> bool:

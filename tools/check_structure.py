@@ -40,10 +40,12 @@ CALL_LAYER = {
     "arguments": frozenset(),
     "autodiff": frozenset({"call", "dispatch", "sharding"}),
     # The canonical call: the argument checks, and the dispatcher's array checks.
-    "call": frozenset({"arguments", "dispatch"}),
+    "call": frozenset({"arguments", "dispatch", "flex"}),
     "dispatch": frozenset({"backends"}),
+    # User score and mask functions, block masks and their dense XLA evaluation.
+    "flex": frozenset({"arguments"}),
     # The planner: the path and the forward's kernels of a canonical call.
-    "plan": frozenset({"call", "dispatch", "tuning"}),
+    "plan": frozenset({"call", "dispatch", "flex", "tuning"}),
     "reference": frozenset(),
     "sharding": frozenset(),
     # It builds each backend's candidate configs, whose types live in the backends.

@@ -13,6 +13,8 @@ from pallas_flash.triton.config import (
     padded_head_dim,
 )
 from pallas_flash.triton.decode import split_forward as split_decode_forward
+from pallas_flash.triton.flex import flex_attention
+from pallas_flash.triton.flex import unsupported as flex_unsupported
 from pallas_flash.triton.forward import forward
 from pallas_flash.triton.quantize import kernel_available as fp8_quantizer_available
 from pallas_flash.triton.quantize import quantize_tiles as fp8_quantize_tiles
@@ -44,6 +46,6 @@ def unsupported(q_shape, kv_shape, dtype, mask: MaskSpec, has_segments: bool,
 # tests/gpu/test_triton_bounds_gpu.py passes on a GPU.
 KERNELS = Kernels(name="triton", forward=forward, backward=backward)
 
-__all__ = ["KERNELS", "PAGED_DECODE_STAGES", "TritonConfig", "default_config",
-           "fp8_quantize_tiles", "fp8_quantizer_available", "fp8_quantizer_unsupported",
-           "padded_head_dim", "split_decode_forward", "unsupported"]
+__all__ = ["KERNELS", "PAGED_DECODE_STAGES", "TritonConfig", "default_config", "flex_attention",
+           "flex_unsupported", "fp8_quantize_tiles", "fp8_quantizer_available",
+           "fp8_quantizer_unsupported", "padded_head_dim", "split_decode_forward", "unsupported"]
