@@ -61,7 +61,8 @@ class Features:
     softcap: float | None = None
     has_bias: bool = False
     has_mask: bool = False
-    #: The values' head dim where it differs from the query/key one (None: the same).
+    #: The values' head dim where it differs from the query/key one (None: the same; passed
+    #: to a backend's checks only when set).
     value_head_dim: int | None = None
 
 
@@ -133,7 +134,7 @@ def unsupported(name: str, q_shape, kv_shape, dtype, mask: MaskSpec,
     if jnp.dtype(dtype) == FLOAT64 and name not in FLOAT64_IMPLEMENTATIONS:
         return f"float64 inputs run only on implementation={FLOAT64_IMPLEMENTATIONS[0]!r}"
     return backend(name).unsupported(q_shape, kv_shape, dtype, mask,
-                                     **dataclasses.asdict(features))
+                                     **_feature_kwargs(features))
 
 
 def unsupported_backward(name: str, q_shape, kv_shape, dtype, mask: MaskSpec,
@@ -147,7 +148,7 @@ def unsupported_backward(name: str, q_shape, kv_shape, dtype, mask: MaskSpec,
     reason = unsupported(name, q_shape, kv_shape, dtype, mask, features)
     check = getattr(backend(name), "unsupported_backward", None)
     if reason is None and check is not None:
-        reason = check(q_shape, kv_shape, dtype, mask, **dataclasses.asdict(features),
+        reason = check(q_shape, kv_shape, dtype, mask, **_feature_kwargs(features),
                        bias_grad=bias_grad)
     return reason
 
@@ -279,6 +280,15 @@ def check_arrays(query, key, value, *, any_head_dims: bool = False) -> None:
         raise ValueError(
             f"query heads ({query.shape[2]}) must be a multiple of key/value heads "
             f"({key.shape[2]})")
+
+
+def _feature_kwargs(features: Features) -> dict:
+    """``features`` as the keywords of a backend's ``unsupported``: ``value_head_dim`` only
+    when set, so a backend without other value head dims keeps its signature."""
+    kwargs = dataclasses.asdict(features)
+    if kwargs["value_head_dim"] is None:
+        del kwargs["value_head_dim"]
+    return kwargs
 
 
 def _check_features(features) -> None:
