@@ -35,20 +35,11 @@ $(STAMP): constraints.txt
 $(VENV_JAX012)/.installed: CONSTRAINTS := constraints-jax012.txt
 $(VENV_JAX012)/.installed: constraints-jax012.txt
 
-# On jax 0.12.1 attention_fp8_quantized (jitted in the test) and attention_fp8 (eager) differ
-# in a few outputs (5 of 46080, tiny values, last bits); operands, scales and lse agree bit
-# for bit. The cause: the XLA reference's P rounding (fp8._round_p) divides by the constant
-# 448, which XLA compiles as a multiply by the rounded 1/448 inside a jit; on 0.11.2 the
-# eager division does the same, on 0.12.1 it divides exactly. Left out of the 0.12.1 run until
-# _round_p divides with fp8_format.divide_exactly.
-JAX012_DESELECT := \
-	--deselect tests/test_fp8_inputs.py::test_quantized_operands_give_what_attention_fp8_gives
-
 # The suite twice: on jax 0.11.2, then on 0.12.1 (about 2 x 12 minutes on 2 cores).
 test: venv venv-jax012
 	$(PY) -m ruff check .
 	$(call PYTEST,$(PY))
-	$(call PYTEST,$(PY_JAX012)) $(JAX012_DESELECT)
+	$(call PYTEST,$(PY_JAX012))
 
 # The seed's equivalence check, then the tiny transformer trained on the stdlib's source.
 demo: venv

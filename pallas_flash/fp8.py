@@ -43,7 +43,7 @@ from pallas_flash.api import available_implementations
 from pallas_flash.arguments import canonical_bool, canonical_scale, check_deterministic
 from pallas_flash.autodiff import attention_backward
 from pallas_flash.contract import DTYPES, StaticArgs, varying_like
-from pallas_flash.fp8_format import E4M3, E4M3_MAX, tile_scale
+from pallas_flash.fp8_format import E4M3, E4M3_MAX, divide_exactly, tile_scale
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import pad_axis, round_up
 
@@ -115,8 +115,10 @@ def round_probabilities(p: jax.Array) -> jax.Array:
     """P ∈ [0, 1] through e4m3 with the fixed scale 448, as the FP8 forward rounds it; a
     backward's P = exp(S − lse) can exceed 1 where its S is rounded differently from the
     forward's, and saturates (``cvt.satfinite``) instead of becoming NaN."""
-    return (jnp.minimum(p * E4M3_MAX, E4M3_MAX).astype(E4M3).astype(jnp.float32)
-            / E4M3_MAX)
+    # Divided exactly: XLA would compile "/ 448" as a multiply by a rounded 1/448 in some
+    # programs and not in others (jit or eager, jax 0.11 or 0.12), where the kernel divides.
+    return divide_exactly(
+        jnp.minimum(p * E4M3_MAX, E4M3_MAX).astype(E4M3).astype(jnp.float32), E4M3_MAX)
 
 
 def quantize_operands(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
