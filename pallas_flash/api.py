@@ -14,14 +14,17 @@ from jax import lax
 
 from pallas_flash import decode, dispatch
 from pallas_flash.arguments import (
-    PADDED_KEY_ID,
-    PADDED_QUERY_ID,
     Implementation,
     check_bools,
 )
 from pallas_flash.autodiff import add_sinks, attention_with_lse
-from pallas_flash.call import canonicalize, segment_ids_with_bounds
-from pallas_flash.contract import EMPTY_ROW_LSE
+from pallas_flash.call import canonicalize
+from pallas_flash.contract import (
+    EMPTY_ROW_LSE,
+    PADDED_KEY_ID,
+    PADDED_QUERY_ID,
+    segment_ids_with_bounds,
+)
 from pallas_flash.dispatch import available_implementations, default_implementation
 from pallas_flash.flex import BlockMask, convert_score_mod, flex_reference
 from pallas_flash.masking import CausalAlignment, zero_unseen_rows

@@ -11,13 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_flash.contract import PADDED_KEY_ID
+
 Implementation = Literal["mosaic", "triton", "xla", "cudnn"]
-
-
-# The segment ids that lengths fold into (reserved: user ids must differ): queries past
-# query_seq_lengths, keys past key_value_seq_lengths.
-PADDED_QUERY_ID = -(2**31)
-PADDED_KEY_ID = -(2**31) + 1
 
 
 def check_deterministic(flag) -> bool:

@@ -21,7 +21,7 @@ is). Segment ids and row bounds (integers) and the mask (boolean) have no tangen
 
 Row bounds (:class:`pallas_flash.contract.RowBounds`, the lengths) go to kernels with
 ``row_bounds`` as ``bounds=``; for the others, each pass folds them into the segment ids
-(:func:`pallas_flash.call.segment_ids_with_bounds`), so a backend that takes them needs no
+(:func:`pallas_flash.contract.segment_ids_with_bounds`), so a backend that takes them needs no
 change here.
 
 The backward need not run on the forward's backend: :func:`pallas_flash.dispatch.
@@ -50,9 +50,8 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from pallas_flash import compat, dispatch, sharding
-from pallas_flash.call import segment_ids_with_bounds
 from pallas_flash.compat import batching
-from pallas_flash.contract import RowBounds, StaticArgs
+from pallas_flash.contract import RowBounds, StaticArgs, segment_ids_with_bounds
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(7,))

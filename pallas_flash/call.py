@@ -23,8 +23,6 @@ import numpy as np
 from pallas_flash import bias as bias_lib
 from pallas_flash import dispatch
 from pallas_flash.arguments import (
-    PADDED_KEY_ID,
-    PADDED_QUERY_ID,
     canonical_bool,
     canonical_scale,
     canonical_segments,
@@ -155,26 +153,6 @@ def canonicalize(
                          implementation=implementation, config=config,
                          deterministic=deterministic, interpret=interpret,
                          returns_lse=returns_lse, flex=flex)
-
-
-def segment_ids_with_bounds(segment_ids, bounds: RowBounds | None, seq_q: int, seq_kv: int):
-    """``segment_ids`` (None or int32 ``(q_ids [B, T], kv_ids [B, S])``) with ``bounds``
-    folded in, for kernels that take no ``bounds=``: a query at or past ``q_end`` gets
-    ``PADDED_QUERY_ID``, which matches no key, and a key outside ``[kv_start, kv_end)``
-    ``PADDED_KEY_ID``, which matches no query; every path that handles segment ids handles
-    the bounds then. Unchanged without bounds."""
-    if bounds is None:
-        return segment_ids
-    batch = bounds.q_end.shape[0]
-    if segment_ids is None:
-        segment_ids = (jnp.zeros((batch, seq_q), jnp.int32),
-                       jnp.zeros((batch, seq_kv), jnp.int32))
-    q_ids, kv_ids = segment_ids
-    queries = jnp.arange(seq_q, dtype=jnp.int32)[None, :]
-    keys = jnp.arange(seq_kv, dtype=jnp.int32)[None, :]
-    q_ids = jnp.where(queries < bounds.q_end[:, None], q_ids, PADDED_QUERY_ID)
-    seen = (keys >= bounds.kv_start[:, None]) & (keys < bounds.kv_end[:, None])
-    return q_ids, jnp.where(seen, kv_ids, PADDED_KEY_ID)
 
 
 def _row_bounds(q_lengths, kv_lengths, batch: int, seq_q: int, seq_kv: int

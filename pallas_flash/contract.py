@@ -27,6 +27,10 @@ from pallas_flash.masking import MaskSpec
 
 #: lse reported for a row that sees no key: finite, and exp(lse) == 0 in float32.
 EMPTY_ROW_LSE = -1e30
+#: Segment ids given to padding (reserved: users' ids are above them): a padded query's id
+#: matches no key, a hidden key's no query.
+PADDED_QUERY_ID = -(2**31)
+PADDED_KEY_ID = -(2**31) + 1
 #: Input dtypes every backend accepts (some through another backend's kernels).
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -200,3 +204,23 @@ def varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
         return x
     mesh_order = jax.sharding.get_abstract_mesh().axis_names
     return jax.lax.pcast(x, tuple(a for a in mesh_order if a in missing), to="varying")
+
+
+def segment_ids_with_bounds(segment_ids, bounds: RowBounds | None, seq_q: int, seq_kv: int):
+    """``segment_ids`` (None or int32 ``(q_ids [B, T], kv_ids [B, S])``) with ``bounds``
+    folded in, for kernels that take no ``bounds=``: a query at or past ``q_end`` gets
+    ``PADDED_QUERY_ID``, which matches no key, and a key outside ``[kv_start, kv_end)``
+    ``PADDED_KEY_ID``, which matches no query; every path that handles segment ids handles
+    the bounds then. Unchanged without bounds."""
+    if bounds is None:
+        return segment_ids
+    batch = bounds.q_end.shape[0]
+    if segment_ids is None:
+        segment_ids = (jnp.zeros((batch, seq_q), jnp.int32),
+                       jnp.zeros((batch, seq_kv), jnp.int32))
+    q_ids, kv_ids = segment_ids
+    queries = jnp.arange(seq_q, dtype=jnp.int32)[None, :]
+    keys = jnp.arange(seq_kv, dtype=jnp.int32)[None, :]
+    q_ids = jnp.where(queries < bounds.q_end[:, None], q_ids, PADDED_QUERY_ID)
+    seen = (keys >= bounds.kv_start[:, None]) & (keys < bounds.kv_end[:, None])
+    return q_ids, jnp.where(seen, kv_ids, PADDED_KEY_ID)

@@ -43,7 +43,6 @@ from jax.custom_derivatives import SymbolicZero
 
 from pallas_flash import dispatch
 from pallas_flash.arguments import (
-    PADDED_KEY_ID,
     Implementation,
     canonical_scale,
     canonical_window,
@@ -54,7 +53,7 @@ from pallas_flash.arguments import (
     check_soft_cap,
 )
 from pallas_flash.autodiff import add_sinks, attention_with_lse
-from pallas_flash.contract import EMPTY_ROW_LSE, StaticArgs
+from pallas_flash.contract import EMPTY_ROW_LSE, PADDED_KEY_ID, StaticArgs
 from pallas_flash.masking import MaskSpec
 from pallas_flash.padding import pad_axis
 from pallas_flash.plan import MAX_DECODE_SEQ_Q, balances_rows, is_decode_step

@@ -11,9 +11,8 @@ import pytest
 
 import pallas_flash as pf
 from pallas_flash import dispatch, plan
-from pallas_flash.arguments import PADDED_KEY_ID, PADDED_QUERY_ID
-from pallas_flash.call import canonicalize, segment_ids_with_bounds
-from pallas_flash.contract import RowBounds
+from pallas_flash.call import canonicalize
+from pallas_flash.contract import PADDED_KEY_ID, PADDED_QUERY_ID, RowBounds, segment_ids_with_bounds
 
 
 def _inputs(batch=2, seq_q=24, seq_kv=24, heads=2, dtype=jnp.float32):

@@ -3,8 +3,8 @@ kernels: their checks and the operand passes they need.
 
 The forward cuts each consumer's KV blocks to ``[kv_start, kv_end)`` and clears its padding
 rows in the epilogue (:mod:`.forward`). The backward takes the bounds as segment ids
-(:func:`as_segment_ids`): its kernels then skip the blocks outside the bounds, as for
-packed documents, but mask every block they visit.
+(:func:`pallas_flash.contract.segment_ids_with_bounds`): its kernels then skip the blocks
+outside the bounds, as for packed documents, but mask every block they visit.
 
 A cut block still reads the hidden rows of K and V (and the backward those of padding
 queries), where P = 0 does not hide a NaN (0·NaN = NaN): :func:`outside_zeroed` clears them
@@ -18,12 +18,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_flash.contract import RowBounds
-
-# Ids of padding queries and hidden keys when bounds become segment ids: distinct from each
-# other (a padding query sees no key) and at the bottom of int32, where no document id is
-# expected; the values the call layer uses for padding lengths.
-_PADDED_QUERY_ID = -(2**31)
-_HIDDEN_KEY_ID = -(2**31) + 1
 
 
 def checked(bounds, batch: int) -> RowBounds:
@@ -52,15 +46,3 @@ def outside_zeroed(x: jax.Array, bounds: RowBounds, *, axis: int, keys: bool) ->
     inside = _inside(bounds, x.shape[axis], keys=keys)
     inside = lax.expand_dims(inside, [d for d in range(1, x.ndim) if d != axis])
     return jnp.where(inside, x, jnp.zeros((), x.dtype))
-
-
-def as_segment_ids(segment_ids, bounds: RowBounds, seq_q: int, seq_kv: int
-                   ) -> tuple[jax.Array, jax.Array]:
-    """``(q_ids [batch, seq_q], kv_ids [batch, seq_kv])`` int32 that show a pair only if
-    ``segment_ids`` (None: one document) and ``bounds`` both show it."""
-    batch = bounds.q_end.shape[0]
-    if segment_ids is None:
-        segment_ids = (jnp.zeros((batch, seq_q), jnp.int32), jnp.zeros((batch, seq_kv), jnp.int32))
-    q_ids, kv_ids = segment_ids
-    return (jnp.where(_inside(bounds, seq_q, keys=False), q_ids, _PADDED_QUERY_ID),
-            jnp.where(_inside(bounds, seq_kv, keys=True), kv_ids, _HIDDEN_KEY_ID))

@@ -73,7 +73,7 @@ with the walked block's (an int32 ring in SMEM, filled by TMA next to the data o
 key has lse = ``EMPTY_ROW_LSE`` and only hidden (−inf) logits, so its P, dS and dQ are 0.
 
 **Row bounds** (:class:`~pallas_flash.contract.RowBounds`) become segment ids
-(:func:`pallas_flash.mosaic.bounds.as_segment_ids`): the blocks outside the bounds are
+(:func:`pallas_flash.contract.segment_ids_with_bounds`): the blocks outside the bounds are
 skipped as above, but every visited block is masked (the forward cuts its blocks to the
 bounds directly).
 
@@ -114,7 +114,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_flash.contract import RowBounds
+from pallas_flash.contract import RowBounds, segment_ids_with_bounds
 from pallas_flash.masking import MaskSpec
 from pallas_flash.mosaic import bounds as row_bounds
 from pallas_flash.mosaic.backward.common import BackwardStatic
@@ -199,8 +199,9 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         read by both kernels (see the module docstring).
       bounds: None or :class:`~pallas_flash.contract.RowBounds` (int32 ``[batch]`` each):
         rows ``>= q_end`` get dq 0 and add nothing to dk / dv, keys outside ``[kv_start,
-        kv_end)`` get dk = dv = 0. Taken as segment ids (:func:`.bounds.as_segment_ids`):
-        the blocks outside the bounds are skipped, every visited one is masked. Hidden K /
+        kv_end)`` get dk = dv = 0. Taken as segment ids
+        (:func:`pallas_flash.contract.segment_ids_with_bounds`): the blocks outside the
+        bounds are skipped, every visited one is masked. Hidden K /
         V rows and padding Q / dO rows are zeroed first (one pass over each).
       bias_grad: must be False (dbias is not computed here).
       deterministic: the call's ``attention(..., deterministic=...)``: the separate dQ
@@ -221,7 +222,7 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids, out: jax.Arr
         q, d_out = (row_bounds.outside_zeroed(x, bounds, axis=1, keys=False)
                     for x in (q, d_out))
         k, v = (row_bounds.outside_zeroed(x, bounds, axis=1, keys=True) for x in (k, v))
-        segment_ids = row_bounds.as_segment_ids(segment_ids, bounds, q.shape[1], k.shape[1])
+        segment_ids = segment_ids_with_bounds(segment_ids, bounds, q.shape[1], k.shape[1])
     segmented = segment_ids is not None
     dim = padded_head_dim(q.shape[-1])
     reason = unsupported_backward(q.shape, k.shape, q.dtype, mask, segmented, softcap,
