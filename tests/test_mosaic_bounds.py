@@ -74,8 +74,11 @@ def _check(out, lse, q, k, v, bounds, mask: MaskSpec, scale, *, segment_ids=None
     out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
     assert not np.isnan(out).any() and not np.isnan(lse).any()
     np.testing.assert_allclose(out, ref_out, atol=out_tol, rtol=out_tol)
+    # A masking error moves many outputs; rounding moves a few far (FP8): the mean is tight.
+    assert np.mean(np.abs(out - ref_out)) < out_tol / 8
     seen = ref_lse > EMPTY_ROW_LSE / 2
     np.testing.assert_allclose(lse[seen], ref_lse[seen], rtol=1e-5, atol=lse_atol)
+    assert np.mean(np.abs(lse[seen] - ref_lse[seen])) < lse_atol / 8
     assert np.all(lse[~seen] == np.float32(EMPTY_ROW_LSE))
     assert np.all(out.transpose(0, 2, 1, 3)[~seen] == 0)
     q_end = np.asarray(bounds.q_end)
@@ -187,7 +190,9 @@ def test_fp8_forward_matches_oracle(overlap):
     scale = head_dim ** -0.5
     out, lse = forward_fp8.forward(ops, mask=mask, scale=scale, config=config,
                                    interpret=True, bounds=bounds)
-    _check(out, lse, q, k, v, bounds, mask, scale, out_tol=0.1, lse_atol=0.1)
+    # e4m3 operands and P (3 mantissa bits on each tile's scale): a few outputs and lse of
+    # a fresh draw land 0.1-0.15 off; the means stay far below (a masking error moves many).
+    _check(out, lse, q, k, v, bounds, mask, scale, out_tol=0.25, lse_atol=0.25)
 
 
 def test_bounds_are_checked():
