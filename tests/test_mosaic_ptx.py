@@ -240,7 +240,11 @@ def test_ping_pong_races_without_the_barriers():
     the test above passes because the barriers are modelled."""
     params = dataclasses.replace(ptx.interpret_params(2), detect_races=True,
                                  inline_mgpu="ignore")
-    _, races = interpreted(ping_pong_kernel(dynamic_ids=True, interpret=params), races=True)
+    try:
+        _, races = interpreted(ping_pong_kernel(dynamic_ids=True, interpret=params),
+                               races=True)
+    except jax.errors.JaxRuntimeError as error:  # jax 0.12 raises at the first race
+        races = "RACE DETECTED" in str(error)
     assert races
 
 
