@@ -26,7 +26,7 @@ from pallas_flash.contract import (
     segment_ids_with_bounds,
 )
 from pallas_flash.dispatch import available_implementations, default_implementation
-from pallas_flash.flex import BlockMask, convert_score_mod, flex_reference
+from pallas_flash.flex import BlockMask, flex_reference
 from pallas_flash.masking import CausalAlignment, zero_unseen_rows
 from pallas_flash.plan import plan
 
@@ -242,9 +242,8 @@ def _user_functions(call, route, query, key, value):
     ``block_mask`` on the planned backend (:func:`pallas_flash.plan.plan`)."""
     flex = call.flex
     if route.implementation == "triton":
-        score_mod = None if flex.score_mod is None else convert_score_mod(flex.score_mod)
         return dispatch.backend("triton").flex_attention(
-            query, key, value, route.block_mask, score_mod=score_mod, scale=call.scale,
+            query, key, value, route.block_mask, score_mod=flex.score_converted, scale=call.scale,
             softcap=call.softcap, interpret=call.interpret, config=call.config)
     return flex_reference(
         query, key, value, score_mod=flex.score_mod, mask_mod=flex.mask_mod,

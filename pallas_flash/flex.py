@@ -733,6 +733,10 @@ class FlexFunctions:
     score_mod: Callable | None
     mask_mod: Callable | None
     block_mask: BlockMask | None
+    #: ``convert_score_mod(score_mod)`` / ``convert_mask_mod(mask_mod)``, or None: the
+    #: conversion that checked them, kept for the kernels.
+    score_converted: tuple[ConvertedMod, tuple[jax.Array, ...]] | None = None
+    mask_converted: tuple[ConvertedMod, tuple[jax.Array, ...]] | None = None
 
     def kernel_block_mask(self, *, batch: int, heads: int, seq_q: int, seq_kv: int
                           ) -> BlockMask | None:
@@ -741,12 +745,11 @@ class FlexFunctions:
         neither is given; None when the call gives both a block mask and a different
         ``mask_mod`` (the two masks ANDed: no single list says that)."""
         if self.block_mask is not None:
-            if self.mask_mod is None or (convert_mask_mod(self.mask_mod)[0]
-                                         == self.block_mask.mask_fn):
+            if self.mask_mod is None or self.mask_converted[0] == self.block_mask.mask_fn:
                 return self.block_mask
             return None
         mask_mod = self.mask_mod if self.mask_mod is not None else _everything
-        mask_fn, _ = convert_mask_mod(mask_mod)
+        mask_fn = (self.mask_converted or convert_mask_mod(mask_mod))[0]
         return create_block_mask(
             mask_mod, batch=batch if mask_fn.uses_batch else None,
             heads=heads if mask_fn.uses_head else None, seq_q=seq_q, seq_kv=seq_kv,
@@ -779,8 +782,7 @@ def flex_functions(score_mod, mask_mod, block_mask, *, batch: int, heads: int, s
                              f"create_block_mask) or None, got {type(block_mask).__name__}")
         block_mask.check(batch=batch, heads=heads, seq_q=seq_q, seq_kv=seq_kv)
     # The conversions check the functions' arity and results before any kernel traces them.
-    if score_mod is not None:
-        convert_score_mod(score_mod)
-    if mask_mod is not None:
-        convert_mask_mod(mask_mod)
-    return FlexFunctions(score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
+    return FlexFunctions(
+        score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+        score_converted=None if score_mod is None else convert_score_mod(score_mod),
+        mask_converted=None if mask_mod is None else convert_mask_mod(mask_mod))

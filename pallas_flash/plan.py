@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from pallas_flash import dispatch
 from pallas_flash.call import AttentionCall
 from pallas_flash.contract import StaticArgs
-from pallas_flash.flex import BlockMask, convert_score_mod
+from pallas_flash.flex import BlockMask
 from pallas_flash.masking import MaskSpec
 from pallas_flash.tuning import resolve_config
 
@@ -129,7 +129,7 @@ def _triton_flex_gap(call: AttentionCall) -> tuple[str | None, BlockMask | None]
                 "mask): fold one into the other, or use implementation='xla'"), None
     functions = [block_mask.mask_fn]
     if call.flex.score_mod is not None:
-        functions.append(convert_score_mod(call.flex.score_mod)[0])
+        functions.append(call.flex.score_converted[0])
     reason = dispatch.backend("triton").flex_unsupported(
         q.shape, k.shape, q.dtype, block_mask.block_size, tuple(functions),
         interpret=call.interpret)
